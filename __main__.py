@@ -1,0 +1,84 @@
+"""Command line: ``dsv4ray {generate, make-tiny}`` (also ``python -m dsv4ray``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+DEFAULT_MODEL_ENV = "DSV4RAY_MODEL"
+
+
+def default_model() -> str:
+    """``$DSV4RAY_MODEL``, else ``./.tiny`` when present, else ``.tiny`` beside the package."""
+    if os.environ.get(DEFAULT_MODEL_ENV):
+        return os.environ[DEFAULT_MODEL_ENV]
+    if os.path.isdir(".tiny"):
+        return os.path.abspath(".tiny")
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), ".tiny")
+
+
+def _model_path(path: str | None) -> str:
+    path = path or default_model()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(
+            f"dsv4ray: no checkpoint at {path!r} (no config.json). Make the tiny one with "
+            "`dsv4ray make-tiny --out .tiny` or pass --model /path/to/checkpoint."
+        )
+    return path
+
+
+def cmd_make_tiny(args: argparse.Namespace) -> int:
+    from dsv4ray.model.tiny import make_tiny
+
+    path = make_tiny(args.out, args.preset, args.seed)
+    print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}) to {path}")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from dsv4ray.cluster.generate import generate
+
+    return generate(
+        _model_path(args.model),
+        args.prompts,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        pp_size=args.pp,
+        seed=args.seed,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
+    parser.add_argument("--log-level", default="WARNING", help="python logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts, streamed to the terminal")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument(
+        "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
+    )
+    gen.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.set_defaults(func=cmd_generate)
+
+    tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--preset", default="tiny", choices=["tiny", "dsv4-mini"])
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.set_defaults(func=cmd_make_tiny)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

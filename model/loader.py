@@ -1,0 +1,48 @@
+"""``load_reference(path, dtype)``: the dense reference module with a checkpoint's weights."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from dsv4ray.config import ModelConfig
+from dsv4ray.model.mtp import MTPBlock
+from dsv4ray.model.reference import DSV4Reference
+from dsv4ray.model.weights import has_mtp, iter_tensors, load_state
+
+log = logging.getLogger("dsv4ray.model")
+
+# Kept in fp32 whatever the model dtype (as the release and transformers keep them).
+_FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias", "_base", "_scale", "_fn")
+
+
+def load_reference(
+    path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
+) -> DSV4Reference:
+    """Builds the reference module from ``path`` (config.json + safetensors, either key spelling).
+
+    A checkpoint without ``mtp.*`` tensors loads with ``module.draft_block = None`` (no speculative
+    decoding); fp8/fp4-quantised checkpoints are refused with the tensors named.
+    """
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    cfg = ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        module = DSV4Reference(cfg, dtype)
+        with_mtp = cfg.mtp_layer is not None and has_mtp(path)
+        if with_mtp:
+            module.mtp.append(MTPBlock(cfg))
+    module = module.to_empty(device=device)
+    cast_params(module, dtype)
+    skip_mtp = None if with_mtp else (lambda name: name.startswith("mtp."))
+    load_state(module, iter_tensors(path), allow_unexpected=skip_mtp)
+    if not with_mtp:
+        log.info("checkpoint %s has no mtp.* tensors: speculative decoding unavailable", path)
+    return module.eval()
+
+
+def cast_params(module: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Casts floating parameters to ``dtype`` except the ones the network keeps in fp32."""
+    for name, param in module.named_parameters():
+        keep = name.endswith(_FP32_SUFFIXES)
+        param.data = param.data.to(torch.float32 if keep else dtype)

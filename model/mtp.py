@@ -1,0 +1,60 @@
+"""The MTP (NextN) draft block: one extra layer that shares the embedding and the lm head.
+
+Inputs are the target's pre-head residual stack h [B, t, hc, hidden] at positions p and the
+tokens at p + 1; x = e_proj(enorm(embed(token))) (broadcast over hc) + h_proj(hnorm(h)) runs
+through a window-only block (or, with a last compress_ratios entry of 4, a C4 block that reuses
+the target's top-k), then its own hc head, the shared norm-free head path: logits =
+head(norm(hc_head(x))). Its own pre-head stack feeds the next draft step.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv4ray.config import ModelConfig
+from dsv4ray.model.block import Block
+from dsv4ray.model.layers.attention import AttnState
+from dsv4ray.model.layers.common import RMSNorm, linear
+from dsv4ray.model.layers.mhc import hc_head
+
+
+class MTPBlock(Block):
+    def __init__(self, cfg: ModelConfig) -> None:
+        assert cfg.mtp_layer is not None
+        super().__init__(cfg, cfg.mtp_layer)
+        hc, hidden = cfg.hc_mult, cfg.hidden_size
+        self.e_proj, self.h_proj = linear(hidden, hidden), linear(hidden, hidden)
+        self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
+        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
+        self.hc_head_base = nn.Parameter(torch.zeros(hc))
+        self.hc_head_scale = nn.Parameter(torch.ones(1))
+        self._dtype = torch.float32
+
+    def new_state(self, batch: int, device=None, dtype=None) -> AttnState:
+        device = device or self.e_proj.weight.device
+        return super().new_state(batch, device, dtype or self.e_proj.weight.dtype)
+
+    def draft(
+        self,
+        h: torch.Tensor,
+        embed: torch.Tensor,
+        head_weight: torch.Tensor,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        state: AttnState,
+        topk: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [B, t, hc, hidden], embed = embedding of token_ids [B, t, hidden] ->
+        (logits [B, t, V] fp32, own pre-head stack [B, t, hc, hidden])."""
+        e = self.e_proj(self.enorm(embed.to(h.dtype)))
+        x = e.unsqueeze(-2) + self.h_proj(self.hnorm(h))
+        x, _ = self.forward(x, token_ids, positions, state, topk)
+        c = self.cfg
+        y = hc_head(
+            x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
+        )
+        return F.linear(self.norm(y).float(), head_weight.float()), x

@@ -1,0 +1,102 @@
+"""transformers' DeepseekV4ForCausalLM as the numerical oracle: random configs, randomised weights.
+
+transformers' init leaves sinks, position biases, router biases, hash tables and mHC base/scale
+constant; ``randomise_hf`` gives every tensor random values before the model is saved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def hf_config(**kw):
+    from transformers import DeepseekV4Config
+
+    base = dict(
+        vocab_size=512,
+        hidden_size=128,
+        moe_intermediate_size=64,
+        num_attention_heads=4,
+        head_dim=512,
+        qk_rope_head_dim=64,
+        q_lora_rank=64,
+        o_groups=2,
+        o_lora_rank=32,
+        index_n_heads=16,
+        index_head_dim=128,
+        index_topk=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        num_hash_layers=1,
+        hc_mult=2,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+    )
+    base.update(kw)
+    ratios = base.pop("compress_ratios")
+    return DeepseekV4Config(num_hidden_layers=len(ratios), compress_ratios=ratios, **base)
+
+
+def _value(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    def normal(std, mean=0.0):
+        return torch.randn(p.shape, generator=gen) * std + mean
+
+    if name.endswith("tid2eid"):
+        num_experts = int(p.max().item()) + 1 if p.numel() else 1
+        raise AssertionError(f"hash tables are set by randomise_hf, not here ({num_experts})")
+    if name.endswith(("norm.weight", "layernorm.weight")):
+        return normal(0.1, 1.0)
+    if name.endswith("sinks"):
+        return normal(1.0)
+    if name.endswith("position_bias"):
+        return normal(0.5)
+    if name.endswith("e_score_correction_bias"):
+        return normal(0.1)
+    if name.endswith(("hc.scale", "hc_scale")):
+        return torch.rand(p.shape, generator=gen) + 0.5
+    if name.endswith(("hc.base", "hc_base")):
+        return normal(0.5)
+    if name.endswith(("hc.fn", "hc_fn")):
+        return normal(0.02)
+    if name.endswith("embed_tokens.weight"):
+        return normal(1.0)
+    if name.endswith("lm_head.weight"):
+        return normal(3 * p.shape[-1] ** -0.5)
+    return normal(p.shape[-1] ** -0.5)
+
+
+@torch.no_grad()
+def randomise_hf(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    num_experts = model.config.n_routed_experts
+    named = list(model.named_parameters()) + list(model.named_buffers())
+    for name, p in named:
+        if "inv_freq" in name:
+            continue
+        if name.endswith("tid2eid"):
+            rows = [
+                torch.randperm(num_experts, generator=gen)[: p.shape[1]] for _ in range(p.shape[0])
+            ]
+            p.copy_(torch.stack(rows))
+        else:
+            p.copy_(_value(name, p, gen))
+
+
+def make_hf_checkpoint(out_dir, seed: int = 0, **config_kw):
+    """Saves a randomised transformers model to out_dir; returns the model (eval, fp32)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    torch.manual_seed(seed)
+    model = DeepseekV4ForCausalLM(hf_config(**config_kw)).eval()
+    randomise_hf(model, seed)
+    model.save_pretrained(out_dir)
+    return model
+
+
+def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
