@@ -17,7 +17,7 @@ def generate(
     temperature: float = 0.0,
     pp_size: int = 1,
     seed: int | None = None,
-    out=sys.stdout,
+    out=None,
 ) -> int:
     if max_tokens < 1:
         raise SystemExit(f"dsv4ray: --max-tokens must be >= 1, got {max_tokens}")
@@ -25,6 +25,7 @@ def generate(
         raise SystemExit(f"dsv4ray: --temperature must be >= 0, got {temperature}")
     if pp_size != 1:
         raise SystemExit("dsv4ray: --pp > 1 needs the Ray pipeline, which this build lacks")
+    out = out or sys.stdout
     tok = Tokenizer(model_path)
     model = load_reference(model_path, torch.float32)
     gen = torch.Generator().manual_seed(seed) if seed is not None else None
