@@ -1,0 +1,276 @@
+"""Page byte layouts of the KV pools and the torch quantise/dequantise that defines them.
+
+Every pool buffer is a uint8 tensor [num_pages, page_bytes], one per layer per pool kind. Inside a
+page, all entries' value bytes come first, then all entries' scale bytes, then padding:
+
+    page row:  | value[0] | value[1] | ... | value[E-1] | scale[0] | ... | scale[E-1] | pad |
+    slot = page_id * E + offset
+    value bytes at offset * value_bytes, scale bytes at scale_offset + offset * scale_bytes
+
+Formats (`kv_cache_dtype`, SPEC_MODEL.md section 7, SPEC_SERVING.md 6b):
+- fp8, kv kinds (window, c4, c128; d = 512): value = 448 fp8 e4m3fn bytes (7 groups of 64 "nope"
+  dims) then the 64 rope dims as bf16 (128 bytes at byte 448) = 576 bytes; scale = 7 ue8m0 bytes
+  (group g's scale is 2^(byte - 127) = 2^ceil(log2(amax_g / 448)), amax floored at AMAX_FLOOR) +
+  1 zero pad byte. The page is padded up to a multiple of 576 bytes.
+- fp8, indexer kind (d = 128): value = 128 fp8 bytes of the Hadamard-rotated key; scale = one fp32
+  max(amax, 1e-4) / 448 (4 bytes). Quantising rotates; dequantising returns the ROTATED key, i.e.
+  what is dotted with a rotated query (the normalised rotation leaves q.k unchanged).
+- bf16 / fp32: the plain values (no rotation, no scales).
+Rounding is round-to-nearest-even; fp8 saturates to +-448. The Triton kernels write the same bytes.
+"""
+
+from dataclasses import dataclass
+from functools import cache, lru_cache
+
+import torch
+
+KINDS = ("window", "c4", "c128", "indexer")
+DTYPES = ("fp8", "bf16", "fp32")
+ENTRIES_PER_PAGE = {"window": 128, "c4": 64, "c128": 2, "indexer": 64}
+KV_DIM, INDEXER_DIM = 512, 128
+NOPE_DIM, ROPE_DIM, GROUP_DIM = 448, 64, 64
+NUM_GROUPS = NOPE_DIM // GROUP_DIM  # 7 ue8m0 scales per kv entry
+FP8_MAX = 448.0
+AMAX_FLOOR = 1e-10  # an all-zero group gets scale 2^ceil(log2(1e-10 / 448)) = 2^-42, values stay 0
+INDEXER_AMAX_FLOOR = 1e-4
+HADAMARD_SCALE = 128**-0.5
+LAYOUT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Byte layout of one pool kind's pages in one kv_cache_dtype."""
+
+    kind: str
+    dtype: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"PageLayout.kind must be one of {KINDS}, got {self.kind!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(
+                f"PageLayout.dtype (kv_cache_dtype) must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def entries_per_page(self) -> int:
+        return ENTRIES_PER_PAGE[self.kind]
+
+    @property
+    def dim(self) -> int:
+        return INDEXER_DIM if self.kind == "indexer" else KV_DIM
+
+    @property
+    def is_fp8_kv(self) -> bool:
+        return self.dtype == "fp8" and self.kind != "indexer"
+
+    @property
+    def value_bytes(self) -> int:
+        if self.dtype == "fp8":
+            return NOPE_DIM + 2 * ROPE_DIM if self.is_fp8_kv else INDEXER_DIM
+        return self.dim * (2 if self.dtype == "bf16" else 4)
+
+    @property
+    def scale_bytes(self) -> int:
+        if self.dtype != "fp8":
+            return 0
+        return NUM_GROUPS + 1 if self.is_fp8_kv else 4
+
+    @property
+    def scale_offset(self) -> int:
+        return self.entries_per_page * self.value_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        used = self.entries_per_page * (self.value_bytes + self.scale_bytes)
+        if not self.is_fp8_kv:
+            return used
+        return -(-used // self.value_bytes) * self.value_bytes
+
+    @property
+    def bytes_per_entry(self) -> float:
+        return self.page_bytes / self.entries_per_page
+
+
+@cache
+def layout_for(kind: str, dtype: str) -> PageLayout:
+    return PageLayout(kind, dtype)
+
+
+def layout_signature(*layouts: PageLayout) -> str:
+    """A short string naming the byte layouts, e.g. 'v1:window/fp8/74880;c4/fp8/37440'.
+
+    Both sides of a page handoff compute it for their pools; a mismatch means the bytes cannot be
+    reused.
+    """
+    parts = [f"{lay.kind}/{lay.dtype}/{lay.page_bytes}" for lay in layouts]
+    return f"v{LAYOUT_VERSION}:" + ";".join(parts)
+
+
+@lru_cache(maxsize=1)
+def _hadamard_128() -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < INDEXER_DIM:
+        h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
+    return h * HADAMARD_SCALE
+
+
+def hadamard_128() -> torch.Tensor:
+    """The normalised 128x128 Sylvester Hadamard matrix (fp32, symmetric, orthonormal)."""
+    return _hadamard_128().clone()
+
+
+def hadamard_rotate(x: torch.Tensor) -> torch.Tensor:
+    """x @ hadamard_128() for x [..., 128] fp32, as a fast Walsh-Hadamard transform.
+
+    Butterflies (a + b, a - b) with h = 1, 2, ..., 64 then one multiply by 128^-0.5: the Triton
+    kernels run the same sequence of fp32 operations, so both produce identical bits.
+    """
+    shape = x.shape
+    y = x.reshape(-1, INDEXER_DIM)
+    h = 1
+    while h < INDEXER_DIM:
+        v = y.view(-1, INDEXER_DIM // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2).reshape(-1, INDEXER_DIM)
+        h *= 2
+    return (y * HADAMARD_SCALE).reshape(shape)
+
+
+def ue8m0_exponent_byte(amax: torch.Tensor) -> torch.Tensor:
+    """Byte e + 127 with e = ceil(log2(amax / 448)), computed exactly from the bits of amax (fp32,
+    >= 1e-10).
+
+    amax = 1.m * 2^E and 448 = 1.75 * 2^8, so e = E - 8 + (1.m > 1.75).
+    """
+    bits = amax.contiguous().view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
+
+
+def _pow2_from_byte(exp_byte: torch.Tensor) -> torch.Tensor:
+    """2^(byte - 127) as fp32 for int32 bytes in [1, 254]."""
+    return (exp_byte.to(torch.int32) << 23).view(torch.float32)
+
+
+def to_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> fp8 e4m3fn bytes, round-to-nearest-even, saturating to +-448."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _quantize_fp8_kv(x: torch.Tensor):
+    num = x.shape[0]
+    nope = x[:, :NOPE_DIM].reshape(num, NUM_GROUPS, GROUP_DIM)
+    amax = nope.abs().amax(-1).clamp_min(AMAX_FLOOR)  # [N, 7]
+    exp_byte = ue8m0_exponent_byte(amax)
+    inv_scale = _pow2_from_byte(254 - exp_byte)  # 2^-e: exact, so x * 2^-e == x / 2^e
+    nope_bits = to_e4m3_bits(nope * inv_scale[..., None]).reshape(num, NOPE_DIM)
+    rope_bits = x[:, NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
+    pad = torch.zeros(num, 1, dtype=torch.uint8, device=x.device)
+    return torch.cat((nope_bits, rope_bits), 1), torch.cat((exp_byte.to(torch.uint8), pad), 1)
+
+
+def _quantize_fp8_indexer(x: torch.Tensor):
+    rotated = hadamard_rotate(x)
+    scale = rotated.abs().amax(-1).clamp_min(INDEXER_AMAX_FLOOR) / FP8_MAX  # [N]
+    values = to_e4m3_bits(rotated / scale[:, None])
+    return values, scale.contiguous().view(torch.uint8).reshape(-1, 4)
+
+
+def quantize_entries(x: torch.Tensor, layout: PageLayout):
+    """x [N, dim] fp32 -> (values uint8 [N, value_bytes], scales uint8 [N, scale_bytes])."""
+    assert x.dtype == torch.float32 and x.dim() == 2, (x.dtype, x.shape)
+    assert x.shape[1] == layout.dim, (x.shape, layout)
+    x = x.contiguous()
+    if layout.dtype == "fp8":
+        return _quantize_fp8_kv(x) if layout.is_fp8_kv else _quantize_fp8_indexer(x)
+    stored = x if layout.dtype == "fp32" else x.to(torch.bfloat16)
+    values = stored.view(torch.uint8).reshape(x.shape[0], layout.value_bytes)
+    return values, torch.empty(x.shape[0], 0, dtype=torch.uint8, device=x.device)
+
+
+def dequantize_entries(values: torch.Tensor, scales: torch.Tensor,
+                       layout: PageLayout) -> torch.Tensor:
+    """(values [N, value_bytes], scales [N, scale_bytes]) uint8 -> fp32 [N, dim].
+
+    For the fp8 indexer format this is the rotated key times its scale (see the module docstring).
+    """
+    num = values.shape[0]
+    values = values.contiguous()
+    if layout.dtype == "fp32":
+        return values.view(torch.float32).reshape(num, layout.dim).clone()
+    if layout.dtype == "bf16":
+        return values.view(torch.bfloat16).reshape(num, layout.dim).float()
+    fp8 = values[:, : NOPE_DIM if layout.is_fp8_kv else INDEXER_DIM].contiguous()
+    q = fp8.view(torch.float8_e4m3fn).float()
+    if not layout.is_fp8_kv:
+        return q * scales.contiguous().view(torch.float32).reshape(num, 1)
+    scale = _pow2_from_byte(scales[:, :NUM_GROUPS].to(torch.int32))  # [N, 7]
+    nope = (q.view(num, NUM_GROUPS, GROUP_DIM) * scale[..., None]).reshape(num, NOPE_DIM)
+    rope = values[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
+    return torch.cat((nope, rope), 1)
+
+
+def entry_byte_offsets(slots: torch.Tensor, layout: PageLayout):
+    """Flat byte offsets into pages.view(-1) of each slot's value and scale bytes.
+
+    slots [N] int64 (all >= 0) -> (value offsets [N, value_bytes], scale offsets [N, scale_bytes])
+    int64.
+    """
+    page, offset = slots // layout.entries_per_page, slots % layout.entries_per_page
+    start = page * layout.page_bytes
+    value_start = start + offset * layout.value_bytes
+    scale_start = start + layout.scale_offset + offset * layout.scale_bytes
+    value_range = torch.arange(layout.value_bytes, device=slots.device)
+    scale_range = torch.arange(layout.scale_bytes, device=slots.device)
+    return value_start[:, None] + value_range, scale_start[:, None] + scale_range
+
+
+def check_pages(pages: torch.Tensor, layout: PageLayout) -> None:
+    if pages.dtype != torch.uint8 or pages.dim() != 2 or pages.shape[1] != layout.page_bytes:
+        raise ValueError(
+            f"{layout.kind}/{layout.dtype} pages must be uint8 [num_pages, {layout.page_bytes}], "
+            f"got {pages.dtype} {tuple(pages.shape)}"
+        )
+    if not pages.is_contiguous():
+        raise ValueError("page buffers must be contiguous")
+
+
+def page_regions(pages: torch.Tensor, layout: PageLayout):
+    """Views of the page bytes: (values [P, epp, value_bytes], scales [P, epp, scale_bytes])."""
+    num, epp = pages.shape[0], layout.entries_per_page
+    values = pages[:, : layout.scale_offset].view(num, epp, layout.value_bytes)
+    end = layout.scale_offset + epp * layout.scale_bytes
+    scales = pages[:, layout.scale_offset : end].view(num, epp, layout.scale_bytes)
+    return values, scales
+
+
+def write_entries(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                  layout: PageLayout) -> None:
+    """Quantise x [N, dim] fp32 and store entry i at slots[i] (int64 [N]); slots < 0 are skipped."""
+    check_pages(pages, layout)
+    keep = slots >= 0
+    kept = slots[keep]
+    values, scales = quantize_entries(x[keep], layout)
+    value_view, scale_view = page_regions(pages, layout)
+    page, offset = kept // layout.entries_per_page, kept % layout.entries_per_page
+    value_view[page, offset] = values
+    if layout.scale_bytes:
+        scale_view[page, offset] = scales
+
+
+def read_entries(pages: torch.Tensor, slots: torch.Tensor, layout: PageLayout) -> torch.Tensor:
+    """Dequantised entries at slots (int64, any shape S) -> fp32 [*S, dim]; slots < 0 read as 0."""
+    check_pages(pages, layout)
+    flat_slots = slots.reshape(-1)
+    keep = flat_slots >= 0
+    safe = flat_slots.clamp_min(0)
+    page, offset = safe // layout.entries_per_page, safe % layout.entries_per_page
+    value_view, scale_view = page_regions(pages, layout)
+    if layout.dtype == "fp32":
+        x = value_view.view(torch.float32)[page, offset]
+    elif layout.dtype == "bf16":
+        x = value_view.view(torch.bfloat16)[page, offset].float()
+    else:
+        x = dequantize_entries(value_view[page, offset], scale_view[page, offset], layout)
+    if not bool(keep.all()):
+        x = x.masked_fill_(~keep[:, None], 0.0)
+    return x.reshape(*slots.shape, layout.dim)

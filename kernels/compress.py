@@ -1,0 +1,226 @@
+"""compress_norm_rope_store: the compressor's pooling, RMSNorm, RoPE and store (SPEC_MODEL.md 3).
+
+A token at position p with (p + 1) % ratio == 0 completes block w = p // ratio. Its entry pools
+NSLOT rows per channel with a softmax over score + ape:
+  ratio 128 (c = 1): rows of positions 128w .. 128w + 127 (slot j <-> position p - 127 + j);
+  ratio 4 (c = 2, overlap): 8 slots, slot j <-> position p - 7 + j; slots 0..3 (block w - 1) use
+  the first half [:d] of the row, slots 4..7 (block w) the second half [d:]; positions < 0 are
+  kv = 0, score = -inf.
+A row comes from this batch when its position >= seq_start of the token (batch row
+t - (p - position)), otherwise from the request's ring: state[state_slot, position % ring], which
+holds [kv | score + ape]. Then RMSNorm(d) with weight, interleaved RoPE on the last 64 dims at
+position w * ratio, and the entry is quantised into `pages` at out_loc (skipped when out_loc < 0).
+A second launch writes every token's [kv | score + ape] row into its ring, so the first launch
+reads the rings as they were before the batch.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ray.cache.layout import PageLayout, check_pages, write_entries
+from dsv4ray.kernels.entries import layout_args, store_entry
+
+RING_MIN = {4: 8, 128: 128}
+
+
+@triton.jit
+def _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p, seq_start,
+               ring_base, ring, RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+               CD: tl.constexpr, D: tl.constexpr):
+    """Per-channel softmax-weighted sum over the NSLOT rows of token t's block -> [D] fp32."""
+    cols = tl.arange(0, D)
+    m = tl.full((D,), float("-inf"), tl.float32)
+    den = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    for r0 in range(0, NSLOT, BLOCK_R):
+        j = r0 + tl.arange(0, BLOCK_R)
+        q = p - (NSLOT - 1) + j  # [BLOCK_R] positions of the slots
+        offs = ((j // RATIO) * D)[:, None] + cols[None, :]  # ratio 4: slots 4..7 read [d:]
+        from_batch = ((q >= 0) & (q >= seq_start))[:, None]
+        from_ring = ((q >= 0) & (q < seq_start))[:, None]
+        batch_offs = (t - (p - q))[:, None] * CD + offs
+        ring_offs = (ring_base + q % ring)[:, None] * CD + offs
+        ape_offs = (q % RATIO)[:, None] * CD + offs
+        kv = tl.where(from_batch, tl.load(kv_ptr + batch_offs, mask=from_batch, other=0.0),
+                      tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0))
+        score = tl.load(score_ptr + batch_offs, mask=from_batch, other=0.0) + tl.load(
+            ape_ptr + ape_offs, mask=from_batch, other=0.0)
+        score = tl.where(from_batch, score, tl.load(state_score_ptr + ring_offs, mask=from_ring,
+                                                    other=float("-inf")))
+        m_new = tl.maximum(m, tl.max(score, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(score - m_new[None, :])
+        den = den * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e * kv, axis=0)
+        m = m_new
+    return acc / den
+
+
+@triton.jit
+def _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, rope_pos, eps, D: tl.constexpr):
+    """RMSNorm(D) with weight, then interleaved RoPE of pairs (2i, 2i+1) in the last 64 dims."""
+    cols = tl.arange(0, D)
+    x = x * tl.math.rsqrt(tl.sum(x * x, axis=0) / D + eps) * tl.load(norm_w_ptr + cols)
+    x_even, x_odd = tl.split(tl.reshape(x, (D // 2, 2)))
+    pair = tl.arange(0, D // 2) - (D // 2 - 32)  # index into the 32 rope frequencies; < 0: no rope
+    is_rope = pair >= 0
+    cos = tl.load(cos_ptr + rope_pos * 32 + pair, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + rope_pos * 32 + pair, mask=is_rope, other=0.0)
+    y_even = x_even * cos - x_odd * sin
+    y_odd = x_odd * cos + x_even * sin
+    return tl.reshape(tl.join(y_even, y_odd), (D,))
+
+
+@triton.jit
+def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, state_kv_ptr,
+                     state_score_ptr, ape_ptr, norm_w_ptr, cos_ptr, sin_ptr, out_loc_ptr, pages_ptr,
+                     eps, ring, RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                     CD: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
+                     PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
+                     SCALE_BYTES: tl.constexpr, INDEXER: tl.constexpr):
+    # one program per token; only block-completing tokens with out_loc >= 0 do any work
+    t = tl.program_id(0).to(tl.int64)
+    p = tl.load(pos_ptr + t)
+    out_loc = tl.load(out_loc_ptr + t)
+    if ((p + 1) % RATIO == 0) & (out_loc >= 0):
+        ring_base = tl.load(state_slot_ptr + t) * ring
+        x = _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p,
+                       tl.load(seq_start_ptr + t), ring_base, ring, RATIO, NSLOT, BLOCK_R, CD, D)
+        x = _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
+        store_entry(pages_ptr, out_loc, x, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
+                    SCALE_BYTES, INDEXER)
+
+
+@triton.jit
+def _state_write_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr,
+                        ape_ptr, num_tokens, ring, RATIO: tl.constexpr, CD: tl.constexpr):
+    # token t writes its ring row unless token t + ring (same request, position p + ring) does
+    t = tl.program_id(0).to(tl.int64)
+    state_slot = tl.load(state_slot_ptr + t)
+    later = t + ring
+    later_slot = tl.load(state_slot_ptr + later, mask=later < num_tokens, other=-1)
+    if later_slot != state_slot:
+        p = tl.load(pos_ptr + t)
+        cols = tl.arange(0, CD)
+        row = (state_slot * ring + p % ring) * CD
+        score = tl.load(score_ptr + t * CD + cols) + tl.load(ape_ptr + (p % RATIO) * CD + cols)
+        tl.store(state_kv_ptr + row + cols, tl.load(kv_ptr + t * CD + cols))
+        tl.store(state_score_ptr + row + cols, score)
+
+
+def _check_args(kv, score, positions, state_slots, seq_start, state_kv, state_score, ape,
+                norm_weight, cos, sin, out_loc, pages, layout, ratio, rotate):
+    if ratio not in RING_MIN:
+        raise ValueError(f"ratio must be 4 or 128, got {ratio}")
+    if layout.kind not in (("c4", "indexer") if ratio == 4 else ("c128",)):
+        raise ValueError(f"a ratio-{ratio} compressor cannot store into the {layout.kind} pool")
+    is_rotated = layout.kind == "indexer" and layout.dtype == "fp8"
+    if rotate is not None and rotate != is_rotated:
+        raise ValueError(f"rotate={rotate} but the {layout.kind}/{layout.dtype} format is "
+                         f"{'always' if is_rotated else 'never'} Hadamard-rotated")
+    check_pages(pages, layout)
+    num_tokens, cd = kv.shape[0], (2 if ratio == 4 else 1) * layout.dim
+    for name, t in (("kv", kv), ("score", score), ("ape", ape), ("state_kv", state_kv),
+                    ("state_score", state_score), ("norm_weight", norm_weight), ("cos", cos),
+                    ("sin", sin)):
+        assert t.dtype == torch.float32 and t.is_contiguous(), f"{name} must be contiguous fp32"
+    assert kv.shape == score.shape == (num_tokens, cd), (kv.shape, score.shape, cd)
+    assert ape.shape == (ratio, cd), ape.shape
+    assert norm_weight.shape == (layout.dim,), norm_weight.shape
+    assert state_kv.shape == state_score.shape and state_kv.shape[2] == cd, state_kv.shape
+    ring = state_kv.shape[1]
+    assert ring >= RING_MIN[ratio], f"ring of {ring} rows < {RING_MIN[ratio]}"
+    assert cos.shape == sin.shape and cos.shape[1] == 32, (cos.shape, sin.shape)
+    for name, t in (("positions", positions), ("state_slots", state_slots),
+                    ("seq_start", seq_start), ("out_loc", out_loc)):
+        assert t.dtype == torch.int64 and t.shape == (num_tokens,), f"{name} must be int64 [T]"
+
+
+def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state_kv, state_score,
+                             ape, norm_weight, eps, cos, sin, out_loc, pages, layout: PageLayout,
+                             ratio: int, rotate: bool | None = None) -> None:
+    """Pool, normalise, rotate and store compressed entries; then add the tokens' rows to the rings.
+
+    kv, score [T, c*d] fp32 (c = 2 for ratio 4, 1 for ratio 128; d = layout.dim): the wkv / wgate
+    outputs, ape not yet added. positions, state_slots (the request's ring), seq_start (position of
+    the request's first token in this batch), out_loc (physical slot in `pages` or -1) int64 [T]; a
+    request's tokens are contiguous and consecutive. state_kv, state_score [S, ring, c*d] fp32 (ring
+    >= 8 for ratio 4, >= 128 for ratio 128; empty rows kv = 0, score = -inf). ape [ratio, c*d],
+    norm_weight [d], cos, sin [P, 32] fp32 (row = position). pages: uint8 [num_pages,
+    layout.page_bytes] in layout's format; `rotate` (optional) must match the format: only fp8
+    indexer entries are Hadamard-rotated before quantisation.
+    """
+    args = (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight,
+            cos, sin, out_loc, pages, layout, ratio, rotate)
+    _check_args(*args)
+    num_tokens, ring = kv.shape[0], state_kv.shape[1]
+    if num_tokens == 0:
+        return
+    nslot = 2 * ratio if ratio == 4 else ratio
+    _compress_kernel[(num_tokens,)](
+        kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, cos,
+        sin, out_loc, pages, eps, ring, RATIO=ratio, NSLOT=nslot, BLOCK_R=min(nslot, 8),
+        CD=kv.shape[1], num_warps=8 if layout.dim == 512 else 4, **layout_args(layout))
+    _state_write_kernel[(num_tokens,)](
+        kv, score, positions, state_slots, state_kv, state_score, ape, num_tokens, ring,
+        RATIO=ratio, CD=kv.shape[1], num_warps=4)
+
+
+def reset_state(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor) -> None:
+    """Empty the rings of `slots` (int64 [N]): kv = 0, score = -inf (both backends)."""
+    state_kv.index_fill_(0, slots, 0.0)
+    state_score.index_fill_(0, slots, float("-inf"))
+
+
+def _rms_norm_rope(x, norm_weight, eps, cos, sin):
+    """x [C, d] -> RMSNorm with weight, interleaved RoPE of the last 64 dims (cos, sin [C, 32])."""
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * norm_weight
+    pairs = x[:, -64:].reshape(-1, 32, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((even * cos - odd * sin, odd * cos + even * sin), -1).reshape(-1, 64)
+    return torch.cat((x[:, :-64], rotated), 1)
+
+
+def compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv, state_score, ape,
+                         norm_weight, eps, cos, sin, ratio):
+    """The entries this batch completes: (token indices [C] int64, fp32 entries [C, d])."""
+    d = kv.shape[1] // (2 if ratio == 4 else 1)
+    nslot, ring = (2 * ratio if ratio == 4 else ratio), state_kv.shape[1]
+    done = ((positions + 1) % ratio == 0).nonzero()[:, 0]
+    p = positions[done][:, None]
+    j = torch.arange(nslot, device=kv.device)
+    q = p - (nslot - 1) + j  # [C, nslot]
+    cols = ((j // ratio) * d)[:, None] + torch.arange(d, device=kv.device)  # [nslot, d]
+    in_batch = (q >= seq_start[done][:, None])[..., None]
+    valid = (q >= 0)[..., None]
+    batch_rows = (done[:, None] - (p - q)).clamp(0, max(kv.shape[0] - 1, 0))[..., None]
+    ring_rows = state_slots[done][:, None, None], (q % ring)[..., None]
+    kv_rows = torch.where(in_batch, kv[batch_rows, cols], state_kv[ring_rows + (cols,)])
+    score_rows = torch.where(in_batch, score[batch_rows, cols] + ape[(q % ratio)[..., None], cols],
+                             state_score[ring_rows + (cols,)])
+    kv_rows = torch.where(valid, kv_rows, 0.0)
+    weights = torch.softmax(torch.where(valid, score_rows, float("-inf")), dim=1)
+    pooled = (weights * kv_rows).sum(1)
+    rope_pos = p[:, 0] + 1 - ratio
+    return done, _rms_norm_rope(pooled, norm_weight, eps, cos[rope_pos], sin[rope_pos])
+
+
+def compress_norm_rope_store_ref(kv, score, positions, state_slots, seq_start, state_kv,
+                                 state_score, ape, norm_weight, eps, cos, sin, out_loc, pages,
+                                 layout: PageLayout, ratio: int,
+                                 rotate: bool | None = None) -> None:
+    """Torch reference of compress_norm_rope_store (same arguments, same effects)."""
+    args = (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight,
+            cos, sin, out_loc, pages, layout, ratio, rotate)
+    _check_args(*args)
+    done, entries = compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv,
+                                         state_score, ape, norm_weight, eps, cos, sin, ratio)
+    write_entries(pages, out_loc[done], entries, layout)
+    num_tokens, ring = kv.shape[0], state_kv.shape[1]
+    later = torch.arange(ring, num_tokens + ring, device=kv.device)
+    later_slot = torch.cat((state_slots, torch.full((ring,), -1, device=kv.device)))[later]
+    keep = later_slot != state_slots
+    slot, pos = state_slots[keep], positions[keep]
+    state_kv[slot, pos % ring] = kv[keep]
+    state_score[slot, pos % ring] = score[keep] + ape[pos % ratio]

@@ -1,0 +1,98 @@
+"""sparse_mqa: the reference against SPEC_MODEL.md section 2.5 written out per token and head, and
+the Triton kernel against the reference for decode and prefill shapes in every page format."""
+
+import math
+
+import pytest
+import torch
+
+from dsv4ray.cache.layout import DTYPES, layout_for, read_entries
+from dsv4ray.kernels.sparse_mqa import sparse_mqa, sparse_mqa_ref
+from dsv4ray.kernels.store_kv import store_kv_ref
+from dsv4ray.kernels.testing import assert_close
+
+SCALE = 512**-0.5
+
+
+def _pool(kind, dtype, num_pages, device):
+    lay = layout_for(kind, dtype)
+    num = num_pages * lay.entries_per_page
+    pages = torch.zeros(num_pages, lay.page_bytes, dtype=torch.uint8, device=device)
+    x = 2 * torch.randn(num, 512, device=device)
+    store_kv_ref(x, pages, torch.arange(num, device=device), lay)
+    return lay, pages, num
+
+
+def _slot_lists(num_tokens, width, num_slots, device):
+    slots = torch.randint(0, num_slots, (num_tokens, width))
+    slots[torch.rand(num_tokens, width) < 0.3] = -1  # holes: a short window, unselected picks
+    slots[0] = -1  # a token with no keys at all
+    slots[1, 0] = 0  # slot 0 is an ordinary slot
+    return slots.to(device)
+
+
+def _direct(q, kv_lists, sink):
+    """o[t, h] = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) + e^(sink_h - m)), one at a time."""
+    out = torch.zeros(q.shape)
+    for t in range(q.shape[0]):
+        kv = kv_lists[t]
+        for h in range(q.shape[1]):
+            s = [float(q[t, h] @ k) * SCALE for k in kv]
+            m = max(s + [sink[h].item()])
+            num = sum((math.exp(x - m) * k for x, k in zip(s, kv, strict=True)), torch.zeros(512))
+            out[t, h] = num / (sum(math.exp(x - m) for x in s) + math.exp(sink[h].item() - m))
+    return out
+
+
+def test_reference_matches_the_formula(device):
+    window, w_pages, w_num = _pool("window", "fp32", 1, device)
+    comp, c_pages, c_num = _pool("c128", "fp32", 4, device)
+    q, sink = torch.randn(4, 3, 512), torch.randn(3)
+    w_slots, c_slots = _slot_lists(4, 10, w_num, device), _slot_lists(4, 5, c_num, device)
+    got = sparse_mqa_ref(q.to(device), w_pages, w_slots, c_pages, c_slots, sink.to(device), SCALE,
+                         window, comp).cpu()
+    kv_lists = []
+    for t in range(4):
+        ws, cs = w_slots[t][w_slots[t] >= 0], c_slots[t][c_slots[t] >= 0]
+        keys = torch.cat((read_entries(w_pages, ws, window), read_entries(c_pages, cs, comp))).cpu()
+        kv_lists.append(list(keys))
+    assert_close("reference", got, _direct(q, kv_lists, sink), 1e-5, 1e-5)
+    assert (got[0] == 0).all()
+
+
+SHAPES = {  # tokens, heads, window list width, compressed list width
+    "decode": (5, 4, 128, 24),
+    "prefill_per_token_lists": (9, 20, 17, 7),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("comp_kind", ["c4", "c128", None])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference(dtype, comp_kind, shape, device):
+    num_tokens, num_heads, width, comp_width = SHAPES[shape]
+    window, w_pages, w_num = _pool("window", dtype, 2, device)
+    w_slots = _slot_lists(num_tokens, width, w_num, device)
+    comp = c_pages = c_slots = None
+    if comp_kind:
+        comp, c_pages, c_num = _pool(comp_kind, dtype, 3 if comp_kind == "c4" else 20, device)
+        c_slots = _slot_lists(num_tokens, comp_width, c_num, device)
+    q = torch.randn(num_tokens, num_heads, 512, device=device)
+    sink = torch.randn(num_heads, device=device)
+    got = sparse_mqa(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp)
+    ref = sparse_mqa_ref(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp)
+    tol = 1e-5 if dtype == "fp32" else 2e-2  # bf16 tensor-core operands on GPUs (q, probabilities)
+    assert_close(f"{dtype}/{comp_kind}/{shape}", got, ref, tol, tol)
+    assert (got[0] == 0).all()  # no keys: o = 0
+
+
+@pytest.mark.parametrize("fn", [sparse_mqa, sparse_mqa_ref])
+def test_bf16_queries_and_empty_batches(fn, device):
+    window, w_pages, w_num = _pool("window", "fp8", 1, device)
+    w_slots = _slot_lists(3, 16, w_num, device)
+    q, sink = torch.randn(3, 2, 512, device=device), torch.zeros(2, device=device)
+    out_bf16 = fn(q.to(torch.bfloat16), w_pages, w_slots, None, None, sink, SCALE, window)
+    out = fn(q.to(torch.bfloat16).float(), w_pages, w_slots, None, None, sink, SCALE, window)
+    assert out_bf16.dtype == torch.float32 and torch.equal(out_bf16, out)
+    empty = fn(q[:0], w_pages, w_slots[:0], None, None, sink, SCALE, window)
+    assert empty.shape == (0, 2, 512)
