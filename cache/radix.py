@@ -1,0 +1,246 @@
+"""Radix prefix index over full pages (pure Python, no tensors).
+
+One node per full page: the key is the page's tuple of page_size (256) token ids, the value its page
+id, so a path from the root spells a page-aligned prefix and lists its page table:
+
+    root -> [t0..t255] page 7 -> [t256..t511] page 3 (snapshot: window page 12, state slot 5)
+
+A node may carry a snapshot, everything a request needs to continue after the node's boundary b
+(= depth * page_size) besides the pages: the window page holding positions [b - 128, b) and a
+cached-state slot with the C4 compressor rings (main + indexer) as they were at b. A match ends
+only at a node with a snapshot (the deepest one on the matched path); nodes without one are path
+only. The C128 ring is empty at every page boundary, so it is never kept.
+
+Ownership: the index holds one reference per page id, snapshot window page and cached-state slot
+(``PageAllocator.cache_adopt``); eviction drops it (``cache_release``) so ids go back to the
+caller's allocators. Requests that use a node lock it and its ancestors (``lock``), which
+guarantees parent.lock_ref >= sum of children's lock_ref; only unlocked leaves are evicted, least
+recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from dsv4ray.cache.allocator import PageAllocator
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Window page of the last 128 tokens before a boundary, and the C4 rings at the boundary."""
+
+    window_page_id: int
+    state_slot: int
+
+
+class RadixNode:
+    """A full page of a cached prefix. depth = number of pages from the root to here inclusive."""
+
+    __slots__ = ("key", "page_id", "parent", "children", "depth", "lock_ref", "snapshot", "tick")
+
+    def __init__(self, key: tuple[int, ...], page_id: int, parent: RadixNode | None) -> None:
+        self.key = key
+        self.page_id = page_id
+        self.parent = parent
+        self.children: dict[tuple[int, ...], RadixNode] = {}
+        self.depth = 0 if parent is None else parent.depth + 1
+        self.lock_ref = 0
+        self.snapshot: Snapshot | None = None
+        self.tick = 0  # last use, from a counter (deterministic LRU)
+
+
+class InsertResult(NamedTuple):
+    """unadopted_page_ids: the caller's references the index did not take (duplicates): free them.
+    snapshot_adopted: False when the node already had a snapshot (free the caller's)."""
+
+    unadopted_page_ids: list[int]
+    snapshot_adopted: bool
+
+
+class EvictResult(NamedTuple):
+    """Ids that went back to the free lists of the page, window and cached-state allocators."""
+
+    page_ids: list[int]
+    window_page_ids: list[int]
+    state_slots: list[int]
+
+
+class RadixIndex:
+    """Page-granular prefix index with snapshots, locks and LRU eviction of unlocked leaves."""
+
+    def __init__(
+        self,
+        page_alloc: PageAllocator,
+        window_alloc: PageAllocator,
+        state_alloc: PageAllocator,
+        page_size: int = 256,
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self._pages, self._windows, self._states = page_alloc, window_alloc, state_alloc
+        self._root = RadixNode((), -1, None)
+        self._clock = itertools.count(1)
+        self._num_nodes = 0
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    def _touch(self, nodes: Sequence[RadixNode]) -> None:
+        tick = next(self._clock)
+        for node in nodes:
+            node.tick = tick
+
+    def _keys(self, token_ids: Sequence[int], num_pages: int) -> Iterator[tuple[int, ...]]:
+        size = self.page_size
+        for page_idx in range(num_pages):
+            yield tuple(token_ids[page_idx * size : (page_idx + 1) * size])
+
+    def _walk(self, token_ids: Sequence[int], max_pages: int) -> list[RadixNode]:
+        """Nodes of the longest cached path spelling token_ids, at most max_pages deep."""
+        path, node = [], self._root
+        for key in self._keys(token_ids, min(max_pages, len(token_ids) // self.page_size)):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        return path
+
+    def match(self, token_ids: Sequence[int], max_pages: int) -> tuple[list[int], RadixNode | None]:
+        """Longest cached prefix of at most max_pages full pages that ends at a snapshot.
+
+        Returns (its page ids, its last node) or ([], None). The caller locks the node to use it.
+        """
+        path = self._walk(token_ids, max_pages)
+        while path and path[-1].snapshot is None:
+            path.pop()
+        if not path:
+            return [], None
+        self._touch(path)
+        return [n.page_id for n in path], path[-1]
+
+    def path_depth(self, token_ids: Sequence[int], max_pages: int) -> int:
+        """Full pages of token_ids already in the index, snapshot or not (no LRU update)."""
+        return len(self._walk(token_ids, max_pages))
+
+    def lock(self, node: RadixNode) -> None:
+        """Protect the node and its ancestors from eviction (one lock per using request)."""
+        while node is not self._root:
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: RadixNode) -> None:
+        while node is not self._root:
+            if node.lock_ref <= 0:
+                raise ValueError(f"unlock of an unlocked radix node (page {node.page_id})")
+            node.lock_ref -= 1
+            node = node.parent
+
+    def insert(
+        self, token_ids: Sequence[int], page_ids: Sequence[int], snapshot: Snapshot | None
+    ) -> InsertResult:
+        """Cache the prefix token_ids (len = len(page_ids) * page_size) with its pages.
+
+        The caller passes one reference per page id (and per snapshot id); the index keeps those
+        of new nodes and returns the rest. The snapshot goes to the last node if it has none.
+        """
+        if len(token_ids) != len(page_ids) * self.page_size:
+            raise ValueError(
+                f"insert needs {len(page_ids)} * {self.page_size} tokens, got {len(token_ids)}"
+            )
+        if not page_ids:
+            return InsertResult([], False)
+        unadopted, node, path = [], self._root, []
+        for key, page_id in zip(self._keys(token_ids, len(page_ids)), page_ids, strict=True):
+            child = node.children.get(key)
+            if child is None:
+                self._pages.cache_adopt([page_id])
+                child = RadixNode(key, page_id, node)
+                node.children[key] = child
+                self._num_nodes += 1
+            else:
+                unadopted.append(page_id)
+            node = child
+            path.append(node)
+        self._touch(path)
+        if snapshot is None or node.snapshot is not None:
+            return InsertResult(unadopted, False)
+        self._windows.cache_adopt([snapshot.window_page_id])
+        self._states.cache_adopt([snapshot.state_slot])
+        node.snapshot = snapshot
+        return InsertResult(unadopted, True)
+
+    def evict(
+        self, num_pages: int = 0, num_window_pages: int = 0, num_state_slots: int = 0
+    ) -> EvictResult:
+        """Evict unlocked leaves, least recently used first, until at least the requested
+        numbers of ids went back to the free lists (or nothing evictable is left)."""
+        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._evictable(n)]
+        heapq.heapify(heap)
+        result = EvictResult([], [], [])
+        while heap and (
+            len(result.page_ids) < num_pages
+            or len(result.window_page_ids) < num_window_pages
+            or len(result.state_slots) < num_state_slots
+        ):
+            _, _, node = heapq.heappop(heap)
+            self._remove_leaf(node, result)
+            parent = node.parent
+            if self._evictable(parent):
+                heapq.heappush(heap, (parent.tick, id(parent), parent))
+        return result
+
+    def _evictable(self, node: RadixNode) -> bool:
+        return node is not self._root and not node.children and node.lock_ref == 0
+
+    def _remove_leaf(self, node: RadixNode, result: EvictResult) -> None:
+        del node.parent.children[node.key]
+        self._num_nodes -= 1
+        result.page_ids.extend(self._pages.cache_release([node.page_id]))
+        if node.snapshot is not None:
+            result.window_page_ids.extend(
+                self._windows.cache_release([node.snapshot.window_page_id])
+            )
+            result.state_slots.extend(self._states.cache_release([node.snapshot.state_slot]))
+            node.snapshot = None
+
+    def _iter_nodes(self) -> Iterator[RadixNode]:
+        stack = list(self._root.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def held_ids(self) -> tuple[list[int], list[int], list[int]]:
+        """(page ids, snapshot window page ids, cached-state slots) the index holds."""
+        pages, windows, states = [], [], []
+        for node in self._iter_nodes():
+            pages.append(node.page_id)
+            if node.snapshot is not None:
+                windows.append(node.snapshot.window_page_id)
+                states.append(node.snapshot.state_slot)
+        return pages, windows, states
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless node counts, lock counts and cache ownership are consistent."""
+        nodes = list(self._iter_nodes())
+        if len(nodes) != self._num_nodes:
+            raise RuntimeError(
+                f"radix: {len(nodes)} nodes reachable, counter says {self._num_nodes}"
+            )
+        for node in nodes:
+            if node.lock_ref < sum(child.lock_ref for child in node.children.values()):
+                raise RuntimeError(f"radix: node of page {node.page_id} locked less than children")
+            if len(node.key) != self.page_size or node.depth != node.parent.depth + 1:
+                raise RuntimeError(f"radix: malformed node of page {node.page_id}")
+        pages, windows, states = self.held_ids()
+        for alloc, ids in ((self._pages, pages), (self._windows, windows), (self._states, states)):
+            if len(set(ids)) != len(ids):
+                raise RuntimeError(f"radix: an id of {alloc.name} is held twice")
+            if not all(alloc.is_cache_held(idx) for idx in ids):
+                raise RuntimeError(f"radix: an id of {alloc.name} is held but not marked cached")

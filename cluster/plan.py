@@ -1,0 +1,144 @@
+"""Messages between the scheduler and the pipeline stages (plain dataclasses, msgpack-encodable).
+
+Index spaces the ids in a plan live in (every stage uses the same ids for its own layers):
+
+    full slot f of a request (f = token position)  ->  page_ids[f // 256] * 256 + f % 256
+    compressed slot of f in a ratio-r pool (r = 4, 128; the C4 indexer pool like C4)
+        = page_ids[f // 256] * (256 // r) + (f % 256) // r      (same page id in every pool)
+    window slot of position p = window_page_ids[p // 128] * 128 + p % 128
+    compressor-state ring row of p = ring of state_slot, row p % ring_len (8 for C4, 128 for C128)
+    cached-state slot: a copy of the C4 rings (main + indexer) at a 256-token boundary
+
+A stage applies a plan in this order: drop finished_ids and preempted_ids; create new_requests
+(reset the rings of state_slot, or copy the C4 rings from cached-state slot state_copy_from: the
+C128 ring is empty at the page boundary where a prefix hit resumes); apply diffs; run the batch;
+then for each (req_id, slot) in snapshots copy that request's C4 rings into cached-state slot.
+(A finished id may reappear in new_requests of the same plan when a caller reuses the id.)
+Stages apply plans in step order, so diffs stay valid with several micro-batches in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+
+@dataclass
+class NewRequest:
+    """A request a stage has not seen (or sees again after preemption), in full.
+
+    window_page_ids[i] holds positions [128 i, 128 i + 128); -1 = not resident. state_copy_from:
+    cached-state slot to copy into the rings, -1 = start from empty rings. sampling: the
+    SamplingParams fields (``SamplingParams.to_dict``); seed: the request's generator seed.
+    """
+
+    req_id: str
+    state_slot: int
+    page_ids: list[int]
+    window_page_ids: list[int]
+    num_computed_tokens: int
+    state_copy_from: int
+    sampling: dict[str, Any]
+    seed: int
+
+
+@dataclass
+class RequestDiff:
+    """What changed for a running request since the stages last heard of it."""
+
+    req_id: str
+    new_page_ids: list[int] = field(default_factory=list)  # appended to the page table
+    new_window_pages: list[tuple[int, int]] = field(default_factory=list)  # (window idx, page id)
+    freed_window_idxs: list[int] = field(default_factory=list)  # no longer resident
+
+
+@dataclass
+class BatchEntry:
+    """num_tokens tokens of req_id at positions start_pos.. ; sample: the step reaches the
+    request's last token, so the last stage samples one token for it."""
+
+    req_id: str
+    start_pos: int
+    num_tokens: int
+    sample: bool
+
+
+@dataclass
+class StepPlan:
+    """One engine step. token_ids holds the batch's tokens flattened in batch order.
+    logprobs: req_id -> number of top logprobs wanted, for sampling entries that asked.
+    full_logits: requests whose every scheduled token's logits the last stage returns (scoring
+    prompts, e.g. teacher-forced comparisons; filled by the engine, not the scheduler)."""
+
+    step_id: int
+    new_requests: list[NewRequest] = field(default_factory=list)
+    diffs: list[RequestDiff] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    batch: list[BatchEntry] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    snapshots: list[tuple[str, int]] = field(default_factory=list)
+    logprobs: dict[str, int] = field(default_factory=dict)
+    full_logits: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        num_tokens = sum(entry.num_tokens for entry in self.batch)
+        if num_tokens != len(self.token_ids):
+            raise ValueError(
+                f"batch schedules {num_tokens} tokens but token_ids has {len(self.token_ids)}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class StageOutput:
+    """A stage's answer to one plan. Only the last stage fills sampled (req_id -> token id) and
+    logprobs (req_id -> [sampled token's logprob, [[token id, logprob], ...] top entries]);
+    the residual stack and top-k tensors travel beside these fields through the compiled graph."""
+
+    step_id: int
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> StageOutput:
+        return cls(**msgpack.unpackb(data, raw=False))
+
+
+def encode(plan: StepPlan) -> bytes:
+    """msgpack bytes of a plan (tuples travel as arrays; ``decode`` restores them)."""
+    return msgpack.packb(dataclasses.asdict(plan), use_bin_type=True)
+
+
+def decode(data: bytes) -> StepPlan:
+    """Inverse of ``encode``."""
+    raw = msgpack.unpackb(data, raw=False)
+    return StepPlan(
+        step_id=raw["step_id"],
+        new_requests=[NewRequest(**item) for item in raw["new_requests"]],
+        diffs=[
+            RequestDiff(
+                req_id=item["req_id"],
+                new_page_ids=item["new_page_ids"],
+                new_window_pages=[tuple(pair) for pair in item["new_window_pages"]],
+                freed_window_idxs=item["freed_window_idxs"],
+            )
+            for item in raw["diffs"]
+        ],
+        finished_ids=raw["finished_ids"],
+        preempted_ids=raw["preempted_ids"],
+        batch=[BatchEntry(**item) for item in raw["batch"]],
+        token_ids=raw["token_ids"],
+        snapshots=[tuple(pair) for pair in raw["snapshots"]],
+        logprobs=raw["logprobs"],
+        full_logits=raw["full_logits"],
+    )

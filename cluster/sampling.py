@@ -1,0 +1,120 @@
+"""SamplingParams: how one request samples and when it stops (validated, frozen, msgpack-able).
+
+``SamplingParams()`` is greedy (temperature 0.0) and generates 16 tokens. The HTTP server, not this
+class, fills omitted fields with OpenAI's defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping.
+
+    max_tokens      tokens to generate (>= 1)
+    temperature     0 = greedy
+    top_p           nucleus mass in (0, 1]
+    top_k           -1 = off, else >= 1
+    seed            per-request generator seed (None = the engine picks one)
+    stop            strings that end the output (normalised to a tuple)
+    stop_token_ids  token ids that end the output (normalised to a tuple)
+    logprobs        None, or top logprobs per token (0..20; 0 = only the sampled token's)
+    ignore_eos      keep generating past the model's eos token
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: tuple[str, ...] | str | None = None
+    stop_token_ids: tuple[int, ...] | None = None
+    logprobs: int | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self._check_lengths()
+        self._check_sampling()
+        object.__setattr__(self, "temperature", float(self.temperature))
+        object.__setattr__(self, "top_p", float(self.top_p))
+        object.__setattr__(self, "stop", self._normalise_stop(self.stop))
+        object.__setattr__(self, "stop_token_ids", self._normalise_ids(self.stop_token_ids))
+
+    def _check_lengths(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
+            )
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+    def _check_sampling(self) -> None:
+        temp = self.temperature
+        if not _is_number(temp) or not math.isfinite(temp) or temp < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+            raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+
+    @staticmethod
+    def _normalise_stop(stop: object) -> tuple[str, ...]:
+        if stop is None:
+            return ()
+        items = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        for item in items:
+            if not isinstance(item, str) or not item:
+                raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+        return tuple(items)
+
+    @staticmethod
+    def _normalise_ids(ids: object) -> tuple[int, ...]:
+        if ids is None:
+            return ()
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
+        return tuple(ids)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """msgpack-native fields (tuples as lists; from_dict restores them)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["stop"] = list(self.stop)
+        data["stop_token_ids"] = list(self.stop_token_ids)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SamplingParams:
+        """Inverse of to_dict; an unknown key is a ValueError naming it."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"unknown SamplingParams fields: {unknown}")
+        return cls(**data)

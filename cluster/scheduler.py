@@ -1,0 +1,405 @@
+"""Continuous-batching scheduler (pure Python on ints; no torch, no Ray).
+
+One request model: num_computed_tokens catches up with num_tokens (prompt + generated). A step
+gives requests tokens within a per-step budget: running decodes first (1 token), then running
+partial prefills, then waiting requests FCFS. Prefill chunks end on page boundaries (256 tokens)
+unless they reach the last token, so every chunk starts page-aligned (also after a prefix hit) and
+snapshots land on boundaries. A request samples when its step reaches its last token.
+
+Ids (full pages, window pages, state slots, cached-state slots, radix index) live in
+``KVCacheManager``. Running out never fails a request: admission waits; a running request that
+cannot grow evicts cached prefixes, then preempts the most recently admitted running request by
+recompute (it frees everything, keeps its generated tokens, and waits at the front of the queue).
+
+Prefix reuse: at admission, the radix match (at most (len - 1) // 256 pages, ending at a snapshot)
+gives shared pages, the window page of the prefix's last 128 tokens and a cached-state slot to
+copy into the rings. A step ending on a page boundary takes a snapshot (the request keeps the
+newest, inserted on release); at the last boundary an identical prompt can match and where the
+request leaves the cached path (a shared system prompt), chunks end and the snapshot is shared at
+once (``KVCacheManager.share_boundaries``).
+
+Several plans may be in flight (pipeline micro-batches): a request in flight is not scheduled
+again until ``commit`` of its step; stages apply plans in order, so ids freed while a step is in
+flight are reused only by later plans. ``schedule`` returns None when nothing can run now.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from dsv4ray.cluster.kv_manager import KVCacheManager, cdiv
+from dsv4ray.cluster.outputs import FINISH_REASONS
+from dsv4ray.cluster.plan import BatchEntry, NewRequest, RequestDiff, StepPlan
+from dsv4ray.cluster.request import FinishedRequest, Request, Status
+from dsv4ray.cluster.sampling import SamplingParams
+
+__all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig"]
+
+_POSITIVE_FIELDS = ("num_pages", "num_window_pages", "num_state_slots", "max_model_len")
+_POSITIVE_FIELDS += ("page_size", "window_page_size", "max_num_batched_tokens")
+
+
+def _is_int(value: object, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Pool sizes (from the configurator) and batching limits. num_state_slots is the maximum
+    number of running requests."""
+
+    num_pages: int
+    num_window_pages: int
+    num_state_slots: int
+    num_cached_state_slots: int
+    max_model_len: int
+    eos_token_id: int | None = None
+    page_size: int = 256
+    window_page_size: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_FIELDS:
+            if not _is_int(getattr(self, name), 1):
+                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
+        if not _is_int(self.num_cached_state_slots, 0):
+            raise ValueError(
+                f"num_cached_state_slots must be an int >= 0, got {self.num_cached_state_slots!r}"
+            )
+        if self.eos_token_id is not None and not _is_int(self.eos_token_id, 0):
+            raise ValueError(f"eos_token_id must be None or an int >= 0, got {self.eos_token_id!r}")
+        if self.page_size % self.window_page_size:
+            raise ValueError(
+                f"page_size ({self.page_size}) must be a multiple of window_page_size "
+                f"({self.window_page_size})"
+            )
+        if self.max_num_batched_tokens < self.page_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= page_size "
+                f"({self.page_size}) so that a page-aligned prefill chunk always fits"
+            )
+        if self.max_model_len > self.num_pages * self.page_size:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds num_pages ({self.num_pages}) * "
+                f"page_size ({self.page_size}): a lone request could never finish"
+            )
+        if self.num_window_pages < self.min_window_pages:
+            raise ValueError(
+                f"num_window_pages ({self.num_window_pages}) must be >= {self.min_window_pages}: "
+                f"a full-budget chunk, the 127 tokens before it and a snapshot's pinned page"
+            )
+
+    @property
+    def min_window_pages(self) -> int:
+        return cdiv(self.max_num_batched_tokens, self.window_page_size) + 3
+
+
+@dataclass
+class _Step:
+    """A plan under construction."""
+
+    budget: int
+    entries: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, start, n)
+    admitted: list[Request] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    def add(self, req: Request, start: int, num_tokens: int) -> None:
+        self.entries.append((req, start, num_tokens))
+        self.budget -= num_tokens
+
+    def drop(self, req: Request) -> None:
+        for i, (entry_req, _, num_tokens) in enumerate(self.entries):
+            if entry_req is req:
+                del self.entries[i]
+                self.budget += num_tokens
+                return
+
+
+class Scheduler:
+    """Admits, batches, preempts and finishes requests; emits StepPlans."""
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVCacheManager(config)
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order
+        self._in_flight: dict[int, list[tuple[Request, int, int]]] = {}
+        self._finished_ids: list[str] = []  # known to stages, not yet reported in a plan
+        self._step_ids = itertools.count()
+        self._admit_seq = itertools.count()
+        self._rng = random.Random()
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    def get_request(self, req_id: str) -> Request:
+        return self._requests[req_id]
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams | None = None,
+        use_prefix_cache: bool = True,
+    ) -> None:
+        """Queue a request; ValueError for a duplicate id, an empty or too long prompt.
+        use_prefix_cache=False computes every position (scoring needs each position's logits)."""
+        if req_id in self._requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"request {req_id!r}: the prompt is empty")
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"request {req_id!r}: prompt has {len(prompt_token_ids)} tokens, max_model_len is "
+                f"{self.config.max_model_len} (the prompt must leave room for one new token)"
+            )
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt_token_ids):
+            raise ValueError(f"request {req_id!r}: token ids must be ints >= 0")
+        sampling = sampling or SamplingParams()
+        seed = sampling.seed if sampling.seed is not None else self._rng.getrandbits(63)
+        req = Request(req_id, list(prompt_token_ids), sampling, seed)
+        req.use_prefix_cache = use_prefix_cache
+        self._requests[req_id] = req
+        self._waiting.append(req)
+
+    def abort(self, req_id: str) -> FinishedRequest | None:
+        """End a request now (finish_reason "abort"); None if the id is unknown or finished."""
+        req = self._requests.get(req_id)
+        return None if req is None else self._terminate(req, "abort")
+
+    def finish(self, req_id: str, reason: str = "stop") -> FinishedRequest | None:
+        """End a request for a reason found outside the scheduler (a stop string)."""
+        if reason not in FINISH_REASONS:
+            raise ValueError(f"finish reason must be one of {FINISH_REASONS}, got {reason!r}")
+        req = self._requests.get(req_id)
+        return None if req is None else self._terminate(req, reason)
+
+    def schedule(self) -> StepPlan | None:
+        """The next step, or None when nothing can run and there is nothing to report."""
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        if not step.preempted_ids:  # a preemption means the pools are short: admit nobody
+            self._admit_waiting(step)
+        if not step.entries and not step.preempted_ids and not self._finished_ids:
+            return None
+        return self._build_plan(step)
+
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[FinishedRequest]:
+        """Apply a step that ran: advance computed tokens, append sampled tokens (sampled maps
+        req_id -> token for the plan's sampling entries), free window pages that left the
+        window, and finish requests that met a stop condition (returned)."""
+        if plan.step_id not in self._in_flight:
+            raise ValueError(f"step {plan.step_id} is not in flight")
+        # Requests preempted, aborted or finished while the step ran are skipped.
+        entries = [e for e in self._in_flight[plan.step_id] if e[0].in_flight_step == plan.step_id]
+        missing = [
+            req.req_id
+            for req, start, n in entries
+            if start + n == req.num_tokens and req.req_id not in sampled
+        ]
+        if missing:
+            raise ValueError(f"step {plan.step_id} sampled no token for {missing}")
+        del self._in_flight[plan.step_id]
+        finished = []
+        for req, start, num_tokens in entries:
+            req.in_flight_step = None
+            req.num_computed_tokens = start + num_tokens
+            self.kv.promote_snapshot(req)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(int(sampled[req.req_id]))
+                reason = self._stop_reason(req)
+                if reason is not None:
+                    finished.append(self._terminate(req, reason))
+                    continue
+            self.kv.free_old_windows(req)
+        return finished
+
+    def stats(self) -> dict[str, int]:
+        """Counters for metrics: queue lengths and each pool's free / cached / in-use ids."""
+        counters = {"num_running": len(self._running), "num_waiting": len(self._waiting)}
+        for alloc in (self.kv.pages, self.kv.window_pages, self.kv.cached_state_slots):
+            name = alloc.name.replace(" ", "_").replace("-", "_")
+            counters[f"{name}_free"] = alloc.num_free
+            counters[f"{name}_cached"] = alloc.num_cached
+            counters[f"{name}_in_use"] = alloc.num_in_use
+        return counters
+
+    def num_cached_tokens(self, req_id: str) -> int:
+        """Prompt tokens the request reused from the prefix cache (0 before admission)."""
+        return self._requests[req_id].num_cached_tokens or 0
+
+    # ------------------------------------------------------------------ scheduling
+    def _chunk_len(self, req: Request, start: int, budget: int) -> int:
+        """Tokens to run from start: all that remain if they fit, else up to a page boundary;
+        a chunk also ends at a share boundary so that a snapshot can be taken there."""
+        end = min(req.num_tokens, start + budget)
+        if end < req.num_tokens:
+            end = end // self.config.page_size * self.config.page_size
+        end = min([end] + [b for b in req.share_boundaries if b > start])
+        return max(0, end - start)
+
+    def _schedule_running(self, step: _Step) -> None:
+        # Decodes (one token left) before partial prefills; the sort is stable (admission order).
+        ordered = sorted(self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for req in ordered:
+            if req.status is not Status.RUNNING or req.in_flight_step is not None:
+                continue  # preempted earlier in this loop, or its previous step is in flight
+            start = req.num_computed_tokens
+            num_tokens = self._chunk_len(req, start, step.budget)
+            if num_tokens and self._grow_or_preempt(req, num_tokens, step):
+                step.add(req, start, num_tokens)
+
+    def _grow_or_preempt(self, req: Request, num_tokens: int, step: _Step) -> bool:
+        while not self.kv.grow(req, num_tokens):
+            # The newest running request yields, possibly req itself: the oldest always progresses.
+            victim = max(self._running, key=lambda r: r.admit_seq)
+            self._preempt(victim, step)
+            if victim is req:
+                return False
+        return True
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self._waiting and step.budget > 0:
+            if not self._try_admit(self._waiting[0], step):
+                return  # FCFS: nobody overtakes the head of the queue
+            self._waiting.popleft()
+
+    def _try_admit(self, req: Request, step: _Step) -> bool:
+        page_ids, node = self.kv.match(req)
+        start = len(page_ids) * self.config.page_size
+        req.share_boundaries = self.kv.share_boundaries(req, start)
+        num_tokens = self._chunk_len(req, start, step.budget)
+        if num_tokens == 0 or not self.kv.admit(req, page_ids, node, num_tokens):
+            req.share_boundaries = ()
+            return False
+        if req.num_cached_tokens is None:
+            req.num_cached_tokens = start
+        req.status, req.admit_seq = Status.RUNNING, next(self._admit_seq)
+        self._running.append(req)
+        step.admitted.append(req)
+        step.add(req, start, num_tokens)
+        return True
+
+    # ------------------------------------------------------------------ plans
+    def _build_plan(self, step: _Step) -> StepPlan:
+        step_id = next(self._step_ids)
+        plan = StepPlan(step_id=step_id, preempted_ids=step.preempted_ids)
+        plan.snapshots = self._take_snapshots(step)
+        plan.new_requests = [self._new_request(req) for req in step.admitted]
+        plan.diffs = [diff for req in self._running if (diff := self._pop_diff(req)) is not None]
+        for req, start, num_tokens in step.entries:
+            sample = start + num_tokens == req.num_tokens
+            plan.batch.append(BatchEntry(req.req_id, start, num_tokens, sample))
+            plan.token_ids.extend(req.token_ids[start : start + num_tokens])
+            if sample and req.sampling.logprobs is not None:
+                plan.logprobs[req.req_id] = req.sampling.logprobs
+            req.in_flight_step = step_id
+        plan.finished_ids, self._finished_ids = self._finished_ids, []
+        self._in_flight[step_id] = list(step.entries)
+        return plan
+
+    def _take_snapshots(self, step: _Step) -> list[tuple[str, int]]:
+        """A cached-state slot for each request whose step ends on a page boundary, when one can
+        be had; the stages copy the rings into it after the step."""
+        snapshots = []
+        for req, start, num_tokens in step.entries:
+            boundary = start + num_tokens
+            if boundary % self.config.page_size == 0:
+                slot = self.kv.take_snapshot(req, boundary)
+                if slot is not None:
+                    snapshots.append((req.req_id, slot))
+        return snapshots
+
+    def _new_request(self, req: Request) -> NewRequest:
+        windows = [-1] * (max(req.window_pages) + 1)
+        for idx, page_id in req.window_pages.items():
+            windows[idx] = page_id
+        req.known_to_stages = True
+        req.num_synced_pages = len(req.page_ids)
+        req.new_windows, req.freed_windows = [], []
+        return NewRequest(
+            req_id=req.req_id,
+            state_slot=req.state_slot,
+            page_ids=list(req.page_ids),
+            window_page_ids=windows,
+            num_computed_tokens=req.num_computed_tokens,
+            state_copy_from=req.state_copy_from,
+            sampling=req.sampling.to_dict(),
+            seed=req.seed,
+        )
+
+    def _pop_diff(self, req: Request) -> RequestDiff | None:
+        new_pages = req.page_ids[req.num_synced_pages :]
+        if not (new_pages or req.new_windows or req.freed_windows):
+            return None
+        diff = RequestDiff(req.req_id, new_pages, req.new_windows, req.freed_windows)
+        req.num_synced_pages = len(req.page_ids)
+        req.new_windows, req.freed_windows = [], []
+        return diff
+
+    # ------------------------------------------------------------------ ending requests
+    def _stop_reason(self, req: Request) -> str | None:
+        token, sampling = req.token_ids[-1], req.sampling
+        if token in sampling.stop_token_ids:
+            return "stop"
+        if token == self.config.eos_token_id and not sampling.ignore_eos:
+            return "stop"
+        if req.num_output_tokens >= sampling.max_tokens:
+            return "length"
+        if req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        """Recompute later: free everything, keep the generated tokens, wait at the front."""
+        self.kv.release(req)
+        step.drop(req)
+        if req.known_to_stages:
+            step.preempted_ids.append(req.req_id)
+            req.known_to_stages = False
+        self._running.remove(req)
+        req.status = Status.WAITING
+        self._waiting.appendleft(req)
+
+    def _terminate(self, req: Request, reason: str) -> FinishedRequest:
+        if req.status is Status.RUNNING:
+            self.kv.release(req)
+            self._running.remove(req)
+        else:
+            self._waiting.remove(req)
+        if req.known_to_stages:
+            self._finished_ids.append(req.req_id)
+        req.status = Status.FINISHED
+        del self._requests[req.req_id]
+        return FinishedRequest(
+            req_id=req.req_id,
+            prompt_token_ids=req.token_ids[: req.prompt_len],
+            output_token_ids=req.output_token_ids,
+            finish_reason=reason,
+            num_cached_tokens=req.num_cached_tokens or 0,
+        )
+
+    def check_integrity(self) -> None:
+        """RuntimeError unless the queues agree and every id is accounted for (KVCacheManager)."""
+        if any(req.status is not Status.RUNNING for req in self._running):
+            raise RuntimeError("a request in the running list is not running")
+        if any(req.status is not Status.WAITING for req in self._waiting):
+            raise RuntimeError("a request in the waiting queue is not waiting")
+        if len(self._running) + len(self._waiting) != len(self._requests):
+            raise RuntimeError("running + waiting requests differ from the known requests")
+        self.kv.check_integrity(self._running, self._waiting)

@@ -1,0 +1,175 @@
+"""Radix prefix index: page-granular matches ending at snapshots, locks, LRU eviction, ownership."""
+
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4ray.cache.allocator import PageAllocator
+from dsv4ray.cache.radix import RadixIndex, Snapshot
+
+PAGE = 4
+
+
+def make_index(num_pages=16, num_windows=16, num_states=8):
+    pages = PageAllocator(num_pages, "pages")
+    windows = PageAllocator(num_windows, "window pages")
+    states = PageAllocator(num_states, "cached-state slots")
+    return RadixIndex(pages, windows, states, page_size=PAGE), pages, windows, states
+
+
+def cache_prefix(index, pages, windows, states, tokens, with_snapshot=True):
+    """Allocate ids as a finished request would hold them and insert the prefix."""
+    page_ids = pages.alloc(len(tokens) // PAGE)
+    snap = Snapshot(windows.alloc(1)[0], states.alloc(1)[0]) if with_snapshot else None
+    result = index.insert(tokens, page_ids, snap)
+    pages.free(result.unadopted_page_ids)
+    if snap is not None and not result.snapshot_adopted:
+        windows.free([snap.window_page_id])
+        states.free([snap.state_slot])
+    return page_ids, snap, result
+
+
+def test_match_returns_the_pages_up_to_a_snapshot():
+    index, pages, windows, states = make_index()
+    tokens = list(range(12))
+    page_ids, snap, _ = cache_prefix(index, pages, windows, states, tokens)
+    matched, node = index.match(tokens + [99], max_pages=3)
+    assert matched == page_ids and node.snapshot == snap and node.depth == 3
+    # a match may not end at a node without a snapshot
+    assert index.match(tokens, max_pages=2) == ([], None)
+    assert index.match([7] + tokens[1:], max_pages=3) == ([], None)
+
+
+def test_match_ends_at_the_deepest_snapshot_on_the_path():
+    index, pages, windows, states = make_index()
+    tokens = list(range(16))
+    page_ids, _, _ = cache_prefix(index, pages, windows, states, tokens)
+    _, short_snap, result = cache_prefix(index, pages, windows, states, tokens[:4])
+    assert result.snapshot_adopted and len(result.unadopted_page_ids) == 1
+    query = tokens[:8] + [50, 51, 52, 53]  # diverges inside page 2
+    matched, node = index.match(query, max_pages=3)
+    assert matched == page_ids[:1] and node.snapshot == short_snap
+
+
+def test_insert_dedupes_pages_and_keeps_the_first_snapshot():
+    index, pages, windows, states = make_index()
+    tokens = list(range(8))
+    first_ids, first_snap, _ = cache_prefix(index, pages, windows, states, tokens)
+    free_before = pages.num_free
+    second_ids = pages.alloc(2)
+    second_snap = Snapshot(windows.alloc(1)[0], states.alloc(1)[0])
+    result = index.insert(tokens, second_ids, second_snap)
+    assert result.unadopted_page_ids == second_ids and not result.snapshot_adopted
+    pages.free(result.unadopted_page_ids)
+    assert pages.num_free == free_before
+    matched, node = index.match(tokens + [0], 2)
+    assert matched == first_ids and node.snapshot == first_snap
+
+
+def test_insert_length_must_be_whole_pages():
+    index, pages, *_ = make_index()
+    with pytest.raises(ValueError, match="tokens"):
+        index.insert(list(range(6)), pages.alloc(2), None)
+
+
+def test_evict_frees_lru_unlocked_leaves_and_their_snapshots():
+    index, pages, windows, states = make_index()
+    a_ids, a_snap, _ = cache_prefix(index, pages, windows, states, [1] * 8)
+    b_ids, b_snap, _ = cache_prefix(index, pages, windows, states, [2] * 8)
+    index.match([1] * 9, 2)  # a is now the most recently used
+    result = index.evict(num_pages=1)
+    assert result.page_ids == [b_ids[1]]
+    assert result.window_page_ids == [b_snap.window_page_id]
+    assert result.state_slots == [b_snap.state_slot]
+    assert index.match([2] * 9, 2) == ([], None)
+    assert index.match([1] * 9, 2)[0] == a_ids
+    for alloc in (pages, windows, states):
+        alloc.check_integrity()
+
+
+def test_locked_prefixes_survive_eviction():
+    index, pages, windows, states = make_index()
+    cache_prefix(index, pages, windows, states, [3] * 8)
+    _, node = index.match([3] * 9, 2)
+    index.lock(node)
+    assert index.evict(num_pages=10).page_ids == []
+    index.unlock(node)
+    assert len(index.evict(num_pages=10).page_ids) == 2
+    assert index.num_nodes == 0 and pages.num_free == pages.num_pages
+    with pytest.raises(ValueError, match="unlock"):
+        index.unlock(node)
+
+
+def test_leaves_without_snapshot_are_evictable():
+    index, pages, windows, states = make_index()
+    cache_prefix(index, pages, windows, states, [5] * 8, with_snapshot=False)
+    assert index.match([5] * 9, 2) == ([], None)  # path only: no match
+    assert sorted(index.evict(num_pages=2).page_ids) == [0, 1]
+
+
+def test_lock_on_a_child_keeps_its_ancestors():
+    index, pages, windows, states = make_index()
+    tokens = list(range(12))
+    cache_prefix(index, pages, windows, states, tokens)
+    _, node = index.match(tokens + [0], 3)
+    index.lock(node)
+    assert index.evict(num_pages=3).page_ids == []
+    index.check_integrity()
+
+
+_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["insert", "use", "done", "evict"]),
+        st.lists(st.integers(0, 1), min_size=PAGE, max_size=4 * PAGE),
+        st.integers(0, 6),
+        st.booleans(),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=120, deadline=None)
+@given(ops=_ops)
+def test_random_operations_conserve_every_allocator(ops):
+    """Requests insert prefixes (with or without snapshot), use matches (lock + one reference per
+    page), finish with them, and the index evicts; every id stays accounted for."""
+    index, pages, windows, states = make_index(num_pages=12, num_windows=6, num_states=6)
+    users = []  # (node, page ids) of matches in use
+    for op, tokens, num, flag in ops:
+        tokens = tokens[: len(tokens) // PAGE * PAGE]
+        if op == "insert" and len(tokens) // PAGE <= pages.num_free:
+            snapshot = flag and windows.num_free > 0 and states.num_free > 0
+            cache_prefix(index, pages, windows, states, tokens, snapshot)
+        elif op == "use":
+            matched, node = index.match(tokens, max_pages=num)
+            assert len(matched) <= num
+            if node is not None:
+                assert node.snapshot is not None and node.depth == len(matched)
+                index.lock(node)
+                pages.incref(matched)
+                users.append((node, matched))
+        elif op == "done" and users:
+            node, matched = users.pop(num % len(users))
+            pages.decref(matched)
+            index.unlock(node)
+        elif op == "evict":
+            index.evict(num_pages=num, num_window_pages=int(flag), num_state_slots=int(flag))
+        _check(index, pages, windows, states, users)
+
+
+def _check(index, pages, windows, states, users):
+    index.check_integrity()
+    held_pages, held_windows, held_states = index.held_ids()
+    expected = Counter(held_pages)
+    for _, matched in users:
+        expected.update(matched)
+    for alloc, counts in (
+        (pages, expected),
+        (windows, Counter(held_windows)),
+        (states, Counter(held_states)),
+    ):
+        alloc.check_integrity()
+        assert all(alloc.refcount(i) == counts[i] for i in range(alloc.num_pages))
+        assert alloc.num_free + alloc.num_cached + alloc.num_in_use == alloc.num_pages

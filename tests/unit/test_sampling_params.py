@@ -1,0 +1,92 @@
+"""SamplingParams validation and the msgpack-friendly output records."""
+
+import math
+
+import msgpack
+import pytest
+
+from dsv4ray.cluster.outputs import RequestMetrics, RequestOutput
+from dsv4ray.cluster.sampling import SamplingParams
+
+
+def test_defaults_are_greedy_and_16_tokens():
+    params = SamplingParams()
+    assert params.is_greedy and params.max_tokens == 16
+    assert (params.top_p, params.top_k, params.seed, params.logprobs) == (1.0, -1, None, None)
+    assert params.stop == () and params.stop_token_ids == ()
+
+
+def test_stop_is_normalised_to_a_tuple():
+    assert SamplingParams(stop="###").stop == ("###",)
+    assert SamplingParams(stop=["a", "bc"]).stop == ("a", "bc")
+    assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
+
+
+def test_params_are_frozen():
+    params = SamplingParams()
+    with pytest.raises(AttributeError):
+        params.max_tokens = 3
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 2.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"logprobs": -1}, "logprobs"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"stop": ["ok", 3]}, "stop"),
+        ({"stop": 5}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": "12"}, "stop_token_ids"),
+        ({"ignore_eos": 1}, "ignore_eos"),
+    ],
+)
+def test_invalid_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_valid_edges_are_accepted():
+    params = SamplingParams(temperature=2, top_p=1e-6, top_k=1, logprobs=20, seed=-5)
+    assert params.temperature == 2.0 and isinstance(params.temperature, float)
+    assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_dict_round_trip_through_msgpack():
+    params = SamplingParams(max_tokens=5, temperature=0.7, stop=["x"], stop_token_ids=[9], seed=3)
+    wire = msgpack.unpackb(msgpack.packb(params.to_dict()), raw=False)
+    assert SamplingParams.from_dict(wire) == params
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams.from_dict({"best_of": 2})
+
+
+def test_request_output_round_trip_through_msgpack():
+    out = RequestOutput(
+        request_id="r1",
+        prompt_token_ids=[1, 2],
+        token_ids=[5, 6],
+        text="hi",
+        logprobs=[{5: -0.1, 7: -2.5}, {6: -0.3}],
+        finish_reason="length",
+        metrics=RequestMetrics(num_prompt_tokens=2, num_cached_tokens=0, ttft_s=0.5, e2e_s=1.0),
+    )
+    wire = msgpack.unpackb(msgpack.packb(out.to_dict()), raw=False)
+    back = RequestOutput.from_dict(wire)
+    assert back == out and back.finished
+    assert RequestOutput("r2", [1]).finish_reason is None
+
+
+def test_request_output_rejects_unknown_finish_reasons():
+    with pytest.raises(ValueError, match="finish_reason"):
+        RequestOutput("r", [1], finish_reason="eos")
