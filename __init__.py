@@ -1,8 +1,23 @@
 """dsv4ray: serve DeepSeek-V4-class models on Ray.
 
-Public API (names other code relies on): ``LLM``, ``SamplingParams``, ``RequestOutput``.
-The engine arrives with the paged engine; until then the package exposes the configuration and
-the reference network (``dsv4ray.config``, ``dsv4ray.model``).
+Public API: ``LLM``, ``SamplingParams``, ``RequestOutput`` (imported lazily, so the pure-Python
+parts of the package, such as the scheduler, import without torch).
 """
 
 __version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
+
+_EXPORTS = {
+    "LLM": "dsv4ray.cluster.engine",
+    "SamplingParams": "dsv4ray.cluster.sampling",
+    "RequestOutput": "dsv4ray.cluster.outputs",
+    "RequestMetrics": "dsv4ray.cluster.outputs",
+}
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'dsv4ray' has no attribute {name!r}")

@@ -50,6 +50,7 @@ def _stream(model, tok: Tokenizer, ids: list[int], max_tokens: int, temperature:
         else:
             nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
         if nxt == tok.eos_token_id:
-            return
+            break
         yield decoder.push([nxt])
         logits = model.step(torch.tensor([[nxt]]), state)[0, -1]
+    yield decoder.flush()

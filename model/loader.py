@@ -1,4 +1,4 @@
-"""``load_reference(path, dtype)``: the dense reference module with a checkpoint's weights."""
+"""Building modules from a checkpoint: the whole reference, or one pipeline stage's slice."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.mtp import MTPBlock
 from dsv4ray.model.reference import DSV4Reference
+from dsv4ray.model.stage import StageModel
 from dsv4ray.model.weights import has_mtp, iter_tensors, load_state
 
 log = logging.getLogger("dsv4ray.model")
@@ -17,28 +18,59 @@ log = logging.getLogger("dsv4ray.model")
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias", "_base", "_scale", "_fn")
 
 
+def _dtype(dtype: torch.dtype | str) -> torch.dtype:
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
 def load_reference(
     path: str, dtype: torch.dtype | str = torch.float32, device: str | torch.device = "cpu"
 ) -> DSV4Reference:
     """Builds the reference module from ``path`` (config.json + safetensors, either key spelling).
 
-    A checkpoint without ``mtp.*`` tensors loads with ``module.draft_block = None`` (no speculative
-    decoding); fp8/fp4-quantised checkpoints are refused with the tensors named.
+    A checkpoint without ``mtp.*`` tensors loads with ``module.draft_block = None`` (no
+    speculative decoding); fp8/fp4-quantised checkpoints are refused with the tensors named.
     """
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = _dtype(dtype)
     cfg = ModelConfig.from_hf(path)
     with torch.device("meta"):
         module = DSV4Reference(cfg, dtype)
         with_mtp = cfg.mtp_layer is not None and has_mtp(path)
         if with_mtp:
             module.mtp.append(MTPBlock(cfg))
-    module = module.to_empty(device=device)
-    cast_params(module, dtype)
-    skip_mtp = None if with_mtp else (lambda name: name.startswith("mtp."))
-    load_state(module, iter_tensors(path), allow_unexpected=skip_mtp)
+    _materialise(
+        module,
+        path,
+        dtype,
+        device,
+        skip=None if with_mtp else (lambda name: name.startswith("mtp.")),
+    )
     if not with_mtp:
         log.info("checkpoint %s has no mtp.* tensors: speculative decoding unavailable", path)
-    return module.eval()
+    return module
+
+
+def load_stage(
+    path: str,
+    start: int,
+    end: int,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    cfg: ModelConfig | None = None,
+) -> StageModel:
+    """Loads only the tensors of layers [start, end) (plus embed / head on the end stages)."""
+    dtype = _dtype(dtype)
+    cfg = cfg or ModelConfig.from_hf(path)
+    with torch.device("meta"):
+        module = StageModel(cfg, start, end, dtype)
+    _materialise(module, path, dtype, device, want=module.owns)
+    return module
+
+
+def _materialise(module, path, dtype, device, want=None, skip=None) -> None:
+    module.to_empty(device=device)
+    cast_params(module, dtype)
+    load_state(module, iter_tensors(path, want), allow_unexpected=skip)
+    module.eval()
 
 
 def cast_params(module: torch.nn.Module, dtype: torch.dtype) -> None:

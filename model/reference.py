@@ -12,14 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv4ray.config import ModelConfig
-from dsv4ray.model.block import Block
 from dsv4ray.model.layers.attention import AttnState
-from dsv4ray.model.layers.common import RMSNorm
-from dsv4ray.model.layers.mhc import hc_head
+from dsv4ray.model.stage import StageModel
 
 
 @dataclass
@@ -32,33 +29,23 @@ class RefState:
     extras: dict = field(default_factory=dict)
 
 
-class DSV4Reference(nn.Module):
-    """Parameters carry the official checkpoint names (``embed``, ``layers.N.attn.wq_a``, ...)."""
+class DSV4Reference(StageModel):
+    """All layers of the network plus the MTP block; parameters carry the official names."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        self.cfg, self.dtype = cfg, dtype
-        hc, hidden = cfg.hc_mult, cfg.hidden_size
-        self.embed = nn.Embedding(cfg.vocab_size, hidden)
-        self.layers = nn.ModuleList(Block(cfg, spec) for spec in cfg.layers)
-        self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
-        self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
-        self.hc_head_base = nn.Parameter(torch.zeros(hc))
-        self.hc_head_scale = nn.Parameter(torch.ones(1))
-        self.head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+        super().__init__(cfg, 0, cfg.num_hidden_layers, dtype)
         # mtp.0 (the NextN block) when the checkpoint has mtp.* tensors; empty otherwise.
         self.mtp = nn.ModuleList()
+
+    def owns(self, name: str) -> bool:
+        return True
 
     @property
     def draft_block(self):
         return self.mtp[0] if len(self.mtp) else None
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.weight.device
-
     def new_state(self, batch: int) -> RefState:
-        layers = [blk.new_state(batch, self.device, self.dtype) for blk in self.layers]
+        layers = [blk.new_state(batch, self.device, self.dtype) for blk in self.layers.values()]
         mtp = self.draft_block.new_state(batch) if self.draft_block is not None else None
         return RefState(layers, 0, mtp)
 
@@ -81,11 +68,6 @@ class DSV4Reference(nn.Module):
         logits = self.logits(x)
         return (logits, x, last_topk) if return_hidden else logits
 
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, t] -> the residual stack [B, t, hc, hidden] (the embedding copied hc times)."""
-        e = self.embed(input_ids).to(self.dtype)
-        return e.unsqueeze(-2).expand(*e.shape[:-1], self.cfg.hc_mult, e.shape[-1]).contiguous()
-
     def run_layers(
         self,
         x,
@@ -97,14 +79,7 @@ class DSV4Reference(nn.Module):
         topk: torch.Tensor | None = None,
     ):
         """Runs layers [start, end) on the residual stack; returns (x, running top-k)."""
-        end = len(self.layers) if end is None else end
+        end = self.cfg.num_hidden_layers if end is None else end
         for i in range(start, end):
-            x, topk = self.layers[i](x, input_ids, positions, state.layers[i], topk)
+            x, topk = self.block(i)(x, input_ids, positions, state.layers[i], topk)
         return x, topk
-
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        c = self.cfg
-        y = hc_head(
-            x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
-        )
-        return F.linear(self.norm(y).float(), self.head.weight.float())

@@ -147,20 +147,22 @@ def _random_like(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tens
         return normal(0.02)
     if name == "embed.weight":
         return normal(1.0)
-    return normal(p.shape[-1] ** -0.5)  # linear weights: unit-gain fan-in init
+    fan_in = p.shape[-1] ** -0.5
+    if name.endswith(("wo_b.weight", "w2.weight")):
+        # Sub-block outputs well below the residual (as in trained models): a random deep
+        # network with unit-gain outputs amplifies tiny perturbations, so lossy KV formats would
+        # flip its argmax far more often than they flip a trained model's.
+        return normal((0.2 if name.endswith("wo_b.weight") else 0.3) * fan_in)
+    if name.endswith("ffn.gate.weight"):
+        return normal(0.1 * fan_in)  # router margins that KV rounding does not flip
+    return normal(fan_in)  # other linear weights: unit-gain fan-in init
 
 
 @torch.no_grad()
 def calibrate_head(model: DSV4Reference, gen: torch.Generator) -> float:
     """Scales ``head.weight`` so the mean top-1 probability on random prompts is TARGET_TOP1."""
     prompts = torch.randint(2, min(model.cfg.vocab_size, 258), (2, 48), generator=gen)
-    x, _ = model.run_layers(
-        model.embed_tokens(prompts.to(model.device)),
-        prompts.to(model.device),
-        torch.arange(48, device=model.device),
-        model.new_state(2),
-    )
-    logits = model.logits(x).float()
+    logits = model(prompts.to(model.device))
     lo, hi = 0.01, 100.0
     for _ in range(40):
         mid = (lo * hi) ** 0.5

@@ -83,3 +83,9 @@ class StreamDecoder:
             return ""
         delta, self.text = full[len(self.text) :], full
         return delta
+
+    def flush(self) -> str:
+        """Whatever the stream still holds back (an unfinished UTF-8 sequence, decoded as is)."""
+        full = self.tokenizer.decode(self.ids)
+        delta, self.text = full[len(self.text) :], full
+        return delta

@@ -1,0 +1,123 @@
+"""One stage's device pools: preallocated byte pages per layer and kind, plus compressor rings.
+
+Index spaces (SPEC_SERVING.md section 1):
+
+    window pool, one buffer per stage layer (local id):  slot = window_page_id * 128 + pos % 128
+    C4 / C4 indexer / C128 pools, one buffer per compress (or indexer) layer id:
+        entry of full slot f = page_ids[f // 256] * (256 // ratio) + (f % 256) // ratio
+        (the page id of a logical full page names the same page in every compressed pool)
+    compressor rings [num_state_slots + num_cached_state_slots, ring, width] fp32:
+        rows 0 .. S-1 belong to running requests (row of position p = p % ring); rows S.. hold
+        cached-state snapshots (C4 main + indexer rings at a 256-token boundary)
+
+Every page buffer is a uint8 tensor [num_pages, page_bytes] in the layout of cache/layout.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4ray.cache.layer_mapping import LayerInfo, build_layer_mapping, stage_layers
+from dsv4ray.cache.layout import layout_for
+from dsv4ray.config import ModelConfig
+
+C4_RING, C128_RING = 8, 128
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    num_pages: int
+    num_window_pages: int
+    num_state_slots: int
+    num_cached_state_slots: int
+    ring_scale: int = 1  # 2 with speculative decoding (drafts write ahead of the commit point)
+
+
+class StagePools:
+    """Pools of the layers [start, end) of one stage, in kv_cache_dtype ``dtype``."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        start: int,
+        end: int,
+        sizes: PoolSizes,
+        dtype: str,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.cfg, self.start, self.end, self.sizes, self.dtype = cfg, start, end, sizes, dtype
+        skip = [spec.skip_topk for spec in cfg.layers]
+        self.mapping = build_layer_mapping(cfg.layer_ratios, skip, start, end)
+        self.layouts = {
+            kind: layout_for(kind, dtype) for kind in ("window", "c4", "c128", "indexer")
+        }
+        infos = list(stage_layers(self.mapping, start, end))
+        self.window = [self._pages("window", sizes.num_window_pages, device) for _ in infos]
+        self.c4 = [
+            self._pages("c4", sizes.num_pages, device) for i in infos if i.compress_ratio == 4
+        ]
+        self.c128 = [
+            self._pages("c128", sizes.num_pages, device) for i in infos if i.compress_ratio == 128
+        ]
+        self.indexer = [
+            self._pages("indexer", sizes.num_pages, device)
+            for i in infos
+            if i.indexer_layer_id is not None
+        ]
+        rows = sizes.num_state_slots + sizes.num_cached_state_slots
+        ring4, ring128 = C4_RING * sizes.ring_scale, C128_RING * sizes.ring_scale
+        dim, idim = cfg.head_dim, cfg.index_head_dim
+        self.c4_state = [_ring(rows, ring4, 2 * dim, device) for _ in self.c4]
+        self.indexer_state = [_ring(rows, ring4, 2 * idim, device) for _ in self.indexer]
+        # C128 rings never need snapshots: matched prefixes end on 256-token boundaries.
+        self.c128_state = [_ring(sizes.num_state_slots, ring128, dim, device) for _ in self.c128]
+
+    def _pages(self, kind: str, num: int, device) -> torch.Tensor:
+        return torch.zeros(num, self.layouts[kind].page_bytes, dtype=torch.uint8, device=device)
+
+    def info(self, layer_id: int) -> LayerInfo:
+        info = self.mapping[layer_id]
+        if info is None:
+            raise ValueError(f"layer {layer_id} is not in this stage [{self.start}, {self.end})")
+        return info
+
+    def reset_rings(self, slots: list[int]) -> None:
+        """Empty rows: kv = 0, score = -inf (a fresh request, or one restarting from scratch)."""
+        if not slots:
+            return
+        idx = torch.tensor(slots, dtype=torch.long, device=self._device)
+        for kv, score in self.c4_state + self.indexer_state + self.c128_state:
+            kv[idx] = 0.0
+            score[idx] = float("-inf")
+
+    def copy_c4_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
+        """Copies the C4 main + indexer rings between rows (snapshot in, or restore out)."""
+        if not src_rows:
+            return
+        src = torch.tensor(src_rows, dtype=torch.long, device=self._device)
+        dst = torch.tensor(dst_rows, dtype=torch.long, device=self._device)
+        for kv, score in self.c4_state + self.indexer_state:
+            kv[dst] = kv[src]
+            score[dst] = score[src]
+
+    def cached_row(self, cached_slot: int) -> int:
+        return self.sizes.num_state_slots + cached_slot
+
+    @property
+    def _device(self) -> torch.device:
+        return self.window[0].device
+
+    def nbytes(self) -> int:
+        tensors = self.window + self.c4 + self.c128 + self.indexer
+        tensors += [
+            t for pair in self.c4_state + self.indexer_state + self.c128_state for t in pair
+        ]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _ring(rows: int, ring: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    kv = torch.zeros(rows, ring, width, dtype=torch.float32, device=device)
+    score = torch.full((rows, ring, width), float("-inf"), dtype=torch.float32, device=device)
+    return kv, score

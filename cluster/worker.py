@@ -1,0 +1,176 @@
+"""StageWorker: one pipeline stage as a plain class (the stage actor is a thin shell over it).
+
+It holds the weights of layers [start, end) (plus the embedding on the first stage and the head
+on the last) and this stage's pools. ``execute(plan, inputs)`` applies the plan's bookkeeping in
+order (drop finished and preempted requests, create new ones, apply diffs), runs its layers on
+the step's tokens and, on the last stage, samples. Between stages travel the residual stack
+[T, hc * hidden] and the running top-k [T, k] of logical C4 positions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cluster.batch import BatchMeta, ReqTable, build_batch
+from dsv4ray.cluster.plan import NewRequest, StepPlan
+from dsv4ray.cluster.sampler import RequestSampler, token_logprobs
+from dsv4ray.config import ModelConfig
+from dsv4ray.model.loader import load_stage
+from dsv4ray.model.paged import paged_block
+
+log = logging.getLogger("dsv4ray.worker")
+
+
+@dataclass
+class StageResult:
+    """What a stage hands on: tensors for the next stage, or (last stage) the sampled tokens."""
+
+    step_id: int
+    residual: torch.Tensor | None = None  # [T, hc * hidden]
+    topk: torch.Tensor | None = None  # [T, k] logical C4 positions, -1 = none
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, list] = field(default_factory=dict)
+    full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
+
+
+class StageWorker:
+    """Two-phase start: the constructor loads the weights; ``allocate`` creates the pools once
+    the engine has sized them (the same page ids name pages in every stage, so every stage gets
+    the pipeline's minimum capacity)."""
+
+    def __init__(
+        self,
+        model_path: str,
+        start: int,
+        end: int,
+        kv_cache_dtype: str = "fp8",
+        dtype: torch.dtype | str | None = None,
+        device: str | torch.device = "cpu",
+        cfg: ModelConfig | None = None,
+    ) -> None:
+        self.cfg = cfg or ModelConfig.from_hf(model_path)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.device = torch.device(device)
+        self.model = load_stage(
+            model_path, start, end, dtype or self.cfg.torch_dtype, device, self.cfg
+        )
+        self.pools: StagePools | None = None
+        self.tables: dict[str, ReqTable] = {}
+        self.samplers: dict[str, RequestSampler] = {}
+
+    def available_bytes(self, memory_fraction: float) -> float | None:
+        """Free device memory for pools after the weights (None on CPU: size by tokens)."""
+        if self.device.type != "cuda":
+            return None
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free * memory_fraction
+
+    def allocate(self, sizes: PoolSizes) -> int:
+        self.pools = StagePools(
+            self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
+        )
+        log.info(
+            "stage [%d, %d): pools %.1f MiB in %s pages",
+            self.model.start,
+            self.model.end,
+            self.pools.nbytes() / 2**20,
+            self.kv_cache_dtype,
+        )
+        return self.pools.nbytes()
+
+    @property
+    def is_first(self) -> bool:
+        return self.model.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.model.is_last
+
+    @torch.no_grad()
+    def execute(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+        self._apply(plan)
+        result = StageResult(plan.step_id)
+        if not plan.batch:
+            self._snapshots(plan)
+            return result
+        meta = build_batch(plan, self.tables, self.device)
+        x, topk = self._run(meta, inputs)
+        self._snapshots(plan)
+        if self.is_last:
+            self._sample(plan, meta, x, result)
+        else:
+            result.residual, result.topk = x.flatten(-2), topk
+        return result
+
+    def _run(self, meta: BatchMeta, inputs: StageResult | None):
+        if self.is_first:
+            x, topk = self.model.embed_tokens(meta.token_ids), None
+        else:
+            x = inputs.residual.view(meta.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size)
+            topk = inputs.topk
+        for layer_id in range(self.model.start, self.model.end):
+            x, topk = paged_block(self.model.block(layer_id), x, meta, self.pools, topk)
+        return x, topk
+
+    def _sample(self, plan: StepPlan, meta: BatchMeta, x: torch.Tensor, result: StageResult):
+        if plan.full_logits:
+            self._full_logits(plan, x, result)
+        if not meta.sample_req_ids:
+            return
+        logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
+        for row, req_id in enumerate(meta.sample_req_ids):
+            sampler = self.samplers[req_id]
+            token = sampler.sample(logits[row])
+            result.sampled[req_id] = token
+            if req_id in plan.logprobs:
+                result.logprobs[req_id] = token_logprobs(logits[row], token, plan.logprobs[req_id])
+
+    def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
+        start = 0
+        for entry in plan.batch:
+            if entry.req_id in plan.full_logits:
+                rows = x[start : start + entry.num_tokens]
+                result.full_logits[entry.req_id] = self.model.logits(rows).cpu()
+            start += entry.num_tokens
+
+    def _apply(self, plan: StepPlan) -> None:
+        for req_id in [*plan.finished_ids, *plan.preempted_ids]:
+            self.tables.pop(req_id, None)
+            self.samplers.pop(req_id, None)
+        for new in plan.new_requests:
+            self._add(new)
+        for diff in plan.diffs:
+            table = self.tables[diff.req_id]
+            table.page_ids.extend(diff.new_page_ids)
+            for idx, page in diff.new_window_pages:
+                _set(table.window_page_ids, idx, page)
+            for idx in diff.freed_window_idxs:
+                table.window_page_ids[idx] = -1
+
+    def _add(self, new: NewRequest) -> None:
+        self.tables[new.req_id] = ReqTable(
+            new.state_slot, list(new.page_ids), list(new.window_page_ids)
+        )
+        if new.state_copy_from >= 0:
+            self.pools.reset_rings([new.state_slot])  # C128 ring: empty at a page boundary
+            self.pools.copy_c4_rings([self.pools.cached_row(new.state_copy_from)], [new.state_slot])
+        else:
+            self.pools.reset_rings([new.state_slot])
+        if self.is_last:
+            self.samplers[new.req_id] = RequestSampler(new.sampling, new.seed)
+
+    def _snapshots(self, plan: StepPlan) -> None:
+        if plan.snapshots:
+            src = [self.tables[req_id].state_slot for req_id, _ in plan.snapshots]
+            dst = [self.pools.cached_row(slot) for _, slot in plan.snapshots]
+            self.pools.copy_c4_rings(src, dst)
+
+
+def _set(values: list[int], idx: int, value: int) -> None:
+    if idx >= len(values):
+        values.extend([-1] * (idx + 1 - len(values)))
+    values[idx] = value

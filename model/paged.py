@@ -1,0 +1,184 @@
+"""The network over paged caches: the reference's modules, with attention reading the pools.
+
+Same parameters and math as model/reference.py, but the window KV, compressed entries, indexer
+keys and compressor state live in a stage's pools (cache/pools.py) and every cache operation goes
+through kernels/dispatch (Triton on CUDA, torch references elsewhere). A step runs the flattened
+tokens of all scheduled requests at once; cluster/batch.py holds their per-token index lists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4ray.cache.layer_mapping import LayerInfo
+from dsv4ray.cache.pools import StagePools
+from dsv4ray.cluster.batch import BatchMeta
+from dsv4ray.config import RopeSpec
+from dsv4ray.kernels import dispatch
+from dsv4ray.model.block import Block
+from dsv4ray.model.layers.attention import Attention
+from dsv4ray.model.layers.common import unweighted_rms_norm
+from dsv4ray.model.layers.compressor import Compressor
+from dsv4ray.model.layers.mhc import hc_post
+from dsv4ray.model.layers.rope import apply_rope, cos_sin, rope_tables
+
+
+def paged_block(
+    block: Block, x: torch.Tensor, meta: BatchMeta, pools: StagePools, topk: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """x [T, hc, hidden] -> (x, running top-k [T, k] of logical C4 positions or None)."""
+    info = pools.info(block.spec.layer_id)
+    post, comb, collapsed = block._pre(x, "attn")
+    out, layer_topk = paged_attention(
+        block.attn, block.attn_norm(collapsed), meta, pools, info, topk
+    )
+    x = hc_post(x, out, post, comb)
+    post, comb, collapsed = block._pre(x, "ffn")
+    x = hc_post(x, block.ffn(block.ffn_norm(collapsed), meta.token_ids), post, comb)
+    return x, (layer_topk if layer_topk is not None else topk)
+
+
+def _rope(meta: BatchMeta, rope: RopeSpec):
+    """Per-token (cos, sin) [T, R/2] and per-position tables [P, R/2], cached for the step."""
+    if rope not in meta.rope_cache:
+        max_pos = int(meta.positions.max()) + 1 if meta.num_tokens else 1
+        meta.rope_cache[rope] = (
+            *cos_sin(rope, meta.positions),
+            *rope_tables(rope, max_pos, meta.positions.device),
+        )
+    return meta.rope_cache[rope]
+
+
+def paged_attention(
+    attn: Attention,
+    x: torch.Tensor,
+    meta: BatchMeta,
+    pools: StagePools,
+    info: LayerInfo,
+    prev_topk: torch.Tensor | None,
+):
+    """x [T, hidden] -> (out [T, hidden], this layer's top-k or None)."""
+    spec, cfg = attn.spec, attn.cfg
+    cos, sin, cos_t, sin_t = _rope(meta, spec.rope)
+    qr = attn.q_norm(attn.wq_a(x))
+    q = attn.wq_b(qr).unflatten(-1, (attn.heads, attn.dim))
+    q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, None], sin[:, None])
+    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    window = pools.window[info.local_id]
+    dispatch.store_kv(kv.float().contiguous(), window, meta.window_store, pools.layouts["window"])
+    comp_pages = comp_slots = comp_layout = topk = None
+    ratio = spec.compress_ratio
+    if ratio == 4:
+        kind, comp_pages = "c4", pools.c4[info.compress_layer_id]
+        state = pools.c4_state[info.compress_layer_id]
+        _compress(
+            attn.compressor,
+            x,
+            meta,
+            state,
+            comp_pages,
+            pools.layouts[kind],
+            meta.c4_out,
+            cos_t,
+            sin_t,
+        )
+        topk = (
+            _indexer(attn, x, qr, meta, pools, info, cos, sin, cos_t, sin_t)
+            if info.indexer_layer_id is not None
+            else prev_topk
+        )
+        if topk is None:
+            raise RuntimeError(f"layer {spec.layer_id} shares a top-k but none reached it")
+        comp_slots, comp_layout = meta.c4_slots(topk), pools.layouts[kind]
+    elif ratio == 128:
+        comp_pages = pools.c128[info.compress_layer_id]
+        state = pools.c128_state[info.compress_layer_id]
+        _compress(
+            attn.compressor,
+            x,
+            meta,
+            state,
+            comp_pages,
+            pools.layouts["c128"],
+            meta.c128_out,
+            cos_t,
+            sin_t,
+        )
+        comp_slots, comp_layout = meta.c128_slots, pools.layouts["c128"]
+    o = dispatch.sparse_mqa(
+        q.float().contiguous(),
+        window,
+        meta.window_slots,
+        comp_pages,
+        comp_slots,
+        attn.attn_sink.float(),
+        attn.dim**-0.5,
+        pools.layouts["window"],
+        comp_layout,
+    )
+    o = apply_rope(o.to(x.dtype), cos[:, None], -sin[:, None])
+    return attn._project(o.unsqueeze(0)).squeeze(0), (topk if ratio == 4 else None)
+
+
+def _compress(comp: Compressor, x, meta: BatchMeta, state, pages, layout, out_loc, cos_t, sin_t):
+    kv_state, score_state = state
+    dispatch.compress_norm_rope_store(
+        comp.wkv(x).float().contiguous(),
+        comp.wgate(x).float().contiguous(),
+        meta.positions,
+        meta.state_slots,
+        meta.seq_start,
+        kv_state,
+        score_state,
+        comp.ape.float(),
+        comp.norm.weight.float(),
+        comp.norm.eps,
+        cos_t,
+        sin_t,
+        out_loc,
+        pages,
+        layout,
+        comp.ratio,
+    )
+
+
+def _indexer(
+    attn: Attention,
+    x,
+    qr,
+    meta: BatchMeta,
+    pools: StagePools,
+    info: LayerInfo,
+    cos,
+    sin,
+    cos_t,
+    sin_t,
+) -> torch.Tensor:
+    """The lightning indexer over the paged indexer keys -> logical C4 positions [T, topk]."""
+    idx = attn.indexer
+    pages, layout = pools.indexer[info.indexer_layer_id], pools.layouts["indexer"]
+    _compress(
+        idx.compressor,
+        x,
+        meta,
+        pools.indexer_state[info.indexer_layer_id],
+        pages,
+        layout,
+        meta.c4_out,
+        cos_t,
+        sin_t,
+    )
+    q = apply_rope(
+        idx.wq_b(qr).unflatten(-1, (idx.heads, idx.head_dim)), cos[:, None], sin[:, None]
+    )
+    weights = idx.weights_proj(x).float() * (idx.heads**-0.5 * idx.head_dim**-0.5)
+    return dispatch.indexer_topk(
+        q.float().contiguous(),
+        weights.contiguous(),
+        pages,
+        meta.page_table,
+        meta.req_rows,
+        meta.c4_bound,
+        idx.topk,
+        layout,
+    )

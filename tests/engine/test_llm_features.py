@@ -1,0 +1,85 @@
+"""IndexShare checkpoints, seeded sampling and logprobs through the paged engine."""
+
+import pytest
+import torch
+
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.model import load_reference
+from dsv4ray.model.tiny import make_tiny
+from tests.engine.test_llm_greedy import reference_greedy
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(num_hidden_layers=5, compress_ratios=[4, 4, 128, 4, 4, 0], index_topk_freq=2),
+        dict(
+            num_hidden_layers=6,
+            compress_ratios=[0, 4, 4, 128, 4, 4, 0],
+            index_topk_pattern=["compute", "share", "compute", "share"],
+        ),
+    ],
+    ids=["freq2", "pattern"],
+)
+def test_index_share_checkpoints_equal_reference(tmp_path, overrides):
+    path = make_tiny(str(tmp_path), "tiny", seed=11, **overrides)
+    model = load_reference(path, torch.float32)
+    assert any(s.skip_topk for s in model.cfg.layers)
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (420, 90)]
+    llm = LLM(path, kv_cache_dtype="fp32")
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(model, prompt, 5)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    engine = LLM(tiny_ckpt, kv_cache_dtype="fp32")
+    yield engine
+    engine.shutdown()
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    alone = llm.generate(["Sampling alone"], params)[0].token_ids
+    crowd = llm.generate(
+        ["other prompt", "Sampling alone", "third one"],
+        [
+            SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True),
+            params,
+            SamplingParams(max_tokens=3),
+        ],
+    )[1].token_ids
+    assert alone == crowd
+    other = llm.generate(
+        ["Sampling alone"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)
+    )
+    assert other[0].token_ids != alone
+
+
+def test_top_k_one_is_greedy(llm, tiny_model):
+    prompt = [0, 70, 80, 90]
+    out = llm.generate(
+        [prompt], SamplingParams(max_tokens=6, temperature=0.8, top_k=1, ignore_eos=True)
+    )[0]
+    assert out.token_ids == reference_greedy(tiny_model, prompt, 6)
+
+
+def test_logprobs_match_the_reference(llm, tiny_model):
+    prompt = [0, 50, 60, 70, 80]
+    out = llm.generate([prompt], SamplingParams(max_tokens=3, logprobs=5, ignore_eos=True))[0]
+    assert len(out.logprobs) == 3
+    seq = prompt + out.token_ids
+    ref = torch.log_softmax(tiny_model(torch.tensor([seq]))[0], dim=-1)
+    for i, step in enumerate(out.logprobs):
+        pos = len(prompt) - 1 + i
+        top5 = torch.topk(ref[pos], 5).indices.tolist()
+        assert set(top5) <= set(step) and out.token_ids[i] in step
+        for tok, lp in step.items():
+            assert abs(lp - ref[pos, tok].item()) < 1e-4
