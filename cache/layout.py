@@ -170,7 +170,10 @@ def _quantize_fp8_kv(x: torch.Tensor):
 
 def _quantize_fp8_indexer(x: torch.Tensor):
     rotated = hadamard_rotate(x)
-    scale = rotated.abs().amax(-1).clamp_min(INDEXER_AMAX_FLOOR) / FP8_MAX  # [N]
+    amax = rotated.abs().amax(-1).clamp_min(INDEXER_AMAX_FLOOR)  # [N]
+    # tensor / tensor: torch on CUDA turns a division by a Python scalar into a multiplication by
+    # its reciprocal, which is not correctly rounded; the kernels divide exactly (div_rn).
+    scale = amax / torch.full_like(amax, FP8_MAX)
     values = to_e4m3_bits(rotated / scale[:, None])
     return values, scale.contiguous().view(torch.uint8).reshape(-1, 4)
 

@@ -82,7 +82,7 @@ def build_batch(plan: StepPlan, tables: dict[str, ReqTable], device) -> BatchMet
         state_slots=long(slots),
         req_rows=req_rows,
         page_table=page_table,
-        window_store=window_slots[:, -1],
+        window_store=window_slots[:, -1].contiguous(),
         window_slots=window_slots,
         c4_out=_out_loc(page_table, req_rows, pos, 4),
         c128_out=_out_loc(page_table, req_rows, pos, 128),

@@ -78,7 +78,7 @@ class LLM:
 
     def __init__(self, model: str, **options) -> None:
         self.config = EngineConfig.build(model, **options)
-        self.model_config = ModelConfig.from_hf(model)
+        self.model_config = _check_paged_shapes(ModelConfig.from_hf(model))
         self.tokenizer = Tokenizer(model)
         self.pipeline = self._start_pipeline()
         self._next_id = 0
@@ -190,6 +190,15 @@ class LLM:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
+
+
+def _check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
+    """The page layouts and kernels assume the release's head shapes."""
+    for name, want in (("head_dim", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):
+        if getattr(cfg, name) != want:
+            raise ValueError(f"the paged engine needs {name} = {want} (its page layouts and "
+                             f"kernels), the checkpoint has {getattr(cfg, name)}")
+    return cfg
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

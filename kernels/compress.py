@@ -134,7 +134,8 @@ def _check_args(kv, score, positions, state_slots, seq_start, state_kv, state_sc
     assert cos.shape == sin.shape and cos.shape[1] == 32, (cos.shape, sin.shape)
     for name, t in (("positions", positions), ("state_slots", state_slots),
                     ("seq_start", seq_start), ("out_loc", out_loc)):
-        assert t.dtype == torch.int64 and t.shape == (num_tokens,), f"{name} must be int64 [T]"
+        assert t.dtype == torch.int64 and t.shape == (num_tokens,) and t.is_contiguous(), (
+            f"{name} must be contiguous int64 [T]")
 
 
 def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state_kv, state_score,

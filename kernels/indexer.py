@@ -77,7 +77,8 @@ def _check(q, weights, k_pages, page_table, req_idx, bound, layout) -> None:
     assert weights.dtype == torch.float32 and weights.stride(1) == 1, (weights.dtype, weights.shape)
     assert page_table.dtype == torch.int64 and page_table.dim() == 2 and page_table.stride(1) == 1
     for name, t in (("req_idx", req_idx), ("bound", bound)):
-        assert t.dtype == torch.int64 and t.shape == (num_tokens,), f"{name} must be int64 [T]"
+        assert t.dtype == torch.int64 and t.shape == (num_tokens,) and t.is_contiguous(), (
+            f"{name} must be contiguous int64 [T]")
 
 
 def _rotated_queries(q: torch.Tensor, layout: PageLayout) -> torch.Tensor:

@@ -27,6 +27,7 @@ def _check(x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, layout: Pa
     assert x.shape[1] == layout.dim, (x.shape, layout)
     assert x.stride(1) == 1, "x rows must be contiguous"
     assert slots.dtype == torch.int64 and slots.shape == (x.shape[0],), (slots.dtype, slots.shape)
+    assert slots.is_contiguous(), "slots must be contiguous (the kernel reads slots[t] at t)"
 
 
 def store_kv(x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, layout: PageLayout) -> None:

@@ -1,0 +1,40 @@
+"""The engine on a GPU (Triton kernels, CUDA pools) against the reference on the CPU."""
+
+import pytest
+import torch
+
+from dsv4ray import LLM, SamplingParams
+from tests.engine.test_llm_greedy import reference_greedy
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
+
+
+def test_cuda_engine_greedy_equals_reference_fp32_pages(tiny_ckpt, tiny_model):
+    prompts = _prompts([1, 127, 129, 300, 700], seed=0)
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", device="cuda", max_num_batched_tokens=512)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True))
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 6), len(prompt)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "bf16"])
+def test_cuda_engine_lossy_pages_pass_kl_gates(tiny_ckpt, tiny_model, kv_dtype):
+    prompts = _prompts([600, 333], seed=1)
+    llm = LLM(tiny_ckpt, kv_cache_dtype=kv_dtype, device="cuda", max_num_batched_tokens=512)
+    try:
+        scored = llm.score(prompts)
+    finally:
+        llm.shutdown()
+    for prompt, logp in zip(prompts, scored):
+        ref = torch.log_softmax(tiny_model(torch.tensor([prompt]))[0], dim=-1)
+        logp = logp.cpu()
+        assert (logp.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
+        assert (ref.exp() * (ref - logp)).sum(-1).mean() <= 0.005
