@@ -47,6 +47,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         pp_size=args.pp,
         seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+
+
+def cmd_job(args: argparse.Namespace) -> int:
+    from dsv4ray.cluster.job import run_job
+
+    options = {"kv_cache_dtype": args.kv_cache_dtype}
+    return run_job(
+        _model_path(args.model),
+        args.input,
+        args.output,
+        pp_size=args.pp,
+        default_max_tokens=args.max_tokens,
+        **options,
     )
 
 
@@ -64,7 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     gen.set_defaults(func=cmd_generate)
+
+    job = sub.add_parser("job", help="batch generation over a JSONL file (ray job submit)")
+    job.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
+    job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
+    job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
+    job.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    job.add_argument("--max-tokens", type=int, default=16, help="default per request")
+    job.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
+    job.set_defaults(func=cmd_job)
 
     tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint")
     tiny.add_argument("--out", required=True)

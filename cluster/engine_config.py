@@ -34,6 +34,7 @@ class EngineConfig:
     device: str | None = None  # None = cuda when available, else cpu
     memory_fraction: float = 0.85
     use_ray: str | bool = "auto"
+    execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -76,13 +77,20 @@ class EngineConfig:
                 "speculative_num_steps > 0 needs the MTP draft worker, which this "
                 "build does not include"
             )
-        if self.pp_size > 1 or self.use_ray is True:
+        if self.pp_size > 1 and self.use_ray is False:
             raise ValueError(
-                f"pp_size={self.pp_size} / use_ray needs the Ray pipeline, which this "
-                "build does not include"
+                f"pp_size={self.pp_size} runs its stages as Ray actors; use_ray=False allows "
+                "only pp_size 1"
             )
         if self.host_cache_tokens is not None and not self.enable_hicache:
             raise ValueError("host_cache_tokens is set but enable_hicache is False")
+
+    @property
+    def uses_ray(self) -> bool:
+        """In-process when pp_size == 1 and no actor feature is on, Ray actors otherwise."""
+        if self.use_ray == "auto":
+            return self.pp_size > 1
+        return bool(self.use_ray)
 
     @property
     def resolved_max_total_tokens(self) -> int | None:

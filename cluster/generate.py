@@ -1,13 +1,12 @@
-"""``dsv4ray generate``: stream completions of prompts to the terminal."""
+"""``dsv4ray generate``: stream completions of prompts to the terminal through the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
-import torch
-
-from dsv4ray.model import load_reference
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.cluster.async_engine import AsyncEngine
+from dsv4ray.cluster.sampling import SamplingParams
 
 
 def generate(
@@ -18,39 +17,36 @@ def generate(
     pp_size: int = 1,
     seed: int | None = None,
     out=None,
+    **options,
 ) -> int:
-    if max_tokens < 1:
-        raise SystemExit(f"dsv4ray: --max-tokens must be >= 1, got {max_tokens}")
-    if temperature < 0:
-        raise SystemExit(f"dsv4ray: --temperature must be >= 0, got {temperature}")
-    if pp_size != 1:
-        raise SystemExit("dsv4ray: --pp > 1 needs the Ray pipeline, which this build lacks")
     out = out or sys.stdout
-    tok = Tokenizer(model_path)
-    model = load_reference(model_path, torch.float32)
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    try:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+        engine = AsyncEngine(model_path, pp_size=pp_size, **options)
+    except ValueError as exc:
+        raise SystemExit(f"dsv4ray: {exc}") from exc
+    try:
+        return asyncio.run(_stream_all(engine, prompts, params, out))
+    finally:
+        engine.shutdown()
+
+
+async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> int:
+    failed = 0
     for prompt in prompts:
-        out.write(f"{prompt}")
+        out.write(prompt)
         out.flush()
-        for delta in _stream(model, tok, tok.encode(prompt), max_tokens, temperature, gen):
-            out.write(delta)
+        shown, final = "", None
+        async for update in engine.generate(prompt, params):
+            out.write(update.text)
             out.flush()
+            shown += update.text
+            final = update.output
+        if final is not None and final.text.startswith(shown):
+            out.write(final.text[len(shown) :])  # an unfinished UTF-8 tail the stream held back
         out.write("\n")
-    return 0
-
-
-def _stream(model, tok: Tokenizer, ids: list[int], max_tokens: int, temperature: float, gen):
-    """Greedy (or sampled) loop over the reference's incremental path, yielding text deltas."""
-    state = model.new_state(1)
-    logits = model.step(torch.tensor([ids]), state)[0, -1]
-    decoder = StreamDecoder(tok)
-    for _ in range(max_tokens):
-        if temperature == 0:
-            nxt = int(logits.argmax())
-        else:
-            nxt = int(torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen))
-        if nxt == tok.eos_token_id:
-            break
-        yield decoder.push([nxt])
-        logits = model.step(torch.tensor([[nxt]]), state)[0, -1]
-    yield decoder.flush()
+        if final is None or final.finish_reason == "abort":
+            failed += 1
+            reason = final.error if final is not None else "no output"
+            print(f"dsv4ray: request aborted: {reason}", file=sys.stderr)
+    return 1 if failed else 0

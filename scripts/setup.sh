@@ -21,4 +21,4 @@ fi
 python -m pip install -q -e ".[test,$extra]"
 
 [ -f .tiny/config.json ] || dsv4ray make-tiny --out .tiny
-dsv4ray generate "Hello from dsv4ray:"
+dsv4ray generate --pp 2 "Hello from dsv4ray:"

@@ -1,0 +1,56 @@
+"""StageActor: the Ray actor shell over ``StageWorker`` (all logic lives in the plain class).
+
+Control calls (ready, available_bytes, allocate) are plain ``.remote()`` calls; the per-step
+methods ``first`` / ``next`` are bound into the pipeline's compiled graph. Plans arrive as
+msgpack bytes; results carry the residual stack and top-k tensors to the next stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+import torch
+
+from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.cluster.plan import decode
+from dsv4ray.cluster.worker import StageResult, StageWorker
+
+
+@ray.remote
+class StageActor:
+    def __init__(
+        self,
+        model: str,
+        start: int,
+        end: int,
+        kv_cache_dtype: str,
+        dtype: str | None,
+        device: str,
+        num_threads: int,
+        log_level: str = "INFO",
+    ) -> None:
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(max(1, num_threads))
+        self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device)
+
+    def ready(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "node": ray.get_runtime_context().get_node_id(),
+            "start": self.worker.model.start,
+            "end": self.worker.model.end,
+        }
+
+    def available_bytes(self, memory_fraction: float) -> float | None:
+        return self.worker.available_bytes(memory_fraction)
+
+    def allocate(self, sizes: dict) -> int:
+        return self.worker.allocate(PoolSizes(**sizes))
+
+    def first(self, plan: bytes) -> StageResult:
+        return self.worker.execute(decode(plan))
+
+    def next(self, plan: bytes, prev: StageResult) -> StageResult:
+        return self.worker.execute(decode(plan), prev)

@@ -1,0 +1,151 @@
+"""AsyncEngine: per-request token streams for asyncio callers (the Serve app, the CLI).
+
+The EngineCore runs on one background thread: it takes commands (add, abort) from a queue, steps
+while requests are unfinished, and hands each update to the asyncio loop of the caller that owns
+the request. A caller that stops iterating (a client that disconnected) aborts its request, so
+its pages return to the pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from dsv4ray.cluster.core import EngineCore, RequestUpdate
+from dsv4ray.cluster.engine_config import EngineConfig
+from dsv4ray.cluster.sampling import SamplingParams
+
+log = logging.getLogger("dsv4ray.async")
+
+
+class AsyncEngine:
+    def __init__(
+        self, model: str | None = None, config: EngineConfig | None = None, **options
+    ) -> None:
+        self.config = config or EngineConfig.build(model, **options)
+        self.core = EngineCore(self.config)
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dsv4ray-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    # ------------------------------------------------------------------ caller side
+    async def generate(
+        self, prompt, params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestUpdate]:
+        """Yields one RequestUpdate per step that produced tokens; the last has ``output``.
+
+        ValueError (bad prompt, too long, ...) is raised before the first update.
+        """
+        req_id = request_id or f"req-{next(self._ids)}"
+        ids = self.core.prompt_ids(prompt)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[req_id] = (asyncio.get_running_loop(), stream)
+        try:
+            await self._call("add", req_id, ids, params or SamplingParams())
+        except BaseException:
+            self._streams.pop(req_id, None)
+            raise
+        finished = False
+        try:
+            while True:
+                update: RequestUpdate = await stream.get()
+                yield update
+                if update.output is not None:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(req_id, None)
+            if not finished:
+                self._commands.put(("abort", req_id, None))
+
+    async def abort(self, request_id: str) -> None:
+        await self._call("abort", request_id)
+
+    async def stats(self) -> dict:
+        return await self._call("stats")
+
+    def _call(self, kind: str, *args):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((kind, *args, future))
+        return asyncio.wrap_future(future)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(("stop", None))
+        self._thread.join(timeout=30)
+        self.core.shutdown()
+
+    # ------------------------------------------------------------------ engine thread
+    def _loop(self) -> None:
+        while not self._stopped.is_set():
+            self._drain(block=not self.core.has_unfinished())
+            if self._stopped.is_set():
+                break
+            if self.core.has_unfinished():
+                try:
+                    updates = self.core.step()
+                except Exception as exc:  # keep serving: end what cannot go on, with the reason
+                    log.exception("engine step failed")
+                    updates = self.core.abort_all(f"engine step failed: {exc}")
+                for update in updates:
+                    self._deliver(update)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._run(command)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _run(self, command: tuple) -> None:
+        kind, *args = command
+        future = args.pop() if args and isinstance(args[-1], concurrent.futures.Future) else None
+        try:
+            result = self._apply(kind, args)
+        except Exception as exc:
+            if future is not None:
+                future.set_exception(exc)
+            return
+        if future is not None:
+            future.set_result(result)
+
+    def _apply(self, kind: str, args: list):
+        if kind == "add":
+            req_id, ids, params = args
+            self.core.add_request(req_id, ids, params)
+        elif kind == "abort":
+            out = self.core.abort(args[0], "aborted by the caller")
+            if out is not None:
+                self._deliver(RequestUpdate(args[0], output=out))
+        elif kind == "stats":
+            return self.core.stats()
+        return None
+
+    def _deliver(self, update: RequestUpdate) -> None:
+        target = self._streams.get(update.request_id)
+        if update.output is not None:
+            self.core.pop_output(update.request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, update)

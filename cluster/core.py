@@ -1,0 +1,268 @@
+"""EngineCore: the synchronous heart shared by ``LLM``, ``AsyncEngine``, the job runner and Serve.
+
+It owns the scheduler and a pipeline (in-process stages or Ray stage actors) and turns one call
+of ``step()`` into a list of per-request updates (new tokens, text deltas, finished outputs).
+Up to ``pipeline.depth`` plans are in flight (micro-batches); the scheduler never schedules a
+request that is in flight, and stages apply plans in order. If a stage dies, every unfinished
+request ends with finish_reason "abort" and an error saying so, the pipeline is rebuilt with
+fresh pools, and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dsv4ray.cluster.engine_config import EngineConfig
+from dsv4ray.cluster.outputs import RequestMetrics, RequestOutput
+from dsv4ray.cluster.pipeline_base import PipelineFailure, make_pipeline
+from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.cluster.scheduler import FinishedRequest, Scheduler, SchedulerConfig
+from dsv4ray.config import ModelConfig
+from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+
+log = logging.getLogger("dsv4ray.engine")
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did for one request: new token ids and text; ``output`` when finished."""
+
+    request_id: str
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    output: RequestOutput | None = None
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+        self.tokenizer = Tokenizer(config.model)
+        self.pipeline = make_pipeline(config, self.model_config)
+        self.scheduler = self._new_scheduler()
+        self.tracker = _Tracker(self.tokenizer)
+        self.in_flight: deque = deque()
+        self.scoring: set[str] = set()
+
+    def _new_scheduler(self) -> Scheduler:
+        cap, cfg, ec = self.pipeline.capacity, self.model_config, self.config
+        self.max_model_len = min(
+            ec.max_model_len or cfg.max_position_embeddings, cap.num_full_tokens
+        )
+        log.info(
+            "engine: %s, pp=%d, capacity %d tokens, max_model_len %d",
+            ec.model,
+            ec.pp_size,
+            cap.num_full_tokens,
+            self.max_model_len,
+        )
+        return Scheduler(
+            SchedulerConfig(
+                num_pages=cap.num_pages,
+                num_window_pages=cap.num_window_pages,
+                num_state_slots=cap.num_state_slots,
+                num_cached_state_slots=cap.num_cached_state_slots,
+                max_model_len=self.max_model_len,
+                eos_token_id=self.tokenizer.eos_token_id,
+                max_num_batched_tokens=ec.max_num_batched_tokens,
+                enable_prefix_caching=ec.enable_prefix_caching,
+            )
+        )
+
+    # ------------------------------------------------------------------ requests
+    def prompt_ids(self, prompt) -> list[int]:
+        """A string (tokenised) or a list of token ids (checked against the vocabulary)."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            vocab = self.model_config.vocab_size
+            bad = [t for t in prompt if isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
+            return list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
+
+    def add_request(
+        self, req_id: str, prompt_ids: list[int], params: SamplingParams, score: bool = False
+    ) -> None:
+        self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
+        self.tracker.add(req_id, prompt_ids, params)
+        if score:
+            self.scoring.add(req_id)
+
+    def abort(self, req_id: str, error: str | None = None) -> RequestOutput | None:
+        finished = self.scheduler.abort(req_id)
+        if finished is None:
+            return None
+        return self.tracker.on_finish(finished, error)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestUpdate]:
+        """Submits plans up to the pipeline depth, then commits the oldest one in flight."""
+        while len(self.in_flight) < self.pipeline.depth:
+            plan = self.scheduler.schedule()
+            if plan is None:
+                break
+            plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+            try:
+                self.in_flight.append((plan, self.pipeline.submit(plan)))
+            except PipelineFailure as exc:
+                return self._recover(exc)
+        if not self.in_flight:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler has unfinished requests but nothing to run")
+            return []
+        plan, handle = self.in_flight.popleft()
+        try:
+            result = self.pipeline.collect(handle)
+        except PipelineFailure as exc:
+            return self._recover(exc)
+        return self._commit(plan, result)
+
+    def _commit(self, plan, result) -> list[RequestUpdate]:
+        finished = self.scheduler.commit(plan, result.sampled)
+        updates: dict[str, RequestUpdate] = {}
+        for req_id, logits in result.full_logits.items():
+            self.tracker.logits.setdefault(req_id, []).append(logits)
+        for req_id, token in result.sampled.items():
+            delta, stop = self.tracker.on_token(req_id, token, result.logprobs.get(req_id))
+            updates[req_id] = RequestUpdate(req_id, [token], delta)
+            if stop and not any(f.req_id == req_id for f in finished):
+                done = self.scheduler.finish(req_id, "stop")
+                finished += [done] if done is not None else []
+        for f in finished:
+            update = updates.setdefault(f.req_id, RequestUpdate(f.req_id))
+            update.output = self.tracker.on_finish(f)
+            self.scoring.discard(f.req_id)
+        return list(updates.values())
+
+    def _recover(self, exc: PipelineFailure) -> list[RequestUpdate]:
+        """A stage died: abort every unfinished request with the reason, rebuild, keep serving."""
+        error = f"pipeline stage failed: {exc}; the request was aborted"
+        log.error("%s; rebuilding the pipeline", error)
+        updates = self.abort_all(error)
+        self.pipeline.rebuild()
+        self.scheduler = self._new_scheduler()
+        self.scoring.clear()
+        return updates
+
+    def stats(self) -> dict:
+        """Counters for metrics and tests: running/waiting requests and free pages."""
+        kv = self.scheduler.kv
+        return {
+            "num_running": self.scheduler.num_running,
+            "num_waiting": self.scheduler.num_waiting,
+            "num_free_pages": kv.pages.num_free,
+            "num_cached_pages": kv.pages.num_cached,
+            "num_pages": kv.pages.num_pages,
+            "num_free_window_pages": kv.window_pages.num_free,
+            "num_window_pages": kv.window_pages.num_pages,
+        }
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()
+
+    def abort_all(self, error: str) -> list[RequestUpdate]:
+        """Ends every unfinished request with finish_reason "abort" and ``error``."""
+        self.in_flight.clear()
+        updates = []
+        for req_id in self.tracker.unfinished():
+            finished = self.scheduler.abort(req_id)
+            if finished is not None:
+                out = self.tracker.on_finish(finished, error)
+                updates.append(RequestUpdate(req_id, output=out))
+        return updates
+
+    def run_until_done(self, req_ids: set[str]) -> None:
+        while any(not self.tracker.outputs[r].finished for r in req_ids):
+            self.step()
+
+    def pop_output(self, req_id: str) -> RequestOutput:
+        return self.tracker.pop(req_id)
+
+    def shutdown(self) -> None:
+        self.pipeline.shutdown()
+
+
+def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
+    """The page layouts and kernels assume the release's head shapes."""
+    for name, want in (("head_dim", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):
+        if getattr(cfg, name) != want:
+            raise ValueError(
+                f"the paged engine needs {name} = {want} (its page layouts and "
+                f"kernels), the checkpoint has {getattr(cfg, name)}"
+            )
+    return cfg
+
+
+class _Tracker:
+    """Text, logprobs, stop strings and timings of each request, until it is popped."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.outputs: dict[str, RequestOutput] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.decoders: dict[str, StreamDecoder] = {}
+        self.start: dict[str, float] = {}
+        self.stopped_by_string: set[str] = set()
+        self.logits: dict[str, list] = {}
+
+    def add(self, req_id: str, prompt_ids: list[int], sp: SamplingParams) -> None:
+        self.outputs[req_id] = RequestOutput(
+            req_id,
+            prompt_ids,
+            logprobs=[] if sp.logprobs is not None else None,
+            metrics=RequestMetrics(num_prompt_tokens=len(prompt_ids)),
+        )
+        self.params[req_id] = sp
+        self.decoders[req_id] = StreamDecoder(self.tokenizer)
+        self.start[req_id] = time.perf_counter()
+
+    def unfinished(self) -> list[str]:
+        return [r for r, out in self.outputs.items() if not out.finished]
+
+    def on_token(self, req_id: str, token: int, logprobs) -> tuple[str, bool]:
+        """Records a sampled token; returns (text delta, whether a stop string appeared)."""
+        out, sp = self.outputs[req_id], self.params[req_id]
+        if out.metrics.ttft_s is None:
+            out.metrics.ttft_s = time.perf_counter() - self.start[req_id]
+        out.token_ids.append(token)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
+        before = len(out.text)
+        out.text += self.decoders[req_id].push([token])
+        for stop in sp.stop or ():
+            cut = out.text.find(stop)
+            if cut >= 0:
+                out.text = out.text[:cut]
+                self.stopped_by_string.add(req_id)
+                return out.text[before:], True
+        return out.text[before:], False
+
+    def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
+        out = self.outputs[finished.req_id]
+        out.finish_reason = finished.finish_reason
+        out.error = error
+        out.metrics.num_cached_tokens = finished.num_cached_tokens
+        out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
+        if finished.req_id not in self.stopped_by_string:
+            out.text = self.tokenizer.decode(out.token_ids)
+        return out
+
+    def pop(self, req_id: str) -> RequestOutput:
+        for table in (self.params, self.decoders, self.start):
+            table.pop(req_id, None)
+        self.stopped_by_string.discard(req_id)
+        return self.outputs.pop(req_id)
+
+    def pop_logits(self, req_id: str) -> torch.Tensor:
+        return torch.log_softmax(torch.cat(self.logits.pop(req_id)), dim=-1)

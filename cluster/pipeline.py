@@ -1,0 +1,129 @@
+"""RayPipeline: one StageActor per pipeline stage, driven through a Ray compiled graph.
+
+One placement group per pipeline (strategy PACK, one bundle per stage, passed explicitly to every
+actor). The compiled graph sends each plan (msgpack bytes) to every stage and passes each stage's
+StageResult (residual stack [T, hc * hidden], running top-k) to the next: shared-memory channels
+on CPU, NCCL on GPUs. Up to pp_size plans are in flight. A dead or stuck stage raises
+PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in the same bundles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import ray
+from ray.dag import InputNode
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dsv4ray.actors.stage import StageActor
+from dsv4ray.cache.layer_mapping import split_layers
+from dsv4ray.cluster.engine_config import EngineConfig
+from dsv4ray.cluster.pipeline_base import PipelineFailure, pool_sizes, size_pipeline
+from dsv4ray.cluster.plan import StepPlan, encode
+from dsv4ray.cluster.ray_utils import ensure_ray, stage_bundle
+from dsv4ray.cluster.worker import StageResult
+from dsv4ray.config import ModelConfig
+
+log = logging.getLogger("dsv4ray.pipeline")
+
+
+class RayPipeline:
+    def __init__(
+        self,
+        config: EngineConfig,
+        cfg: ModelConfig,
+        placement: ray.util.placement_group.PlacementGroup | None = None,
+    ) -> None:
+        ensure_ray()
+        self.config, self.cfg = config, cfg
+        self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
+        self.use_gpu = config.device == "cuda"
+        self.depth = config.pp_size
+        self.own_pg = placement is None
+        self.pg = placement or placement_group(
+            [stage_bundle(self.use_gpu) for _ in self.ranges], strategy="PACK"
+        )
+        ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
+        self.actors, self.dag = [], None
+        self._build()
+
+    def _build(self) -> None:
+        ec = self.config
+        self.actors = [self._actor(i, start, end) for i, (start, end) in enumerate(self.ranges)]
+        infos = ray.get([a.ready.remote() for a in self.actors])
+        available = ray.get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
+        self.capacity = size_pipeline(self.cfg, ec, available)
+        sizes = dataclasses.asdict(pool_sizes(self.capacity))
+        ray.get([a.allocate.remote(sizes) for a in self.actors])
+        self.dag = self._compile()
+        log.info(
+            "pipeline: %d stage actors %s, compiled graph ready",
+            len(self.actors),
+            [(i["start"], i["end"], i["pid"]) for i in infos],
+        )
+
+    def _actor(self, idx: int, start: int, end: int):
+        ec = self.config
+        strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
+        resources = {"num_gpus": 1, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.5}
+        return StageActor.options(scheduling_strategy=strategy, **resources).remote(
+            ec.model,
+            start,
+            end,
+            ec.kv_cache_dtype,
+            ec.dtype,
+            ec.device,
+            1 if not self.use_gpu else 2,
+            logging.getLevelName(log.getEffectiveLevel()),
+        )
+
+    def _compile(self):
+        with InputNode() as plan:
+            out = self.actors[0].first.bind(plan)
+            for actor in self.actors[1:]:
+                if self.use_gpu:
+                    out = out.with_tensor_transport(transport="nccl")
+                out = actor.next.bind(plan, out)
+        return out.experimental_compile(
+            _max_inflight_executions=self.depth,
+            _submit_timeout=self.config.execution_timeout_s,
+        )
+
+    def submit(self, plan: StepPlan):
+        try:
+            return self.dag.execute(encode(plan))
+        except Exception as exc:  # the compiled graph reports a dead actor in many types
+            raise PipelineFailure(_describe(exc)) from exc
+
+    def collect(self, ref) -> StageResult:
+        try:
+            return ray.get(ref, timeout=self.config.execution_timeout_s)
+        except Exception as exc:
+            raise PipelineFailure(_describe(exc)) from exc
+
+    def rebuild(self) -> None:
+        self._teardown()
+        self._build()
+
+    def _teardown(self) -> None:
+        if self.dag is not None:
+            try:
+                self.dag.teardown()
+            except Exception as exc:  # a graph with a dead actor may not tear down cleanly
+                log.warning("compiled graph teardown: %s", _describe(exc))
+            self.dag = None
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+
+    def shutdown(self) -> None:
+        self._teardown()
+        if self.own_pg:
+            remove_placement_group(self.pg)
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
