@@ -25,10 +25,15 @@ log = logging.getLogger("dsv4ray.async")
 
 class AsyncEngine:
     def __init__(
-        self, model: str | None = None, config: EngineConfig | None = None, **options
+        self,
+        model: str | None = None,
+        config: EngineConfig | None = None,
+        placement=None,
+        **options,
     ) -> None:
+        """placement: a Ray placement group for the stage actors (bundle i = stage i)."""
         self.config = config or EngineConfig.build(model, **options)
-        self.core = EngineCore(self.config)
+        self.core = EngineCore(self.config, placement)
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()

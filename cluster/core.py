@@ -40,11 +40,13 @@ class RequestUpdate:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, placement=None) -> None:
+        """placement: a Ray placement group whose bundle i hosts stage i (the Serve replica
+        passes its own, sharing bundle 0); None creates one when the stages are actors."""
         self.config = config
         self.model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
         self.tokenizer = Tokenizer(config.model)
-        self.pipeline = make_pipeline(config, self.model_config)
+        self.pipeline = make_pipeline(config, self.model_config, placement)
         self.scheduler = self._new_scheduler()
         self.tracker = _Tracker(self.tokenizer)
         self.in_flight: deque = deque()

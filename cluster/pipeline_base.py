@@ -90,10 +90,10 @@ class LocalPipeline:
         self.workers = []
 
 
-def make_pipeline(config: EngineConfig, cfg: ModelConfig):
+def make_pipeline(config: EngineConfig, cfg: ModelConfig, placement=None):
     """In-process when pp_size == 1 and use_ray is not forced; Ray stage actors otherwise."""
-    if config.uses_ray:
+    if config.uses_ray or placement is not None:
         from dsv4ray.cluster.pipeline import RayPipeline
 
-        return RayPipeline(config, cfg)
+        return RayPipeline(config, cfg, placement)
     return LocalPipeline(config, cfg)
