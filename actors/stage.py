@@ -49,6 +49,12 @@ class StageActor:
     def allocate(self, sizes: dict) -> int:
         return self.worker.allocate(PoolSizes(**sizes))
 
+    def attach_host(self, layout_args: dict, path: str) -> int:
+        return self.worker.attach_host(layout_args, path)
+
+    def detach_host(self) -> None:
+        self.worker.detach_host()
+
     def first(self, plan: bytes) -> StageResult:
         return self.worker.execute(decode(plan))
 

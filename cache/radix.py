@@ -40,7 +40,19 @@ class Snapshot:
 class RadixNode:
     """A full page of a cached prefix. depth = number of pages from the root to here inclusive."""
 
-    __slots__ = ("key", "page_id", "parent", "children", "depth", "lock_ref", "snapshot", "tick")
+    __slots__ = (
+        "key",
+        "page_id",
+        "parent",
+        "children",
+        "depth",
+        "lock_ref",
+        "snapshot",
+        "tick",
+        "host_page",
+        "host_snapshot",
+        "hits",
+    )
 
     def __init__(self, key: tuple[int, ...], page_id: int, parent: RadixNode | None) -> None:
         self.key = key
@@ -51,6 +63,11 @@ class RadixNode:
         self.lock_ref = 0
         self.snapshot: Snapshot | None = None
         self.tick = 0  # last use, from a counter (deterministic LRU)
+        # Host tier (cache/hicache.py): a copy of the page / snapshot in host memory, -1 = none.
+        # page_id is -1 while the page lives only on the host.
+        self.host_page = -1
+        self.host_snapshot = -1
+        self.hits = 0
 
 
 class InsertResult(NamedTuple):
@@ -163,6 +180,9 @@ class RadixIndex:
                 child = RadixNode(key, page_id, node)
                 node.children[key] = child
                 self._num_nodes += 1
+            elif child.page_id < 0:  # only on the host tier: the device copy comes back
+                self._pages.cache_adopt([page_id])
+                child.page_id = page_id
             else:
                 unadopted.append(page_id)
             node = child
@@ -201,7 +221,8 @@ class RadixIndex:
     def _remove_leaf(self, node: RadixNode, result: EvictResult) -> None:
         del node.parent.children[node.key]
         self._num_nodes -= 1
-        result.page_ids.extend(self._pages.cache_release([node.page_id]))
+        if node.page_id >= 0:
+            result.page_ids.extend(self._pages.cache_release([node.page_id]))
         if node.snapshot is not None:
             result.window_page_ids.extend(
                 self._windows.cache_release([node.snapshot.window_page_id])
@@ -220,7 +241,8 @@ class RadixIndex:
         """(page ids, snapshot window page ids, cached-state slots) the index holds."""
         pages, windows, states = [], [], []
         for node in self._iter_nodes():
-            pages.append(node.page_id)
+            if node.page_id >= 0:
+                pages.append(node.page_id)
             if node.snapshot is not None:
                 windows.append(node.snapshot.window_page_id)
                 states.append(node.snapshot.state_slot)
@@ -236,6 +258,8 @@ class RadixIndex:
         for node in nodes:
             if node.lock_ref < sum(child.lock_ref for child in node.children.values()):
                 raise RuntimeError(f"radix: node of page {node.page_id} locked less than children")
+            if node.page_id < 0 and node.host_page < 0:
+                raise RuntimeError("radix: a node with neither a device nor a host page")
             if len(node.key) != self.page_size or node.depth != node.parent.depth + 1:
                 raise RuntimeError(f"radix: malformed node of page {node.page_id}")
         pages, windows, states = self.held_ids()

@@ -47,10 +47,29 @@ class EngineCore:
         self.model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
         self.tokenizer = Tokenizer(config.model)
         self.pipeline = make_pipeline(config, self.model_config, placement)
+        self.host_pages, self.host_snapshots = self._attach_host_tier()
         self.scheduler = self._new_scheduler()
         self.tracker = _Tracker(self.tokenizer)
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
+
+    def _attach_host_tier(self) -> tuple[int, int]:
+        """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
+        if not self.config.enable_hicache:
+            return 0, 0
+        cap = self.pipeline.capacity
+        tokens = self.config.host_cache_tokens or 2 * cap.num_full_tokens
+        pages = max(1, tokens // 256)
+        snapshots = max(4, pages // 8)
+        self.pipeline.attach_host(pages, snapshots)
+        log.info(
+            "host tier: %d pages (%d tokens), %d snapshots per stage, policy %s",
+            pages,
+            pages * 256,
+            snapshots,
+            self.config.hicache_write_policy,
+        )
+        return pages, snapshots
 
     def _new_scheduler(self) -> Scheduler:
         cap, cfg, ec = self.pipeline.capacity, self.model_config, self.config
@@ -74,6 +93,9 @@ class EngineCore:
                 eos_token_id=self.tokenizer.eos_token_id,
                 max_num_batched_tokens=ec.max_num_batched_tokens,
                 enable_prefix_caching=ec.enable_prefix_caching,
+                num_host_pages=self.host_pages,
+                num_host_snapshots=self.host_snapshots,
+                hicache_write_policy=ec.hicache_write_policy,
             )
         )
 
@@ -115,6 +137,8 @@ class EngineCore:
             if plan is None:
                 break
             plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+            if plan.has_host_ops and not self.pipeline.host_alive():
+                self._host_tier_lost()  # this plan's copies still reach the stages' mappings
             try:
                 self.in_flight.append((plan, self.pipeline.submit(plan)))
             except PipelineFailure as exc:
@@ -148,14 +172,26 @@ class EngineCore:
         return list(updates.values())
 
     def _recover(self, exc: PipelineFailure) -> list[RequestUpdate]:
-        """A stage died: abort every unfinished request with the reason, rebuild, keep serving."""
+        """A stage died: abort every unfinished request with the reason, rebuild, keep serving.
+        With a host tier the prefix index keeps what the host holds, so restarted stages load
+        cached prefixes back instead of recomputing them."""
         error = f"pipeline stage failed: {exc}; the request was aborted"
         log.error("%s; rebuilding the pipeline", error)
         updates = self.abort_all(error)
+        old_capacity = self.pipeline.capacity
         self.pipeline.rebuild()
-        self.scheduler = self._new_scheduler()
+        if self.scheduler.kv.hicache and self.pipeline.capacity == old_capacity:
+            self.scheduler.reset_device_state()
+            log.info("prefix index kept its host-tier pages across the restart")
+        else:
+            self.scheduler = self._new_scheduler()
         self.scoring.clear()
         return updates
+
+    def _host_tier_lost(self) -> None:
+        log.error("host tier lost: dropping host residency, serving from device pools only")
+        self.scheduler.kv.radix.drop_host_residency()
+        self.pipeline.drop_host()
 
     def stats(self) -> dict:
         """Counters for metrics and tests: running/waiting requests and free pages."""
@@ -168,6 +204,8 @@ class EngineCore:
             "num_pages": kv.pages.num_pages,
             "num_free_window_pages": kv.window_pages.num_free,
             "num_window_pages": kv.window_pages.num_pages,
+            "num_host_pages": self.host_pages,
+            "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
         }
 
     def check_integrity(self) -> None:
@@ -255,6 +293,7 @@ class _Tracker:
         out.finish_reason = finished.finish_reason
         out.error = error
         out.metrics.num_cached_tokens = finished.num_cached_tokens
+        out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens
         out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
         if finished.req_id not in self.stopped_by_string:
             out.text = self.tokenizer.decode(out.token_ids)

@@ -11,9 +11,9 @@ import torch
 KV_DTYPES = ("fp8", "bf16", "fp32")
 CPU_MAX_TOTAL_TOKENS = 65536
 _NOT_YET = {
-    "enable_hicache": "the host cache tier",
     "enable_hisparse": "HiSparse",
 }
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     enable_hicache: bool = False
-    host_cache_tokens: int | None = None
+    host_cache_tokens: int | None = None  # None: twice the device pool capacity
+    hicache_write_policy: str = "write_through"
     enable_hisparse: bool = False
     speculative_num_steps: int = 0
     dtype: str | None = None  # model compute dtype; None = the checkpoint's
@@ -84,12 +85,24 @@ class EngineConfig:
             )
         if self.host_cache_tokens is not None and not self.enable_hicache:
             raise ValueError("host_cache_tokens is set but enable_hicache is False")
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(
+                f"hicache_write_policy must be one of {WRITE_POLICIES}, got "
+                f"{self.hicache_write_policy!r}"
+            )
+        if self.enable_hicache and not self.enable_prefix_caching:
+            raise ValueError(
+                "enable_hicache needs enable_prefix_caching (the host tier extends "
+                "the prefix cache)"
+            )
+        if self.enable_hicache and self.use_ray is False:
+            raise ValueError("enable_hicache runs a host tier actor; use_ray=False is not allowed")
 
     @property
     def uses_ray(self) -> bool:
         """In-process when pp_size == 1 and no actor feature is on, Ray actors otherwise."""
         if self.use_ray == "auto":
-            return self.pp_size > 1
+            return self.pp_size > 1 or self.enable_hicache
         return bool(self.use_ray)
 
     @property

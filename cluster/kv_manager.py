@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 from dsv4ray.cache.allocator import PageAllocator
+from dsv4ray.cache.hicache import HiRadixIndex
 from dsv4ray.cache.radix import RadixIndex, RadixNode, Snapshot
 from dsv4ray.cluster.request import Request, RequestSnapshot
 
@@ -43,9 +44,21 @@ class KVCacheManager:
         self.window_pages = PageAllocator(config.num_window_pages, "window pages")
         self.state_slots = PageAllocator(config.num_state_slots, "state slots")
         self.cached_state_slots = PageAllocator(config.num_cached_state_slots, "cached-state slots")
-        self.radix = RadixIndex(
-            self.pages, self.window_pages, self.cached_state_slots, config.page_size
-        )
+        self.hicache = config.num_host_pages > 0 and self.prefix_caching
+        if self.hicache:
+            self.radix = HiRadixIndex(
+                self.pages,
+                self.window_pages,
+                self.cached_state_slots,
+                PageAllocator(config.num_host_pages, "host pages"),
+                PageAllocator(max(1, config.num_host_snapshots), "host snapshots"),
+                config.hicache_write_policy,
+                config.page_size,
+            )
+        else:
+            self.radix = RadixIndex(
+                self.pages, self.window_pages, self.cached_state_slots, config.page_size
+            )
 
     def match(self, req: Request) -> tuple[list[int], RadixNode | None]:
         """Cached prefix for a request about to be admitted: it leaves at least one token to
@@ -90,19 +103,28 @@ class KVCacheManager:
         self, req: Request, page_ids: list[int], node: RadixNode | None, num_tokens: int
     ) -> bool:
         """Start a waiting request on a prefix hit (page_ids up to node, or none) and give it the
-        ids for its first num_tokens tokens; False (nothing taken) when the pools are short."""
+        ids for its first num_tokens tokens; False (nothing taken) when the pools are short.
+        Pages of the hit that live only on the host tier are loaded back (req records how many
+        tokens came from there)."""
         start = len(page_ids) * self.page_size
         if node is not None:
             self.radix.lock(node)  # before any eviction, so the matched prefix survives
-            # The hit's window page holds [start - 128, start): read only, nothing writes there.
-            req.window_pages[start // self.window_size - 1] = node.snapshot.window_page_id
-        num_new_pages = cdiv(start + num_tokens, self.page_size) - len(page_ids)
-        num_windows = len(self._missing_windows(req, start, num_tokens))
-        if self.state_slots.num_free < 1 or not self.ensure_free(num_new_pages, num_windows):
-            req.window_pages.clear()
+        load_pages, load_snaps = self.radix.missing(node) if self.hicache and node else (0, 0)
+        num_new_pages = cdiv(start + num_tokens, self.page_size) - len(page_ids) + load_pages
+        num_windows = len(self._missing_windows(req, start, num_tokens)) + load_snaps
+        if start:  # the hit's own window page counts as missing until it is resident
+            num_windows -= 1
+        if self.state_slots.num_free < 1 or not self.ensure_free(
+            num_new_pages, num_windows, load_snaps
+        ):
             if node is not None:
                 self.radix.unlock(node)
             return False
+        if self.hicache and node is not None:
+            page_ids, req.num_host_cached_tokens = self.radix.load_path(node)
+        if node is not None:
+            # The hit's window page holds [start - 128, start): read only, nothing writes there.
+            req.window_pages[start // self.window_size - 1] = node.snapshot.window_page_id
         self.pages.incref(page_ids)
         self.window_pages.incref(req.window_pages.values())
         req.page_ids, req.node, req.num_computed_tokens = list(page_ids), node, start
@@ -110,6 +132,21 @@ class KVCacheManager:
         req.state_slot = self.state_slots.alloc(1)[0]
         self.grow(req, num_tokens)  # cannot fail: ensure_free made the ids free
         return True
+
+    def attach_host_ops(self, plan) -> None:
+        """Moves the host tier copies queued since the last plan into this plan."""
+        if not self.hicache:
+            return
+        ops = self.radix.pop_ops(plan.step_id)
+        plan.host_backups, plan.host_snapshot_backups = ops.backups, ops.snapshot_backups
+        plan.host_loads, plan.host_snapshot_loads = ops.loads, ops.snapshot_loads
+
+    def has_pending_host_ops(self) -> bool:
+        return self.hicache and bool(self.radix.ops)
+
+    def confirm_host_ops(self, step_id: int) -> None:
+        if self.hicache:
+            self.radix.confirm(step_id)
 
     def share_boundaries(self, req: Request, start: int) -> tuple[int, ...]:
         """Boundaries other requests are likely to resume from: the last one an identical prompt

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
+import uuid
 
 import ray
 from ray.dag import InputNode
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
+from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cluster.engine_config import EngineConfig
 from dsv4ray.cluster.pipeline_base import PipelineFailure, pool_sizes, size_pipeline
@@ -47,16 +51,20 @@ class RayPipeline:
         )
         ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
         self.actors, self.dag = [], None
+        self.host_args: dict | None = None  # host tier regions (HiCache), once attached
+        self.key = uuid.uuid4().hex[:12]
         self._build()
 
     def _build(self) -> None:
         ec = self.config
         self.actors = [self._actor(i, start, end) for i, (start, end) in enumerate(self.ranges)]
-        infos = ray.get([a.ready.remote() for a in self.actors])
+        infos = self.infos = ray.get([a.ready.remote() for a in self.actors])
         available = ray.get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available)
         sizes = dataclasses.asdict(pool_sizes(self.capacity))
         ray.get([a.allocate.remote(sizes) for a in self.actors])
+        if self.host_args is not None:
+            self._attach_regions()
         self.dag = self._compile()
         log.info(
             "pipeline: %d stage actors %s, compiled graph ready",
@@ -91,6 +99,40 @@ class RayPipeline:
             _submit_timeout=self.config.execution_timeout_s,
         )
 
+    # ------------------------------------------------------------------ host tier
+    def attach_host(self, num_pages: int, num_snapshots: int) -> None:
+        """Maps a host-tier region per stage (on the stage's node); rebuilds map them again."""
+        self.host_args = {"num_pages": num_pages, "num_snapshots": num_snapshots}
+        self._attach_regions()
+
+    def _attach_regions(self) -> None:
+        self.tiers, self.regions = [], []
+        for i, (actor, info) in enumerate(zip(self.actors, self.infos, strict=True)):
+            start, end = self.ranges[i]
+            layout = HostLayout(self.cfg, start, end, self.config.kv_cache_dtype, **self.host_args)
+            tier = host_tier_for_node(info["node"])
+            region = ray.get(tier.create_region.remote(f"{self.key}-s{i}", layout.nbytes))
+            ray.get(actor.attach_host.remote(self.host_args, region["path"]))
+            self.tiers.append(tier)
+            self.regions.append(region)
+
+    def host_alive(self) -> bool:
+        try:
+            ray.get([t.ping.remote() for t in self.tiers], timeout=10)
+            return True
+        except Exception as exc:  # a dead actor surfaces in several exception types
+            log.error("host tier unreachable: %s", _describe(exc))
+            return False
+
+    def drop_host(self) -> None:
+        """The host tier is gone: stop using it and remove its files on this node."""
+        for region in self.regions:
+            try:
+                os.unlink(region["path"])
+            except OSError:
+                pass
+        self.host_args, self.tiers, self.regions = None, [], []
+
     def submit(self, plan: StepPlan):
         try:
             return self.dag.execute(encode(plan))
@@ -120,6 +162,11 @@ class RayPipeline:
 
     def shutdown(self) -> None:
         self._teardown()
+        for tier, region in zip(getattr(self, "tiers", []), getattr(self, "regions", [])):
+            try:
+                ray.get(tier.release_region.remote(region["key"]), timeout=10)
+            except Exception as exc:  # the tier may be gone already
+                log.warning("host region %s not released: %s", region["key"], _describe(exc))
         if self.own_pg:
             remove_placement_group(self.pg)
 

@@ -83,6 +83,20 @@ class StepPlan:
     snapshots: list[tuple[str, int]] = field(default_factory=list)
     logprobs: dict[str, int] = field(default_factory=dict)
     full_logits: list[str] = field(default_factory=list)
+    # host tier copies, run before the step in this order (cache/hicache.py)
+    host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
+    host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
+    host_loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
+    host_snapshot_loads: list[tuple[int, int, int]] = field(default_factory=list)
+
+    @property
+    def has_host_ops(self) -> bool:
+        return bool(
+            self.host_backups
+            or self.host_snapshot_backups
+            or self.host_loads
+            or self.host_snapshot_loads
+        )
 
     def __post_init__(self) -> None:
         num_tokens = sum(entry.num_tokens for entry in self.batch)
@@ -141,4 +155,8 @@ def decode(data: bytes) -> StepPlan:
         snapshots=[tuple(pair) for pair in raw["snapshots"]],
         logprobs=raw["logprobs"],
         full_logits=raw["full_logits"],
+        **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},
     )
+
+
+HOST_OP_FIELDS = ("host_backups", "host_snapshot_backups", "host_loads", "host_snapshot_loads")

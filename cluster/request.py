@@ -48,6 +48,7 @@ class FinishedRequest:
     output_token_ids: list[int]
     finish_reason: str
     num_cached_tokens: int
+    num_host_cached_tokens: int = 0
 
 
 @dataclass(eq=False)
@@ -60,6 +61,7 @@ class Request:
     status: Status = Status.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
+    num_host_cached_tokens: int = 0  # the part of it loaded from the host tier
     use_prefix_cache: bool = True
     admit_seq: int = -1  # larger = admitted later (preemption picks the largest)
     in_flight_step: int | None = None

@@ -62,6 +62,9 @@ class SchedulerConfig:
     window_page_size: int = 128
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    num_host_pages: int = 0  # host tier (HiCache): 0 = off
+    num_host_snapshots: int = 0
+    hicache_write_policy: str = "write_through"
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:
@@ -145,7 +148,8 @@ class Scheduler:
         return len(self._waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests to run, or host tier copies still to hand to the stages."""
+        return bool(self._requests) or self.kv.has_pending_host_ops()
 
     def get_request(self, req_id: str) -> Request:
         return self._requests[req_id]
@@ -195,7 +199,8 @@ class Scheduler:
         self._schedule_running(step)
         if not step.preempted_ids:  # a preemption means the pools are short: admit nobody
             self._admit_waiting(step)
-        if not step.entries and not step.preempted_ids and not self._finished_ids:
+        idle = not (step.entries or step.preempted_ids or self._finished_ids)
+        if idle and not self.kv.has_pending_host_ops():
             return None
         return self._build_plan(step)
 
@@ -215,6 +220,7 @@ class Scheduler:
         if missing:
             raise ValueError(f"step {plan.step_id} sampled no token for {missing}")
         del self._in_flight[plan.step_id]
+        self.kv.confirm_host_ops(plan.step_id)
         finished = []
         for req, start, num_tokens in entries:
             req.in_flight_step = None
@@ -311,6 +317,7 @@ class Scheduler:
             req.in_flight_step = step_id
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight[step_id] = list(step.entries)
+        self.kv.attach_host_ops(plan)
         return plan
 
     def _take_snapshots(self, step: _Step) -> list[tuple[str, int]]:
@@ -392,7 +399,17 @@ class Scheduler:
             output_token_ids=req.output_token_ids,
             finish_reason=reason,
             num_cached_tokens=req.num_cached_tokens or 0,
+            num_host_cached_tokens=req.num_host_cached_tokens,
         )
+
+    def reset_device_state(self) -> None:
+        """After the stages restarted with empty pools (every request already ended): forget
+        steps in flight and every device copy in the prefix index, keeping host-tier copies."""
+        if self._requests:
+            raise RuntimeError("reset_device_state with unfinished requests")
+        self._in_flight.clear()
+        self._finished_ids = []
+        self.kv.radix.drop_device_residency()
 
     def check_integrity(self) -> None:
         """RuntimeError unless the queues agree and every id is accounted for (KVCacheManager)."""

@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.cluster.batch import BatchMeta, ReqTable, build_batch
+from dsv4ray.cluster.host_io import HostIO, LayerEvents
 from dsv4ray.cluster.plan import NewRequest, StepPlan
 from dsv4ray.cluster.sampler import RequestSampler, token_logprobs
 from dsv4ray.config import ModelConfig
@@ -59,6 +61,7 @@ class StageWorker:
             model_path, start, end, dtype or self.cfg.torch_dtype, device, self.cfg
         )
         self.pools: StagePools | None = None
+        self.host_io = None
         self.tables: dict[str, ReqTable] = {}
         self.samplers: dict[str, RequestSampler] = {}
 
@@ -90,15 +93,34 @@ class StageWorker:
     def is_last(self) -> bool:
         return self.model.is_last
 
+    def attach_host(self, layout_args: dict, path: str) -> int:
+        """Maps this stage's host-tier region (same byte layout on every process)."""
+        layout = HostLayout(
+            self.cfg, self.model.start, self.model.end, self.kv_cache_dtype, **layout_args
+        )
+        self.host_io = HostIO(self.pools, layout, path)
+        log.info(
+            "stage [%d, %d): host region %s (%.1f MiB)",
+            self.model.start,
+            self.model.end,
+            path,
+            layout.nbytes / 2**20,
+        )
+        return layout.nbytes
+
+    def detach_host(self) -> None:
+        self.host_io = None
+
     @torch.no_grad()
     def execute(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+        events = self._host_ops(plan)
         self._apply(plan)
         result = StageResult(plan.step_id)
         if not plan.batch:
             self._snapshots(plan)
             return result
         meta = build_batch(plan, self.tables, self.device)
-        x, topk = self._run(meta, inputs)
+        x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
             self._sample(plan, meta, x, result)
@@ -106,13 +128,21 @@ class StageWorker:
             result.residual, result.topk = x.flatten(-2), topk
         return result
 
-    def _run(self, meta: BatchMeta, inputs: StageResult | None):
+    def _host_ops(self, plan: StepPlan) -> LayerEvents:
+        if not plan.has_host_ops:
+            return LayerEvents()
+        if self.host_io is None:
+            raise RuntimeError(f"step {plan.step_id} has host tier copies but no region is mapped")
+        return self.host_io.run(plan)
+
+    def _run(self, meta: BatchMeta, inputs: StageResult | None, events: LayerEvents):
         if self.is_first:
             x, topk = self.model.embed_tokens(meta.token_ids), None
         else:
             x = inputs.residual.view(meta.num_tokens, self.cfg.hc_mult, self.cfg.hidden_size)
             topk = inputs.topk
         for layer_id in range(self.model.start, self.model.end):
+            events.wait(layer_id)
             x, topk = paged_block(self.model.block(layer_id), x, meta, self.pools, topk)
         return x, topk
 

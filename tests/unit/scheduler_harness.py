@@ -39,8 +39,29 @@ class FakeStage:
     def __init__(self, config):
         self.page, self.window = config.page_size, config.window_page_size
         self.full, self.win, self.rings, self.cached, self.reqs = {}, {}, {}, {}, {}
+        self.host_pages, self.host_snaps = {}, {}  # the host tier: page contents, snapshots
+
+    def _host_ops(self, plan):
+        """Backups, then loads, as a stage runs them before the step (cache/hicache.py)."""
+        for dev, host in plan.host_backups:
+            self.host_pages[host] = [self.full.get(dev * self.page + i) for i in range(self.page)]
+        for window, slot, host in plan.host_snapshot_backups:
+            base = window * self.window
+            self.host_snaps[host] = (
+                [self.win.get(base + i) for i in range(self.window)],
+                self.cached[slot],
+            )
+        for host, dev in plan.host_loads:
+            for i, tok in enumerate(self.host_pages[host]):
+                self.full[dev * self.page + i] = tok
+        for host, window, slot in plan.host_snapshot_loads:
+            tokens, ring = self.host_snaps[host]
+            for i, tok in enumerate(tokens):
+                self.win[window * self.window + i] = tok
+            self.cached[slot] = ring
 
     def run(self, plan):
+        self._host_ops(plan)
         for req_id in plan.finished_ids + plan.preempted_ids:
             del self.reqs[req_id]
         for new in plan.new_requests:

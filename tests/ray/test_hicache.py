@@ -1,0 +1,92 @@
+"""Host-tier prefix cache over Ray: evicted prefixes come back from host memory with the same
+tokens, at pp 1 and 2 (stages with different layer mixes), across a stage restart, and the
+engine keeps serving correctly when the host tier itself dies."""
+
+import pytest
+import ray
+import torch
+
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.model.tiny import PRESETS
+from tests.engine.test_llm_greedy import reference_greedy
+
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def _prompts(seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 258, (600,), generator=g).tolist() for _ in range(3)]
+
+
+def _engine(ckpt, **kw):
+    # 1024 device tokens (4 pages): three 600-token prompts cannot all stay on the device
+    return LLM(
+        ckpt,
+        kv_cache_dtype="fp32",
+        enable_hicache=True,
+        max_total_tokens=1024,
+        max_num_batched_tokens=512,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    "pp,policy", [(1, "write_through"), (2, "write_through"), (1, "write_back")]
+)
+def test_evicted_prefixes_are_served_from_the_host_tier(
+    ray_session, tiny_ckpt, tiny_model, pp, policy
+):
+    if pp == 2:  # the tiny preset splits into stages [0, 4, 128] and [4, 4, 128]
+        assert PRESETS["tiny"]["compress_ratios"][:6] == [0, 4, 128, 4, 4, 128]
+    a, b, c = _prompts(pp)
+    llm = _engine(tiny_ckpt, pp_size=pp, hicache_write_policy=policy)
+    try:
+        for prompt in (a, b, c):  # each evicts the previous prefix from the device
+            llm.generate([prompt], GREEDY)
+        again = llm.generate([a + [9, 10]], GREEDY)[0]
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    assert again.metrics.num_host_cached_tokens > 0
+    assert again.metrics.num_cached_tokens >= again.metrics.num_host_cached_tokens
+    assert again.token_ids == reference_greedy(tiny_model, a + [9, 10], 4)
+
+
+def test_restarted_stage_reloads_prefixes_from_the_host_tier(ray_session, tiny_ckpt, tiny_model):
+    a, b, _ = _prompts(5)
+    llm = _engine(tiny_ckpt, pp_size=2)
+    try:
+        llm.generate([a], GREEDY)
+        llm.generate([b], GREEDY)
+        ray.kill(llm.core.pipeline.actors[1], no_restart=True)
+        lost = llm.generate([b + [3]], GREEDY)[0]  # in flight when the stage is found dead
+        assert lost.finish_reason == "abort" and "stage" in lost.error
+        again = llm.generate([a + [4]], GREEDY)[0]
+    finally:
+        llm.shutdown()
+    assert again.finish_reason == "length"
+    assert again.metrics.num_host_cached_tokens > 0
+    assert again.token_ids == reference_greedy(tiny_model, a + [4], 4)
+
+
+def test_dead_host_tier_drops_residency_and_keeps_serving(
+    ray_session, tiny_ckpt, tiny_model, caplog
+):
+    a, b, c = _prompts(7)
+    llm = _engine(tiny_ckpt)
+    try:
+        for prompt in (a, b, c):
+            llm.generate([prompt], GREEDY)
+        for tier in llm.core.pipeline.tiers:
+            ray.kill(tier, no_restart=True)
+        with caplog.at_level("ERROR", logger="dsv4ray.engine"):
+            outs = llm.generate([a + [1], b + [2]], GREEDY)
+        assert "host tier lost" in caplog.text
+        later = llm.generate([c + [3]], GREEDY)[0]
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    for prompt, out in zip([a + [1], b + [2]], outs):
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 4)
+    assert later.metrics.num_host_cached_tokens == 0
+    assert later.token_ids == reference_greedy(tiny_model, c + [3], 4)
