@@ -89,10 +89,12 @@ class HiRadixIndex(RadixIndex):
         if not path:
             return [], None
         self._touch(path)
+        self.lock(path[-1])  # a backup may evict host copies: never those of this path
         for node in path:
             node.hits += 1
             if self.policy == "write_through_selective" and node.hits >= 2:
                 self._backup(node)
+        self.unlock(path[-1])
         return [n.page_id for n in path], path[-1]
 
     def missing(self, node: RadixNode) -> tuple[int, int]:
@@ -231,17 +233,13 @@ class HiRadixIndex(RadixIndex):
                 and self.host_snapshots.num_free >= num_snapshots
             )
 
-        heap = [
-            (n.tick, id(n), n)
-            for n in self._iter_nodes()
-            if n.page_id < 0 and not n.children and n.lock_ref == 0
-        ]
+        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         while heap and not enough():
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove_subtree(node, EvictResult([], [], []))
-            if parent is not self._root and parent.page_id < 0 and not parent.children:
+            if self._host_evictable(parent):
                 heapq.heappush(heap, (parent.tick, id(parent), parent))
         # A host id read by a load queued for this plan must not be rewritten by a backup that
         # runs before it in the same plan.
@@ -252,10 +250,18 @@ class HiRadixIndex(RadixIndex):
                 return
             if (
                 node.page_id >= 0
+                and node.lock_ref == 0  # a matched path may be about to load from its copies
                 and node.host_page not in loading
                 and node.host_snapshot not in loading_snaps
             ):
                 self._free_host(node)
+
+    def _host_evictable(self, node: RadixNode) -> bool:
+        """A host-only leaf nobody uses (a locked node is on some request's matched path)."""
+        return (
+            node is not self._root and node.page_id < 0 and not node.children
+            and node.lock_ref == 0
+        )
 
     # ------------------------------------------------------------------ failures
     def drop_device_residency(self) -> None:

@@ -52,7 +52,7 @@ def test_evicted_prefix_comes_back_from_the_host(policy):
     sched.check_integrity()
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), policy=st.sampled_from(WRITE_POLICIES), host=st.integers(2, 12))
 def test_random_workloads_conserve_host_ids(seed, policy, host):
     rng = random.Random(seed)
