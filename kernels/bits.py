@@ -6,8 +6,10 @@ conversions give the same bytes. Decoding (fp8 / bf16 / ue8m0 -> fp32) is exact 
 decodes with a plain cast, bf16 and ue8m0 by placing their bits in an fp32.
 """
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
 
@@ -70,6 +72,15 @@ def pow2_from_byte(exp_byte):
 def bf16_bits_to_f32(bits):
     """bf16 bits (uint16) -> fp32 (exact)."""
     return (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@functools.lru_cache(maxsize=8)
+def num_sms(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device; the interpreter pretends to be an H100/H200 (132), so CPU
+    tests take the same grid decisions."""
+    if device.type != "cuda":
+        return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def use_bf16_mma(dtype: str) -> bool:

@@ -10,8 +10,10 @@ A row comes from this batch when its position >= seq_start of the token (batch r
 t - (p - position)), otherwise from the request's ring: state[state_slot, position % ring], which
 holds [kv | score + ape]. Then RMSNorm(d) with weight, interleaved RoPE on the last 64 dims at
 position w * ratio, and the entry is quantised into `pages` at out_loc (skipped when out_loc < 0).
-A second launch writes every token's [kv | score + ape] row into its ring, so the first launch
-reads the rings as they were before the batch.
+Launches: when fewer tokens can complete a block than the batch holds (prefill), a first one lists
+the completing tokens, so that the pooling launch starts programs only for them; a last one writes
+every token's [kv | score + ape] row into its ring, so the pooling reads the rings as they were
+before the batch.
 """
 
 import torch
@@ -73,40 +75,72 @@ def _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, rope_pos, eps, D: tl.constexpr):
 
 
 @triton.jit
+def _completions_kernel(pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens,
+                        RATIO: tl.constexpr, BLOCK: tl.constexpr):
+    # program = BLOCK tokens: appends the block-completing ones with out_loc >= 0 to list (in any
+    # order across programs: each entry is independent) and adds them to count
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = t < num_tokens
+    p = tl.load(pos_ptr + t, mask=ok, other=0)
+    done = ok & ((p + 1) % RATIO == 0) & (tl.load(out_loc_ptr + t, mask=ok, other=-1) >= 0)
+    base = tl.atomic_add(count_ptr, tl.sum(done.to(tl.int32), axis=0))
+    tl.store(list_ptr + base + tl.cumsum(done.to(tl.int32), axis=0) - 1, t, mask=done)
+
+
+@triton.jit
 def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, state_kv_ptr,
                      state_score_ptr, ape_ptr, norm_w_ptr, cos_ptr, sin_ptr, out_loc_ptr, pages_ptr,
-                     eps, ring, RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
+                     list_ptr, count_ptr, eps, ring, num_tokens, COMPACT: tl.constexpr,
+                     RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
                      CD: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
                      PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
                      SCALE_BYTES: tl.constexpr, INDEXER: tl.constexpr):
-    # one program per token; only block-completing tokens with out_loc >= 0 do any work
-    t = tl.program_id(0).to(tl.int64)
-    p = tl.load(pos_ptr + t)
-    out_loc = tl.load(out_loc_ptr + t)
-    if ((p + 1) % RATIO == 0) & (out_loc >= 0):
-        ring_base = tl.load(state_slot_ptr + t) * ring
-        x = _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p,
-                       tl.load(seq_start_ptr + t), ring_base, ring, RATIO, NSLOT, BLOCK_R, CD, D)
-        x = _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
-        store_entry(pages_ptr, out_loc, x, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
-                    SCALE_BYTES, INDEXER)
+    # programs walk the tokens: COMPACT: list[i] for i < count (strided over the grid), else token
+    # i itself, skipped unless it completes a block with out_loc >= 0
+    if COMPACT:
+        num = tl.load(count_ptr)
+    else:
+        num = num_tokens
+    for i in range(tl.program_id(0), num, tl.num_programs(0)):
+        if COMPACT:
+            t = tl.load(list_ptr + i).to(tl.int64)
+        else:
+            t = tl.cast(i, tl.int64)
+        p = tl.load(pos_ptr + t)
+        out_loc = tl.load(out_loc_ptr + t)
+        if ((p + 1) % RATIO == 0) & (out_loc >= 0):
+            x = _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p,
+                           tl.load(seq_start_ptr + t), tl.load(state_slot_ptr + t) * ring, ring,
+                           RATIO, NSLOT, BLOCK_R, CD, D)
+            x = _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
+            store_entry(pages_ptr, out_loc, x, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
+                        SCALE_BYTES, INDEXER)
 
 
 @triton.jit
 def _state_write_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr,
-                        ape_ptr, num_tokens, ring, RATIO: tl.constexpr, CD: tl.constexpr):
-    # token t writes its ring row unless token t + ring (same request, position p + ring) does
-    t = tl.program_id(0).to(tl.int64)
-    state_slot = tl.load(state_slot_ptr + t)
+                        ape_ptr, num_tokens, ring, RATIO: tl.constexpr, CD: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+    # program = BLOCK_T tokens; token t writes its ring row unless token t + ring (same request,
+    # position p + ring) does
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    state_slot = tl.load(state_slot_ptr + t, mask=t < num_tokens, other=-1)
     later = t + ring
     later_slot = tl.load(state_slot_ptr + later, mask=later < num_tokens, other=-1)
-    if later_slot != state_slot:
-        p = tl.load(pos_ptr + t)
-        cols = tl.arange(0, CD)
-        row = (state_slot * ring + p % ring) * CD
-        score = tl.load(score_ptr + t * CD + cols) + tl.load(ape_ptr + (p % RATIO) * CD + cols)
-        tl.store(state_kv_ptr + row + cols, tl.load(kv_ptr + t * CD + cols))
-        tl.store(state_score_ptr + row + cols, score)
+    write = ((t < num_tokens) & (later_slot != state_slot))[:, None]
+    p = tl.load(pos_ptr + t, mask=t < num_tokens, other=0)
+    cols = tl.arange(0, CD)[None, :]
+    row = ((state_slot * ring + p % ring) * CD)[:, None]
+    score = tl.load(score_ptr + t[:, None] * CD + cols, mask=write, other=0.0) + tl.load(
+        ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=write, other=0.0)
+    tl.store(state_kv_ptr + row + cols, tl.load(kv_ptr + t[:, None] * CD + cols, mask=write),
+             mask=write)
+    tl.store(state_score_ptr + row + cols, score, mask=write)
+
+
+def _config(ratio: int, dim: int) -> tuple:
+    """(BLOCK_R rows a step, num_warps)."""
+    return 8, 8 if dim == 512 else 4
 
 
 def _check_args(kv, score, positions, state_slots, seq_start, state_kv, state_score, ape,
@@ -159,13 +193,26 @@ def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state
     if num_tokens == 0:
         return
     nslot = 2 * ratio if ratio == 4 else ratio
-    _compress_kernel[(num_tokens,)](
+    block_r, num_warps = _config(ratio, layout.dim)
+    # at most T // ratio + (requests in the batch <= ring rows) tokens complete a block: when that
+    # bound is below T, list them first so that no program is launched for the others (c128
+    # prefill, 16 x 1024 tokens on an H200: 115 us -> 77 us)
+    bound = num_tokens // ratio + state_kv.shape[0]
+    compact = bound < num_tokens
+    entries = count = positions  # placeholders without the list
+    if compact:
+        entries = torch.empty(num_tokens, dtype=torch.int64, device=kv.device)
+        count = torch.zeros(1, dtype=torch.int32, device=kv.device)
+        _completions_kernel[(triton.cdiv(num_tokens, 1024),)](
+            positions, out_loc, entries, count, num_tokens, RATIO=ratio, BLOCK=1024, num_warps=4)
+    _compress_kernel[(min(bound, num_tokens),)](
         kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, cos,
-        sin, out_loc, pages, eps, ring, RATIO=ratio, NSLOT=nslot, BLOCK_R=min(nslot, 8),
-        CD=kv.shape[1], num_warps=8 if layout.dim == 512 else 4, **layout_args(layout))
-    _state_write_kernel[(num_tokens,)](
+        sin, out_loc, pages, entries, count, eps, ring, num_tokens, COMPACT=compact, RATIO=ratio,
+        NSLOT=nslot, BLOCK_R=block_r, CD=kv.shape[1], num_warps=num_warps, **layout_args(layout))
+    block_t = max(1, 4096 // kv.shape[1])
+    _state_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         kv, score, positions, state_slots, state_kv, state_score, ape, num_tokens, ring,
-        RATIO=ratio, CD=kv.shape[1], num_warps=4)
+        RATIO=ratio, CD=kv.shape[1], BLOCK_T=block_t, num_warps=4)
 
 
 def reset_state(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor) -> None:

@@ -58,23 +58,31 @@ def entry_offsets(slot, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES
 
 
 @triton.jit
-def _fwht_stage(x, N: tl.constexpr, H: tl.constexpr):
-    # [N] viewed as [N / 2H, 2, H]: butterflies (a + b, a - b) across the halves of each 2H block
-    a, b = tl.split(tl.permute(tl.reshape(x, (N // (2 * H), 2, H)), (0, 2, 1)))
-    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 2, 1)), (N,))
+def _fwht_stage(x, M: tl.constexpr, N: tl.constexpr, H: tl.constexpr):
+    # [M, N] viewed as [M, N / 2H, 2, H]: butterflies (a + b, a - b) across the halves of each 2H
+    # block of every row
+    a, b = tl.split(tl.permute(tl.reshape(x, (M, N // (2 * H), 2, H)), (0, 1, 3, 2)))
+    return tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (M, N))
+
+
+@triton.jit
+def hadamard_rotate_rows(x, M: tl.constexpr):
+    """x [M, 128] fp32 -> x @ H128 (normalised) per row: the fp32 operations of
+    layout.hadamard_rotate."""
+    x = _fwht_stage(x, M, 128, 1)
+    x = _fwht_stage(x, M, 128, 2)
+    x = _fwht_stage(x, M, 128, 4)
+    x = _fwht_stage(x, M, 128, 8)
+    x = _fwht_stage(x, M, 128, 16)
+    x = _fwht_stage(x, M, 128, 32)
+    x = _fwht_stage(x, M, 128, 64)
+    return x * H_SCALE
 
 
 @triton.jit
 def hadamard_rotate(x):
     """x [128] fp32 -> x @ H128 (normalised): the fp32 operations of layout.hadamard_rotate."""
-    x = _fwht_stage(x, 128, 1)
-    x = _fwht_stage(x, 128, 2)
-    x = _fwht_stage(x, 128, 4)
-    x = _fwht_stage(x, 128, 8)
-    x = _fwht_stage(x, 128, 16)
-    x = _fwht_stage(x, 128, 32)
-    x = _fwht_stage(x, 128, 64)
-    return x * H_SCALE
+    return tl.reshape(hadamard_rotate_rows(tl.reshape(x, (1, 128)), 1), (128,))
 
 
 @triton.jit
@@ -120,12 +128,13 @@ def store_entry(pages_ptr, slot, x, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.
 
 
 @triton.jit
-def load_values(pages_ptr, value_off, valid, BF16: tl.constexpr, FMT: tl.constexpr,
+def load_values(pages_ptr, value_off, valid, TC: tl.constexpr, FMT: tl.constexpr,
                 D: tl.constexpr):
     """Raw values of N entries (value_off [N] int64, valid [N]) -> [N, D], 0 where not valid.
 
-    fp8: the unscaled fp8 numbers of all D dims (only the indexer format stores D fp8 values). BF16:
-    return bf16 (only for bf16 and fp8 pages, whose values it holds exactly), else fp32.
+    fp8: the unscaled fp8 numbers of all D dims (only the indexer format stores D fp8 values). TC:
+    the 16-bit tensor-core type that holds the format exactly (bf16 pages: bf16; fp8: fp16, one
+    conversion instruction per two values), else fp32.
     """
     cols = tl.arange(0, D)
     mask = valid[:, None]
@@ -135,68 +144,77 @@ def load_values(pages_ptr, value_off, valid, BF16: tl.constexpr, FMT: tl.constex
     elif FMT == FMT_BF16:
         ptrs = pages_ptr.to(tl.pointer_type(tl.uint16)) + (value_off // 2)[:, None] + cols[None, :]
         bits = tl.load(ptrs, mask=mask, other=0)
-        if BF16:
+        if TC:
             out = bits.to(tl.bfloat16, bitcast=True)
         else:
             out = bf16_bits_to_f32(bits)
     else:
         fp8 = tl.load(pages_ptr + value_off[:, None] + cols[None, :], mask=mask, other=0)
-        out = fp8.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16 if BF16 else tl.float32)
+        out = fp8.to(tl.float8e4nv, bitcast=True).to(tl.float16 if TC else tl.float32)
     return out
 
 
 @triton.jit
-def _load_fp8_kv(pages_ptr, value_off, scale_off, valid, BF16: tl.constexpr, D: tl.constexpr):
-    # [N, 8 groups, 64]: groups 0..6 = e4m3 bytes * 2^(scale byte - 127), group 7 = bf16 rope dims
-    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float32
-    cols = tl.arange(0, D)
-    nope = valid[:, None] & (cols < NOPE)[None, :]
-    fp8 = tl.load(pages_ptr + value_off[:, None] + cols[None, :], mask=nope, other=0)
-    fp8 = fp8.to(tl.float8e4nv, bitcast=True).to(dtype)
-    g = tl.arange(0, D // GROUP)
-    exp_byte = tl.load(pages_ptr + scale_off[:, None] + g[None, :],
-                       mask=valid[:, None] & (g < NOPE // GROUP)[None, :], other=0)  # [N, 8]
-    rope_ptrs = pages_ptr.to(tl.pointer_type(tl.uint16)) + ((value_off + NOPE) // 2)[:, None]
-    rope = tl.load(rope_ptrs + tl.arange(0, GROUP)[None, :], mask=valid[:, None], other=0)
-    rope = bf16_bits_to_f32(rope).to(dtype)
-    scale = pow2_from_byte(exp_byte).to(dtype)
-    grouped = tl.reshape(fp8, (fp8.shape[0], D // GROUP, GROUP)) * scale[:, :, None]
-    grouped = tl.where((g == NOPE // GROUP)[None, :, None], rope[:, None, :], grouped)
-    return tl.reshape(grouped, (fp8.shape[0], D))
-
-
-@triton.jit
-def load_kv_entries(pages_ptr, slots, BF16: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr,
-                    EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                    SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """Dequantised kv entries (d = 512) at slots [N] int64 -> [N, D]; slots < 0 read as zeros.
-
-    BF16: return bf16 (exact for bf16 and fp8 pages: e4m3 values times powers of two) instead of
-    fp32, so tensor-core operands need no fp32 copy of the tile.
-    """
-    valid = slots >= 0
+def kv_scale_words(pages_ptr, slots, FMT: tl.constexpr, EPP: tl.constexpr,
+                   PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
+                   SCALE_BYTES: tl.constexpr):
+    """(value byte offsets [N] int64, low and high scale words [N] int32) of kv entries at slots
+    [N] (>= 0 valid). fp8: the 8 scale bytes of an entry read as one little-endian int64 (they are
+    8-byte aligned), split in two: byte g % 4 of the low / high word is group g's exponent byte."""
     value_off, scale_off = entry_offsets(slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
                                          SCALE_BYTES)
     if FMT == FMT_FP8:
-        out = _load_fp8_kv(pages_ptr, value_off, scale_off, valid, BF16, D)
+        word = tl.load(pages_ptr.to(tl.pointer_type(tl.int64)) + scale_off // 8, mask=slots >= 0,
+                       other=0)
+        lo, hi = word.to(tl.int32), (word >> 32).to(tl.int32)
     else:
-        out = load_values(pages_ptr, value_off, valid, BF16, FMT, D)
+        lo = tl.zeros(slots.shape, tl.int32)
+        hi = lo
+    return value_off, lo, hi
+
+
+@triton.jit
+def load_kv_dims(pages_ptr, value_off, scale_lo, scale_hi, valid, C0: tl.constexpr,
+                 W: tl.constexpr, BF16: tl.constexpr, FMT: tl.constexpr):
+    """Dims [C0, C0 + W) of N dequantised kv entries (d = 512) -> [N, W], 0 where not valid.
+
+    (value_off, scale_lo, scale_hi) come from kv_scale_words. fp8: a chunk lies inside the e4m3
+    dims 0..255 (scale_lo) or 256..447 (scale_hi), or is the bf16 rope chunk 448..511. BF16: return
+    bf16 (exact for bf16 and fp8 pages: e4m3 values times powers of two), else fp32.
+    """
+    dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float32
+    c = C0 + tl.arange(0, W)[None, :]
+    mask = valid[:, None]
+    if FMT == FMT_FP32:
+        ptrs = pages_ptr.to(tl.pointer_type(tl.float32)) + (value_off // 4)[:, None] + c
+        out = tl.load(ptrs, mask=mask, other=0.0)
+    elif (FMT == FMT_BF16) or (C0 >= NOPE):  # bf16 values (bf16 pages, fp8 rope dims)
+        start = value_off // 2 if FMT == FMT_BF16 else (value_off + NOPE) // 2 - NOPE
+        bits = tl.load(pages_ptr.to(tl.pointer_type(tl.uint16)) + start[:, None] + c, mask=mask,
+                       other=0)
+        out = bits.to(tl.bfloat16, bitcast=True) if BF16 else bf16_bits_to_f32(bits)
+    else:
+        fp8 = tl.load(pages_ptr + value_off[:, None] + c, mask=mask, other=0)
+        words = scale_lo if C0 < 4 * GROUP else scale_hi
+        exp_byte = (words[:, None] >> (((c // GROUP) % 4) * 8)) & 0xFF
+        scale = pow2_from_byte(exp_byte).to(dtype)
+        out = fp8.to(tl.float8e4nv, bitcast=True).to(dtype) * scale
     return out
 
 
 @triton.jit
-def load_indexer_keys(pages_ptr, slots, valid, BF16: tl.constexpr, FMT: tl.constexpr,
+def load_indexer_keys(pages_ptr, slots, valid, TC: tl.constexpr, FMT: tl.constexpr,
                       D: tl.constexpr, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr,
                       VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
                       SCALE_BYTES: tl.constexpr):
     """Indexer keys at slots [N] -> (values [N, D] unscaled, scale [N] fp32): key = values * scale.
 
-    Keeping the scale apart lets the dot run on the fp8 numbers, which bf16 holds exactly (BF16:
-    values in bf16, see load_values).
+    Keeping the scale apart lets the dot run on the fp8 numbers, which fp16 holds exactly (TC: see
+    load_values).
     """
     value_off, scale_off = entry_offsets(slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
                                          SCALE_BYTES)
-    values = load_values(pages_ptr, value_off, valid, BF16, FMT, D)
+    values = load_values(pages_ptr, value_off, valid, TC, FMT, D)
     if FMT == FMT_FP8:
         scale_ptrs = pages_ptr.to(tl.pointer_type(tl.float32)) + scale_off // 4
         scale = tl.load(scale_ptrs, mask=valid, other=0.0)

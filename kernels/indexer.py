@@ -6,8 +6,10 @@ ascending s (the spec's tie rule: the lower entry index wins), padded with -1 wh
 are visible. Position s of request r lives at slot page_table[r, s // 64] * 64 + s % 64 of the
 indexer pool.
 
-The Triton path writes one int64 key per (t, s), key = (order-preserving int32 of the score) << 32 |
-(2^32 - 1 - s), unique per row, so torch.topk over the keys yields exactly that order.
+The Triton path runs two kernels: `_indexer_scores_kernel` writes one order-preserving int32 per
+(t, s) (topk.MASKED_SCORE for s >= bound), one program per (token, PAGES_PER_PROG pages) with the
+token's 64-head q tile rotated once and kept in shared memory, every key page one [64 keys, 128] x
+[128, heads] tensor-core product; then `topk.topk_rows` selects with the tie rule.
 """
 
 import torch
@@ -15,57 +17,67 @@ import triton
 import triton.language as tl
 
 from dsv4ray.cache.layout import PageLayout, check_pages, hadamard_rotate, read_entries
-from dsv4ray.kernels.bits import mma, mma_operand, use_bf16_mma
-from dsv4ray.kernels.entries import layout_args, load_indexer_keys
-
-MASKED_KEY = -(2**63)  # below every real key: s >= bound, or past the page table
-MASKED_KEY_C = tl.constexpr(MASKED_KEY)
-PAGES_PER_PROG = 8  # pages scored per program, reusing its q tile
-
+from dsv4ray.kernels.bits import num_sms, use_bf16_mma
+from dsv4ray.kernels.entries import (
+    FMT_FP8,
+    hadamard_rotate_rows,
+    layout_args,
+    load_indexer_keys,
+)
+from dsv4ray.kernels.topk import MASKED_SCORE_C, ordered_int32, topk_rows
 
 REF_CHUNK = 64  # tokens scored at once by the torch reference
 
 
 @triton.jit
-def _score_keys(q, w, pages_ptr, page, s, valid, BF16_MMA: tl.constexpr, FMT: tl.constexpr,
+def _score_page(q_t, w, pages_ptr, page, valid, TC: tl.constexpr, FMT: tl.constexpr,
                 D: tl.constexpr, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr,
                 VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """Sort keys [EPP] int64 of the positions s [EPP] on one page (MASKED_KEY where not valid)."""
+    """Ordered int32 scores [EPP] of one page's keys (MASKED_SCORE where not valid)."""
     slots = page * EPP + tl.arange(0, EPP)
-    k, k_scale = load_indexer_keys(pages_ptr, slots, valid, BF16_MMA, FMT, D, EPP, PAGE_BYTES,
+    k, k_scale = load_indexer_keys(pages_ptr, slots, valid, TC, FMT, D, EPP, PAGE_BYTES,
                                    VALUE_BYTES, SCALE_OFF, SCALE_BYTES)  # [EPP, D], [EPP]
-    dots = mma(q, tl.trans(k), BF16_MMA)  # [BLOCK_H, EPP]
-    score = tl.sum(tl.maximum(dots, 0.0) * w[:, None], axis=0) * k_scale + 0.0  # + 0.0: -0 -> +0
-    bits = score.to(tl.int32, bitcast=True)
-    ordered = (bits ^ ((bits >> 31) & 0x7FFFFFFF)).to(tl.int64)  # int order == float order
-    return tl.where(valid, (ordered << 32) | (0xFFFFFFFF - s), MASKED_KEY_C)
+    if TC:
+        dots = tl.dot(k, q_t)  # [EPP, BLOCK_H]: keys on the wgmma M side, heads along N
+    else:
+        dots = tl.dot(k, q_t, input_precision="ieee")
+    score = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * k_scale
+    return tl.where(valid, ordered_int32(score), MASKED_SCORE_C)
 
 
 @triton.jit
-def _indexer_keys_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bound_ptr, keys_ptr,
-                         num_heads, stride_qt, stride_qh, stride_wt, stride_pt, num_page_cols,
-                         BLOCK_H: tl.constexpr, PAGES_PER_PROG: tl.constexpr,
-                         BF16_MMA: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr,
-                         EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                         SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                         INDEXER: tl.constexpr):
-    # program (token t, PAGES_PER_PROG page-table columns): q and weights are loaded once
+def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bound_ptr, out_ptr,
+                           num_heads, stride_qt, stride_qh, stride_wt, stride_pt, num_page_cols,
+                           BLOCK_H: tl.constexpr, PAGES_PER_PROG: tl.constexpr, TC: tl.constexpr,
+                           FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
+                           PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
+                           SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                           INDEXER: tl.constexpr):
+    # program (token t, PAGES_PER_PROG page-table columns from j0): visible pages are scored, the
+    # rest of the range is written MASKED_SCORE without reading keys
     t = tl.program_id(0).to(tl.int64)
-    bound = tl.minimum(tl.load(bound_ptr + t), num_page_cols * EPP)
+    bound = tl.minimum(tl.load(bound_ptr + t), num_page_cols * EPP).to(tl.int32)
     table_row = page_table_ptr + tl.load(req_ptr + t) * stride_pt
+    out_row = out_ptr + t * num_page_cols * EPP
     h = tl.arange(0, BLOCK_H)
     q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=(h < num_heads)[:, None], other=0.0)
-    q = mma_operand(q, BF16_MMA)  # [BLOCK_H, D]
+                mask=(h < num_heads)[:, None], other=0.0)  # [BLOCK_H, D] fp32
+    if FMT == FMT_FP8:
+        q = hadamard_rotate_rows(q, BLOCK_H)  # keys are stored rotated; q . k is unchanged
+    if TC:
+        q = q.to(tl.float16 if FMT == FMT_FP8 else tl.bfloat16)  # the keys' exact 16-bit type
+    q_t = tl.trans(q)  # [D, BLOCK_H]
     w = tl.load(w_ptr + t * stride_wt + h, mask=h < num_heads, other=0.0)
-    for i in range(PAGES_PER_PROG):
-        j = tl.program_id(1).to(tl.int64) * PAGES_PER_PROG + i
+    j0 = tl.program_id(1) * PAGES_PER_PROG
+    j_end = tl.minimum(j0 + PAGES_PER_PROG, num_page_cols)
+    j_seen = tl.maximum(tl.minimum(j_end, tl.cdiv(bound, EPP)), j0)
+    for j in range(j0, j_seen):
         s = j * EPP + tl.arange(0, EPP)
-        keys = tl.full((EPP,), MASKED_KEY_C, tl.int64)
-        if j * EPP < bound:
-            keys = _score_keys(q, w, pages_ptr, tl.load(table_row + j), s, s < bound, BF16_MMA, FMT,
-                               D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES)
-        tl.store(keys_ptr + t * num_page_cols * EPP + s, keys, mask=(s < num_page_cols * EPP))
+        scores = _score_page(q_t, w, pages_ptr, tl.load(table_row + j), s < bound, TC, FMT, D,
+                             EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES)
+        tl.store(out_row + s, scores)
+    for j in range(j_seen, j_end):
+        tl.store(out_row + j * EPP + tl.arange(0, EPP), tl.full((EPP,), MASKED_SCORE_C, tl.int32))
 
 
 def _check(q, weights, k_pages, page_table, req_idx, bound, layout) -> None:
@@ -86,16 +98,33 @@ def _rotated_queries(q: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     return hadamard_rotate(q) if layout.dtype == "fp8" else q
 
 
-def _topk_from_keys(keys: torch.Tensor, topk: int) -> torch.Tensor:
-    num_tokens, num_cols = keys.shape
-    out = torch.full((num_tokens, topk), -1, dtype=torch.int64, device=keys.device)
-    k = min(topk, num_cols)
-    if k == 0 or num_tokens == 0:
-        return out
-    top = torch.topk(keys, k, dim=1, sorted=True).values
-    pos = 0xFFFFFFFF - (top & 0xFFFFFFFF)
-    out[:, :k] = torch.where(top == MASKED_KEY, -1, pos)
-    return out
+def _config(num_tokens: int, num_page_cols: int, dtype: str, device) -> tuple:
+    """(pages per program, num_warps): long page loops let the loads run ahead of the products
+    and reuse the rotated q tile, as long as the grid still has ~4 programs per SM."""
+    per_sm = triton.cdiv(num_tokens * num_page_cols, 4 * num_sms(device))
+    return min(32, max(4, triton.next_power_of_2(per_sm))), 8 if dtype == "fp32" else 4
+
+
+def indexer_scores(q, weights, k_pages, page_table, req_idx, bound,
+                   layout: PageLayout) -> torch.Tensor:
+    """Ordered int32 scores [T, max_pages * 64] (topk.MASKED_SCORE where s >= bound); arguments as
+    in indexer_topk."""
+    _check(q, weights, k_pages, page_table, req_idx, bound, layout)
+    assert q.stride(2) == 1, "q rows must be contiguous"
+    num_tokens, num_heads = weights.shape
+    num_page_cols = page_table.shape[1]
+    scores = torch.empty(num_tokens, num_page_cols * layout.entries_per_page, dtype=torch.int32,
+                         device=q.device)
+    if num_tokens and num_page_cols:
+        pages_per_prog, num_warps = _config(num_tokens, num_page_cols, layout.dtype, q.device)
+        grid = (num_tokens, triton.cdiv(num_page_cols, pages_per_prog))
+        _indexer_scores_kernel[grid](
+            q, weights, k_pages, page_table, req_idx, bound, scores, num_heads, q.stride(0),
+            q.stride(1), weights.stride(0), page_table.stride(0), num_page_cols,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), PAGES_PER_PROG=pages_per_prog,
+            TC=use_bf16_mma(layout.dtype), num_warps=num_warps,
+            **layout_args(layout))
+    return scores
 
 
 def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk: int,
@@ -108,24 +137,12 @@ def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk: int,
     fp32, the softmax scaling already applied. k_pages: uint8 [num_pages, layout.page_bytes], the
     indexer pool of one layer. page_table int64 [R, max_pages]: C4 page ids per request. req_idx
     int64 [T]: the token's page-table row. bound int64 [T]: visible entries (pos + 1) // 4 (at most
-    max_pages * 64). On a GPU with bf16 / fp8 pages the dots use bf16 q (see bits.mma), so a
-    near-tie may resolve differently from the fp32 reference.
+    max_pages * 64). On a GPU the dots run on tensor cores with q rounded to the keys' 16-bit type
+    (fp16 for fp8 pages, which holds e4m3 exactly, so |q| must stay below 65504; bf16 for bf16
+    pages), so a near-tie may resolve differently from the fp32 reference.
     """
-    _check(q, weights, k_pages, page_table, req_idx, bound, layout)
-    q = _rotated_queries(q, layout).contiguous()
-    num_tokens, num_heads = weights.shape
-    num_page_cols = page_table.shape[1]
-    keys = torch.empty(num_tokens, num_page_cols * layout.entries_per_page, dtype=torch.int64,
-                       device=q.device)
-    if num_tokens and num_page_cols:
-        grid = (num_tokens, triton.cdiv(num_page_cols, PAGES_PER_PROG))
-        _indexer_keys_kernel[grid](
-            q, weights, k_pages, page_table, req_idx, bound, keys, num_heads, q.stride(0),
-            q.stride(1), weights.stride(0), page_table.stride(0), num_page_cols,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), PAGES_PER_PROG=PAGES_PER_PROG,
-            BF16_MMA=use_bf16_mma(layout.dtype), num_warps=8 if layout.dtype == "fp32" else 4,
-            **layout_args(layout))
-    return _topk_from_keys(keys, topk)
+    scores = indexer_scores(q, weights, k_pages, page_table, req_idx, bound, layout)
+    return topk_rows(scores, topk)
 
 
 def indexer_scores_ref(q, weights, k_pages, page_table, req_idx, bound, layout) -> torch.Tensor:

@@ -7,6 +7,13 @@ the per-head sink joins only the denominator:
 with k_j = v_j = the dequantised 512-dim entry. Slot -1 means no key; a token with no keys gets o =
 0. Decode and prefill both use it (prefill passes per-token slot lists). The rope de-rotation of o
 and the output projection happen outside.
+
+GPU plan (flash decoding): one program per (token, key split, block of up to 64 heads). Every head
+of the block shares each dequantised [BLOCK_N, 512] KV tile, so an entry is dequantised once per
+head block, and both products run on tensor cores (bf16 operands, fp32 accumulation). The token's
+key list (window then compressed) is cut into `num_splits` ranges when there are too few tokens to
+fill the GPU; each split writes an unnormalised partial (m, den, acc) and `_combine_kernel` merges
+them.
 """
 
 import torch
@@ -14,68 +21,167 @@ import triton
 import triton.language as tl
 
 from dsv4ray.cache.layout import PageLayout, check_pages, read_entries
-from dsv4ray.kernels.bits import mma, mma_operand, use_bf16_mma
-from dsv4ray.kernels.entries import layout_args, load_kv_entries
+from dsv4ray.kernels.bits import mma, mma_operand, num_sms, use_bf16_mma
+from dsv4ray.kernels.entries import kv_scale_words, layout_args, load_kv_dims
 
 REF_CHUNK = 64  # tokens per gather in the torch reference
-# [16 heads, 512] q and accumulator, 16 keys per step, 4 warps: the largest tiles that compile for
-# sm_90 without register spills (bf16 and fp8 pages); more heads run as more programs over the same
-# keys
-BLOCK_H, BLOCK_N, NUM_WARPS = 16, 16, 4
+LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
+MAX_SPLITS = 8
+MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on partials than they save
+
+
+def _config(num_heads: int, bf16_mma: bool) -> tuple:
+    """(BLOCK_H, BLOCK_N, num_warps). bf16 operands: the [64 heads, 512] fp32 accumulator over two
+    warpgroups (wgmma), 64 keys a step (H200, bench/kernel_sweep.py: 76 us against 88 us with 32 at
+    64 tokens; the per-step softmax rescale and operand setup are paid per step); fp32 pages
+    (exact fp32 dots, no tensor cores): the small tiles that do not spill."""
+    if not bf16_mma:
+        return 16, 16, 4
+    return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 8
+
+
+def num_splits_for(num_tokens: int, num_head_blocks: int, num_keys: int, device) -> int:
+    """Key splits per token: enough programs for every SM, each split >= MIN_KEYS_PER_SPLIT keys."""
+    programs = max(1, num_tokens * num_head_blocks)
+    want = max(1, num_sms(device) // programs)
+    return max(1, min(want, MAX_SPLITS, num_keys // MIN_KEYS_PER_SPLIT))
 
 
 @triton.jit
-def _attend(q, m, den, acc, pages_ptr, slots_ptr, num_slots, scale, BLOCK_N: tl.constexpr,
-            BF16_MMA: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr,
-            EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-            SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr):
-    """Online-softmax update of (m, den [BLOCK_H], acc [BLOCK_H, D]) with one pool's slot list."""
-    for n0 in range(0, num_slots, BLOCK_N):
+def _kv_tiles(pages_ptr, slots, BF16_MMA: tl.constexpr, FMT: tl.constexpr, EPP: tl.constexpr,
+              PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
+              SCALE_BYTES: tl.constexpr):
+    """The dequantised entries at slots [N] as four column chunks [N, 256 | 128 | 64 | 64]: each
+    chunk is one plain load (no masked columns, so no wasted registers or pipeline buffers) and
+    every fp8 chunk shares one scale word per entry."""
+    value_off, lo, hi = kv_scale_words(pages_ptr, slots, FMT, EPP, PAGE_BYTES, VALUE_BYTES,
+                                       SCALE_OFF, SCALE_BYTES)
+    valid = slots >= 0
+    ka = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 0, 256, BF16_MMA, FMT)
+    kb = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 256, 128, BF16_MMA, FMT)
+    kc = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 384, 64, BF16_MMA, FMT)
+    kr = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 448, 64, BF16_MMA, FMT)
+    return ka, kb, kc, kr
+
+
+@triton.jit
+def _attend(qa, qb, qc, qr, m, den, aa, ab, ac, ar, pages_ptr, slots_ptr, lo, hi, qk_scale,
+            BLOCK_N: tl.constexpr, BF16_MMA: tl.constexpr, FMT: tl.constexpr, EPP: tl.constexpr,
+            PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
+            SCALE_BYTES: tl.constexpr):
+    """Online-softmax update (log2 units) of m, den [BLOCK_H] and the accumulator chunks aa, ab,
+    ac, ar [BLOCK_H, 256 | 128 | 64 | 64] with the keys slots_ptr[lo:hi] of one pool. The loop body
+    has no branch, so the compiler can prefetch the next keys while this step computes."""
+    for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
-        slots = tl.load(slots_ptr + n, mask=n < num_slots, other=-1)
-        if tl.max(slots, axis=0) >= 0:
-            kv = load_kv_entries(pages_ptr, slots, BF16_MMA, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES,
-                                 SCALE_OFF, SCALE_BYTES)  # [BLOCK_N, D]
-            s = mma(q, tl.trans(kv), BF16_MMA) * scale  # [BLOCK_H, BLOCK_N]
-            s = tl.where((slots >= 0)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m, tl.max(s, axis=1))
-            alpha = tl.exp(m - m_new)
-            p = tl.exp(s - m_new[:, None])
-            den = den * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + mma(p, kv, BF16_MMA)
-            m = m_new
-    return m, den, acc
+        slots = tl.load(slots_ptr + n, mask=n < hi, other=-1)
+        ka, kb, kc, kr = _kv_tiles(pages_ptr, slots, BF16_MMA, FMT, EPP, PAGE_BYTES, VALUE_BYTES,
+                                   SCALE_OFF, SCALE_BYTES)
+        s = mma(qa, tl.trans(ka), BF16_MMA) + mma(qb, tl.trans(kb), BF16_MMA)
+        s += mma(qc, tl.trans(kc), BF16_MMA) + mma(qr, tl.trans(kr), BF16_MMA)
+        s = tl.where((slots >= 0)[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        den = den * alpha + tl.sum(p, axis=1)
+        aa = aa * alpha[:, None] + mma(p, ka, BF16_MMA)
+        ab = ab * alpha[:, None] + mma(p, kb, BF16_MMA)
+        ac = ac * alpha[:, None] + mma(p, kc, BF16_MMA)
+        ar = ar * alpha[:, None] + mma(p, kr, BF16_MMA)
+        m = m_new
+    return m, den, aa, ab, ac, ar
 
 
 @triton.jit
-def _sparse_mqa_kernel(q_ptr, o_ptr, sink_ptr, w_pages_ptr, w_slots_ptr, c_pages_ptr, c_slots_ptr,
-                       num_heads, num_w, num_c, scale, stride_qt, stride_qh, stride_ot, stride_oh,
+def _load_q(q_ptr, row, h, h_mask, C0: tl.constexpr, W: tl.constexpr, BF16_MMA: tl.constexpr):
+    # [BLOCK_H, W] columns [C0, C0 + W) of q, in the operand dtype of `mma`
+    q = tl.load(q_ptr + row + h[:, None] + C0 + tl.arange(0, W)[None, :], mask=h_mask, other=0.0)
+    return mma_operand(q, BF16_MMA)
+
+
+@triton.jit
+def _store_rows(ptr, rows, mask, x, C0: tl.constexpr, W: tl.constexpr):
+    # x [BLOCK_H, W] at columns [C0, C0 + W) of the rows starting at ptr + rows [BLOCK_H]
+    tl.store(ptr + rows[:, None] + C0 + tl.arange(0, W)[None, :], x, mask=mask)
+
+
+@triton.jit
+def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages_ptr, w_slots_ptr,
+                       c_pages_ptr, c_slots_ptr, num_heads, num_w, num_c, split_len, qk_scale,
+                       stride_qt, stride_qh, stride_ot, stride_oh,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_COMP: tl.constexpr,
-                       BF16_MMA: tl.constexpr, D: tl.constexpr,
+                       SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, D: tl.constexpr,
                        W_FMT: tl.constexpr, W_EPP: tl.constexpr, W_PAGE_BYTES: tl.constexpr,
                        W_VALUE_BYTES: tl.constexpr, W_SCALE_OFF: tl.constexpr,
                        W_SCALE_BYTES: tl.constexpr, C_FMT: tl.constexpr, C_EPP: tl.constexpr,
                        C_PAGE_BYTES: tl.constexpr, C_VALUE_BYTES: tl.constexpr,
                        C_SCALE_OFF: tl.constexpr, C_SCALE_BYTES: tl.constexpr):
-    # program (token t, block of BLOCK_H heads); the running max starts at the sink, so it is finite
+    # program (token t, split k, head block): keys [k * split_len, (k + 1) * split_len) of the
+    # token's list (window keys first); the running max starts at the sink, so it is finite
+    t = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    h = tl.program_id(2) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
+    q_row, q_mask = t * stride_qt, h_ok[:, None]
+    qh = h * stride_qh
+    qa, qb = _load_q(q_ptr, q_row, qh, q_mask, 0, 256, BF16_MMA), _load_q(
+        q_ptr, q_row, qh, q_mask, 256, 128, BF16_MMA)
+    qc, qr = _load_q(q_ptr, q_row, qh, q_mask, 384, 64, BF16_MMA), _load_q(
+        q_ptr, q_row, qh, q_mask, 448, 64, BF16_MMA)
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * LOG2E_C
+    m, den = sink, tl.zeros((BLOCK_H,), tl.float32)
+    aa, ab = tl.zeros((BLOCK_H, 256), tl.float32), tl.zeros((BLOCK_H, 128), tl.float32)
+    ac, ar = tl.zeros((BLOCK_H, 64), tl.float32), tl.zeros((BLOCK_H, 64), tl.float32)
+    lo = split * split_len
+    hi = lo + split_len
+    m, den, aa, ab, ac, ar = _attend(
+        qa, qb, qc, qr, m, den, aa, ab, ac, ar, w_pages_ptr, w_slots_ptr + t * num_w, lo,
+        tl.minimum(hi, num_w), qk_scale, BLOCK_N, BF16_MMA, W_FMT, W_EPP, W_PAGE_BYTES,
+        W_VALUE_BYTES, W_SCALE_OFF, W_SCALE_BYTES)
+    if HAS_COMP:
+        m, den, aa, ab, ac, ar = _attend(
+            qa, qb, qc, qr, m, den, aa, ab, ac, ar, c_pages_ptr, c_slots_ptr + t * num_c,
+            tl.maximum(lo - num_w, 0), tl.minimum(hi - num_w, num_c), qk_scale, BLOCK_N,
+            BF16_MMA, C_FMT, C_EPP, C_PAGE_BYTES, C_VALUE_BYTES, C_SCALE_OFF, C_SCALE_BYTES)
+    if SPLIT:  # partial [T, splits, H, D] and stats [T, splits, 2, H]: (m, den), log2 units
+        row = (t * tl.num_programs(1) + split) * num_heads
+        out_ptr, rows, scale = part_ptr, (row + h) * D, tl.full((BLOCK_H,), 1.0, tl.float32)
+        tl.store(part_stats_ptr + 2 * row + h, m, mask=h_ok)
+        tl.store(part_stats_ptr + 2 * row + num_heads + h, den, mask=h_ok)
+    else:
+        out_ptr, rows, scale = o_ptr, t * stride_ot + h * stride_oh, 1.0 / (den + tl.exp2(sink - m))
+    _store_rows(out_ptr, rows, q_mask, aa * scale[:, None], 0, 256)
+    _store_rows(out_ptr, rows, q_mask, ab * scale[:, None], 256, 128)
+    _store_rows(out_ptr, rows, q_mask, ac * scale[:, None], 384, 64)
+    _store_rows(out_ptr, rows, q_mask, ar * scale[:, None], 448, 64)
+
+
+@triton.jit
+def _combine_kernel(o_ptr, part_ptr, part_stats_ptr, sink_ptr, num_heads, num_splits, stride_ot,
+                    stride_oh, BLOCK_H: tl.constexpr, D: tl.constexpr):
+    # program (token t, head block): o = sum_k 2^(m_k - M) acc_k / (sum_k 2^(m_k - M) den_k +
+    # 2^(sink - M)) with M = max_k m_k (every m_k >= sink, so all terms are finite)
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < num_heads
     cols = tl.arange(0, D)
-    h_mask = (h < num_heads)[:, None]
-    q_ptrs = q_ptr + t * stride_qt + h[:, None] * stride_qh + cols[None, :]
-    q = tl.load(q_ptrs, mask=h_mask, other=0.0)
-    q = mma_operand(q, BF16_MMA)  # [BLOCK_H, D], converted once for every dot below
-    sink = tl.load(sink_ptr + h, mask=h < num_heads, other=0.0)
+    sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * LOG2E_C
     m, den, acc = sink, tl.zeros((BLOCK_H,), tl.float32), tl.zeros((BLOCK_H, D), tl.float32)
-    m, den, acc = _attend(q, m, den, acc, w_pages_ptr, w_slots_ptr + t * num_w, num_w, scale,
-                          BLOCK_N, BF16_MMA, W_FMT, D, W_EPP, W_PAGE_BYTES, W_VALUE_BYTES,
-                          W_SCALE_OFF, W_SCALE_BYTES)
-    if HAS_COMP:
-        m, den, acc = _attend(q, m, den, acc, c_pages_ptr, c_slots_ptr + t * num_c, num_c, scale,
-                              BLOCK_N, BF16_MMA, C_FMT, D, C_EPP, C_PAGE_BYTES, C_VALUE_BYTES,
-                              C_SCALE_OFF, C_SCALE_BYTES)
-    o = acc / (den + tl.exp(sink - m))[:, None]
-    tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :], o, mask=h_mask)
+    for k in range(num_splits):
+        row = (t * num_splits + k) * num_heads
+        m_k = tl.load(part_stats_ptr + 2 * row + h, mask=h_ok, other=0.0)
+        den_k = tl.load(part_stats_ptr + 2 * row + num_heads + h, mask=h_ok, other=0.0)
+        acc_k = tl.load(part_ptr + (row + h[:, None]) * D + cols[None, :], mask=h_ok[:, None],
+                        other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, m_k)
+        alpha, beta = tl.exp2(m - m_new), tl.exp2(m_k - m_new)
+        den = den * alpha + den_k * beta
+        acc = acc * alpha[:, None] + acc_k * beta[:, None]
+        m = m_new
+    o = acc / (den + tl.exp2(sink - m))[:, None]
+    tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :], o,
+             mask=h_ok[:, None])
 
 
 def _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout):
@@ -84,6 +190,7 @@ def _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_l
     assert dim == window_layout.dim == 512 and window_layout.kind == "window", window_layout
     check_pages(window_pages, window_layout)
     assert sink.dtype == torch.float32 and sink.shape == (num_heads,), (sink.dtype, sink.shape)
+    assert sink.is_contiguous(), "sink must be contiguous"
     assert window_slots.dtype == torch.int64 and window_slots.dim() == 2, window_slots.dtype
     assert window_slots.shape[0] == num_tokens and window_slots.is_contiguous(), window_slots.shape
     if (comp_pages is None) != (comp_slots is None):
@@ -106,6 +213,14 @@ def sparse_mqa(q, window_pages, window_slots, comp_pages, comp_slots, sink, scal
     scale. Scores and the weighted sum use bf16 tensor-core operands for bf16 / fp8 pages on a GPU
     (the values are exact in bf16; q and the probabilities are rounded) and fp32 for fp32 pages.
     """
+    return sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale,
+                            window_layout, comp_layout, None)
+
+
+def sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale: float,
+                     window_layout: PageLayout, comp_layout: PageLayout | None,
+                     num_splits: int | None) -> torch.Tensor:
+    """sparse_mqa with an explicit number of key splits (None: `num_splits_for` picks)."""
     _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout)
     num_tokens, num_heads, dim = q.shape
     o = torch.empty(num_tokens, num_heads, dim, dtype=torch.float32, device=q.device)
@@ -113,15 +228,31 @@ def sparse_mqa(q, window_pages, window_slots, comp_pages, comp_slots, sink, scal
         return o
     has_comp = comp_pages is not None
     comp_layout = comp_layout if has_comp else window_layout
-    grid = (num_tokens, triton.cdiv(num_heads, BLOCK_H))
-    _sparse_mqa_kernel[grid](
-        q, o, sink, window_pages, window_slots, comp_pages if has_comp else window_pages,
-        comp_slots if has_comp else window_slots, num_heads, window_slots.shape[1],
-        comp_slots.shape[1] if has_comp else 0, scale, q.stride(0), q.stride(1), o.stride(0),
-        o.stride(1), BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, HAS_COMP=has_comp,
-        BF16_MMA=use_bf16_mma(window_layout.dtype) and use_bf16_mma(comp_layout.dtype), D=dim,
-        num_warps=NUM_WARPS,
+    bf16_mma = use_bf16_mma(window_layout.dtype) and use_bf16_mma(comp_layout.dtype)
+    block_h, block_n, num_warps = _config(num_heads, bf16_mma)
+    num_w, num_c = window_slots.shape[1], comp_slots.shape[1] if has_comp else 0
+    head_blocks = triton.cdiv(num_heads, block_h)
+    if num_splits is None:
+        num_splits = num_splits_for(num_tokens, head_blocks, num_w + num_c, q.device)
+    split_len = triton.cdiv(triton.cdiv(max(num_w + num_c, 1), num_splits), block_n) * block_n
+    if bf16_mma:  # a bf16 q tile loaded as is stays in shared memory as the wgmma A operand
+        q = q.to(torch.bfloat16)
+    part = stats = o  # unused placeholders when there is one split
+    if num_splits > 1:  # bf16 partials on tensor-core paths: half the traffic, error << bf16 p
+        part = torch.empty(num_tokens, num_splits, num_heads, dim, device=q.device,
+                           dtype=torch.bfloat16 if bf16_mma else torch.float32)
+        stats = torch.empty(num_tokens, num_splits, 2, num_heads, device=q.device)
+    _sparse_mqa_kernel[(num_tokens, num_splits, head_blocks)](
+        q, o, part, stats, sink, window_pages, window_slots,
+        comp_pages if has_comp else window_pages, comp_slots if has_comp else window_slots,
+        num_heads, num_w, num_c, split_len, scale * LOG2E, q.stride(0), q.stride(1), o.stride(0),
+        o.stride(1), BLOCK_H=block_h, BLOCK_N=block_n, HAS_COMP=has_comp, SPLIT=num_splits > 1,
+        BF16_MMA=bf16_mma, D=dim, num_warps=num_warps,
         **_layout_constexprs(window_layout, "W_"), **_layout_constexprs(comp_layout, "C_"))
+    if num_splits > 1:
+        _combine_kernel[(num_tokens, triton.cdiv(num_heads, 16))](
+            o, part, stats, sink, num_heads, num_splits, o.stride(0), o.stride(1), BLOCK_H=16,
+            D=dim, num_warps=4)
     return o
 
 

@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from dsv4ray.cache.layout import DTYPES, layout_for, read_entries
-from dsv4ray.kernels.sparse_mqa import sparse_mqa, sparse_mqa_ref
+from dsv4ray.kernels.sparse_mqa import (
+    num_splits_for,
+    sparse_mqa,
+    sparse_mqa_ref,
+    sparse_mqa_split,
+)
 from dsv4ray.kernels.store_kv import store_kv_ref
 from dsv4ray.kernels.testing import assert_close
 
@@ -96,3 +101,28 @@ def test_bf16_queries_and_empty_batches(fn, device):
     assert out_bf16.dtype == torch.float32 and torch.equal(out_bf16, out)
     empty = fn(q[:0], w_pages, w_slots[:0], None, None, sink, SCALE, window)
     assert empty.shape == (0, 2, 512)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
+def test_key_splits_combine_to_the_reference(num_splits, device):
+    # flash decoding: each split attends to a range of the token's keys and a second pass merges
+    # the partials; 7 splits of 25 keys leave some splits with no keys at all
+    window, w_pages, w_num = _pool("window", "fp8", 1, device)
+    comp, c_pages, c_num = _pool("c4", "fp8", 2, device)
+    w_slots, c_slots = _slot_lists(4, 17, w_num, device), _slot_lists(4, 8, c_num, device)
+    w_slots[2, :] = -1  # token 2 sees only compressed keys
+    q, sink = torch.randn(4, 6, 512, device=device), torch.randn(6, device=device)
+    got = sparse_mqa_split(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp,
+                           num_splits)
+    ref = sparse_mqa_ref(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp)
+    tol = 1e-5 if device.type == "cpu" else 2e-2  # GPUs: bf16 tensor-core operands
+    assert_close(f"{num_splits} splits", got, ref, tol, tol)
+    assert (got[0] == 0).all()
+
+
+def test_split_count_fills_the_gpu_without_tiny_splits():
+    cpu = torch.device("cpu")  # the interpreter pretends to have 132 multiprocessors
+    assert num_splits_for(64, 1, 640, cpu) == 2  # decode: 64 tokens x 2 splits ~ 132 SMs
+    assert num_splits_for(4, 1, 640, cpu) == 5  # at most 640 / 128 keys per split
+    assert num_splits_for(4096, 1, 640, cpu) == 1  # prefill fills the GPU by itself
+    assert num_splits_for(1, 1, 100, cpu) == 1
