@@ -13,29 +13,29 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import result, write_benchmarks_md, write_results  # noqa: E402
+from report import (  # noqa: E402
+    git_commit,
+    random_prompts,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
 
 from dsv4ray.cluster.engine import LLM  # noqa: E402
 from dsv4ray.cluster.sampling import SamplingParams  # noqa: E402
 from dsv4ray.model import load_reference  # noqa: E402
 
 
-def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 258, (length,), generator=g).tolist() for _ in range(batch)]
-
-
 def reference_decode_tok_s(model_path: str, batch: int, length: int, steps: int) -> float:
     model = load_reference(model_path, torch.float32)
     state = model.new_state(batch)
-    logits = model.step(torch.tensor(_prompts(batch, length, 0)), state)[:, -1]
+    logits = model.step(torch.tensor(random_prompts(batch, length, 0)), state)[:, -1]
     start = time.perf_counter()
     for _ in range(steps):
         logits = model.step(logits.argmax(-1, keepdim=True), state)[:, -1]
@@ -45,25 +45,22 @@ def reference_decode_tok_s(model_path: str, batch: int, length: int, steps: int)
 def engine_decode_tok_s(model_path: str, batch: int, length: int, steps: int, kv: str) -> float:
     llm = LLM(model_path, kv_cache_dtype=kv, enable_prefix_caching=False)
     try:
-        llm.generate(_prompts(batch, length, 1), SamplingParams(max_tokens=2, ignore_eos=True))
+        llm.generate(
+            random_prompts(batch, length, 1), SamplingParams(max_tokens=2, ignore_eos=True)
+        )
         t0 = time.perf_counter()
-        llm.generate(_prompts(batch, length, 2), SamplingParams(max_tokens=1, ignore_eos=True))
+        llm.generate(
+            random_prompts(batch, length, 2), SamplingParams(max_tokens=1, ignore_eos=True)
+        )
         prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
         llm.generate(
-            _prompts(batch, length, 3), SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+            random_prompts(batch, length, 3), SamplingParams(max_tokens=steps + 1, ignore_eos=True)
         )
         total = time.perf_counter() - t0
     finally:
         llm.shutdown()
     return batch * steps / (total - prefill)
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -82,7 +79,7 @@ def main() -> None:
         tok_s = engine_decode_tok_s(args.model, args.batch, args.prompt_len, args.decode, kv)
         rows.append(result(f"engine decode, {kv} pages", tok_s, "tok/s", ref, 0.7, ">=", note))
     ceilings = {"reference decode loop": {"value": ref, "unit": "tok/s", "note": note}}
-    path = write_results("cpu-engine", "cpu", args.commit or _commit(), ceilings, rows)
+    path = write_results("cpu-engine", "cpu", args.commit or git_commit(), ceilings, rows)
     write_benchmarks_md()
     for row in rows:
         print(

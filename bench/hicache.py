@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,7 +23,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import result, write_benchmarks_md, write_results  # noqa: E402
+from report import (  # noqa: E402
+    git_commit,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
 
 from dsv4ray import LLM, SamplingParams  # noqa: E402
 from dsv4ray.actors.host_tier import HostTier  # noqa: E402
@@ -87,8 +91,13 @@ def ttft_hit_vs_cold(model: str, prompt_len: int, kv_dtype: str) -> tuple[float,
     every kernel shape (Triton compiles on first use), so neither time includes compilation."""
     g = torch.Generator().manual_seed(0)
     pages = -(-prompt_len // 256) + 2
-    llm = LLM(model, kv_cache_dtype=kv_dtype, enable_hicache=True,
-              max_total_tokens=pages * 256, max_num_batched_tokens=8192)
+    llm = LLM(
+        model,
+        kv_cache_dtype=kv_dtype,
+        enable_hicache=True,
+        max_total_tokens=pages * 256,
+        max_num_batched_tokens=8192,
+    )
     one = SamplingParams(max_tokens=1, ignore_eos=True)
     try:
         for _ in range(2):
@@ -100,13 +109,6 @@ def ttft_hit_vs_cold(model: str, prompt_len: int, kv_dtype: str) -> tuple[float,
     finally:
         llm.shutdown()
     return hit.metrics.ttft_s, cold, hit.metrics.num_host_cached_tokens
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -122,25 +124,44 @@ def main() -> None:
     device = torch.device("cuda" if gpu else "cpu")
     name = torch.cuda.get_device_name() if gpu else "cpu"
     prompt_len = args.prompt_len or (32768 if gpu else 4096)
-    gbs, ceiling, moved = reload_bandwidth(args.model, args.pages or (256 if gpu else 64),
-                                           args.kv_cache_dtype, device)
+    gbs, ceiling, moved = reload_bandwidth(
+        args.model, args.pages or (256 if gpu else 64), args.kv_cache_dtype, device
+    )
     hit, cold, host_tokens = ttft_hit_vs_cold(args.model, prompt_len, args.kv_cache_dtype)
     kind = "pinned H2D copy" if gpu else "host memcpy (CPU: no pinned memory)"
     rows = [
-        result("host tier reload (HostIO page loads)", gbs, "GB/s", ceiling, 0.8, ">=",
-               f"{moved / 2**20:.1f} MiB per batch, {args.kv_cache_dtype} pages; vs {kind}"),
-        result(f"TTFT full host hit / cold prefill ({prompt_len} tokens)", hit, "s", cold, 0.2,
-               "<=", f"{host_tokens} tokens loaded from the host tier; cold {cold:.3f} s"),
+        result(
+            "host tier reload (HostIO page loads)",
+            gbs,
+            "GB/s",
+            ceiling,
+            0.8,
+            ">=",
+            f"{moved / 2**20:.1f} MiB per batch, {args.kv_cache_dtype} pages; vs {kind}",
+        ),
+        result(
+            f"TTFT full host hit / cold prefill ({prompt_len} tokens)",
+            hit,
+            "s",
+            cold,
+            0.2,
+            "<=",
+            f"{host_tokens} tokens loaded from the host tier; cold {cold:.3f} s",
+        ),
     ]
-    ceilings = {kind: {"value": ceiling, "unit": "GB/s", "note": f"{moved / 2**20:.1f} MiB"},
-                "cold prefill TTFT": {"value": cold, "unit": "s", "note": f"{prompt_len} tokens"}}
+    ceilings = {
+        kind: {"value": ceiling, "unit": "GB/s", "note": f"{moved / 2**20:.1f} MiB"},
+        "cold prefill TTFT": {"value": cold, "unit": "s", "note": f"{prompt_len} tokens"},
+    }
     kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("hicache", name, args.commit or _commit(), ceilings, rows, **kwargs)
+    path = write_results("hicache", name, args.commit or git_commit(), ceilings, rows, **kwargs)
     if not args.out_dir:
         write_benchmarks_md()
     for row in rows:
-        print(f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, target "
-              f"{row['op']} {row['target']}; {row['note']})")
+        print(
+            f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, target "
+            f"{row['op']} {row['target']}; {row['note']})"
+        )
     print(f"wrote {path}")
 
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 
@@ -22,15 +21,16 @@ import ray
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import result, write_benchmarks_md, write_results  # noqa: E402
+from report import (  # noqa: E402
+    git_commit,
+    random_prompts,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
 
 from dsv4ray import LLM, SamplingParams  # noqa: E402
 from dsv4ray.cluster.plan import StepPlan, encode  # noqa: E402
-
-
-def _prompts(batch: int, length: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, 258, (length,), generator=g).tolist() for _ in range(batch)]
 
 
 def empty_step_ms(llm: LLM, steps: int = 200) -> tuple[float, float]:
@@ -55,12 +55,14 @@ def empty_step_ms(llm: LLM, steps: int = 200) -> tuple[float, float]:
 
 def decode_tok_s(llm: LLM, batch: int, length: int, steps: int) -> float:
     """Decode tokens/s: generate(steps + 1) minus generate(1) on fresh prompts."""
-    llm.generate(_prompts(batch, length, 1), SamplingParams(max_tokens=2, ignore_eos=True))
+    llm.generate(random_prompts(batch, length, 1), SamplingParams(max_tokens=2, ignore_eos=True))
     t0 = time.perf_counter()
-    llm.generate(_prompts(batch, length, 2), SamplingParams(max_tokens=1, ignore_eos=True))
+    llm.generate(random_prompts(batch, length, 2), SamplingParams(max_tokens=1, ignore_eos=True))
     prefill = time.perf_counter() - t0
     t0 = time.perf_counter()
-    llm.generate(_prompts(batch, length, 3), SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+    llm.generate(
+        random_prompts(batch, length, 3), SamplingParams(max_tokens=steps + 1, ignore_eos=True)
+    )
     return batch * steps / (time.perf_counter() - t0 - prefill)
 
 
@@ -80,7 +82,8 @@ def measure(model: str, pp: int, args) -> dict:
             "tokens": [
                 o.token_ids
                 for o in llm.generate(
-                    _prompts(4, args.prompt_len, 9), SamplingParams(max_tokens=8, ignore_eos=True)
+                    random_prompts(4, args.prompt_len, 9),
+                    SamplingParams(max_tokens=8, ignore_eos=True),
                 )
             ],
         }
@@ -88,13 +91,6 @@ def measure(model: str, pp: int, args) -> dict:
     finally:
         llm.shutdown()
     return out
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def main() -> None:
@@ -147,7 +143,7 @@ def main() -> None:
         "pp=1 capacity": {"value": one["capacity"], "unit": "tokens", "note": ""},
     }
     kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("pipeline", device, args.commit or _commit(), ceilings, rows, **kwargs)
+    path = write_results("pipeline", device, args.commit or git_commit(), ceilings, rows, **kwargs)
     if not args.out_dir:
         write_benchmarks_md()
     for row in rows:
