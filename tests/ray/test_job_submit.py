@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -21,36 +22,60 @@ def _free_port() -> int:
 
 @pytest.fixture
 def ray_head(tmp_path):
-    """A separate Ray head with token authentication on (RAY_AUTH_MODE=token for every CLI)."""
+    """A separate Ray head with token authentication on (RAY_AUTH_MODE=token for every CLI).
+
+    Started with --block and stopped by terminating that process, which stops exactly this
+    head (``ray stop`` would stop every Ray on the machine).
+    """
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env = dict(
-        os.environ,
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN_PATH=str(token),
-        PATH=f"{BIN}:{os.environ.get('PATH', '')}",
-    )
+    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
+               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
-    dash = _free_port()
     temp_dir = f"/tmp/rj{secrets.token_hex(3)}"
-    cmd = [
-        f"{BIN}/ray",
-        "start",
-        "--head",
-        f"--port={_free_port()}",
-        "--num-cpus=2",
-        "--dashboard-host=127.0.0.1",
-        f"--dashboard-port={dash}",
-        f"--temp-dir={temp_dir}",
-        "--include-dashboard=true",
-        "--disable-usage-stats",
-    ]
-    subprocess.run(cmd, env=env, check=True, capture_output=True, timeout=120)
+    head, address = _start_head(env, temp_dir)
     try:
-        yield env, f"http://127.0.0.1:{dash}"
+        yield env, address
     finally:
-        subprocess.run([f"{BIN}/ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        head.terminate()
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _start_head(env: dict, temp_dir: str, attempts: int = 2):
+    """Starts the head; one retry, as a loaded machine can make its GCS start time out."""
+    for attempt in range(attempts):
+        dash = _free_port()
+        cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={_free_port()}",
+               "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+               f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats"]
+        head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        address = f"http://127.0.0.1:{dash}"
+        try:
+            _wait_for_dashboard(address, env, head)
+            return head, address
+        except (RuntimeError, TimeoutError):
+            head.kill()
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if head.poll() is not None:
+            raise RuntimeError(f"ray start --head exited with {head.returncode}")
+        probe = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=env,
+                               capture_output=True, timeout=60)
+        if probe.returncode == 0:
+            return
+        time.sleep(1)
+    raise TimeoutError("the Ray head's job server did not come up")
 
 
 def test_ray_job_submit_runs_the_batch_job(ray_head, tiny_ckpt, tmp_path):
