@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_LOGPROBS = 20
+INT64 = 2**63  # seeds and ids travel in msgpack-encoded plans as signed 64-bit integers
 
 
 def _is_int(value: object) -> bool:
@@ -74,10 +75,10 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0, got {temp!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or (self.top_k != -1 and self.top_k < 1):
+        if not _is_int(self.top_k) or (self.top_k != -1 and not 1 <= self.top_k < INT64):
             raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be None or an int, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not -INT64 <= self.seed < INT64):
+            raise ValueError(f"seed must be None or a 64-bit signed int, got {self.seed!r}")
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -95,7 +96,8 @@ class SamplingParams:
     def _normalise_ids(ids: object) -> tuple[int, ...]:
         if ids is None:
             return ()
-        if not isinstance(ids, (list, tuple)) or not all(_is_int(i) and i >= 0 for i in ids):
+        valid = isinstance(ids, (list, tuple)) and all(_is_int(i) and 0 <= i < INT64 for i in ids)
+        if not valid:
             raise ValueError(f"stop_token_ids must be a list of ints >= 0, got {ids!r}")
         return tuple(ids)
 
