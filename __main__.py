@@ -1,4 +1,4 @@
-"""Command line: ``dsv4ray {generate, make-tiny}`` (also ``python -m dsv4ray``)."""
+"""Command line: ``dsv4ray {generate, job, serve, make-tiny}`` (also ``python -m dsv4ray``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,21 @@ def cmd_job(args: argparse.Namespace) -> int:
     )
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from dsv4ray.cluster.serve import run_server
+
+    config = {
+        "model": _model_path(args.model),
+        "pp_size": args.pp,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "api_key": args.api_key,
+    }
+    for name in ("max_total_tokens", "served_model_name"):
+        if getattr(args, name) is not None:
+            config[name] = getattr(args, name)
+    return run_server(config, host=args.host, port=args.port)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
     parser.add_argument("--log-level", default="WARNING", help="python logging level")
@@ -90,6 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--max-tokens", type=int, default=16, help="default per request")
     job.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     job.set_defaults(func=cmd_job)
+
+    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on Ray Serve")
+    srv.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
+    srv.add_argument("--host", default="127.0.0.1", help="other than loopback needs --api-key")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages per replica")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("DSV4RAY_API_KEY") or None,
+        help="require 'Authorization: Bearer KEY' (default: $DSV4RAY_API_KEY)",
+    )
+    srv.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
+    srv.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity cap")
+    srv.add_argument("--served-model-name", default=None, help="default: the folder name")
+    srv.set_defaults(func=cmd_serve)
 
     tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint")
     tiny.add_argument("--out", required=True)

@@ -63,8 +63,10 @@ class AsyncEngine:
         self._streams[req_id] = (asyncio.get_running_loop(), stream)
         try:
             await self._call("add", req_id, ids, params or SamplingParams())
-        except BaseException:
+        except BaseException as exc:
             self._streams.pop(req_id, None)
+            if isinstance(exc, asyncio.CancelledError):  # the add may have run all the same
+                self._commands.put(("abort", req_id, None))
             raise
         finished = False
         try:
@@ -126,6 +128,8 @@ class AsyncEngine:
     def _run(self, command: tuple) -> None:
         kind, *args = command
         future = args.pop() if args and isinstance(args[-1], concurrent.futures.Future) else None
+        if future is not None and not future.set_running_or_notify_cancel():
+            return  # the caller was cancelled before the engine got here: nobody waits
         try:
             result = self._apply(kind, args)
         except Exception as exc:

@@ -1,0 +1,216 @@
+"""OpenAI response bodies and stream chunks built from engine outputs (plain dicts).
+
+``CompletionFormat`` renders ``/v1/completions`` objects (``text_completion``), ``ChatFormat``
+renders ``/v1/chat/completions`` objects (``chat.completion`` and ``chat.completion.chunk``).
+Logprobs: the engine records, per generated token, ``{sampled id: logprob, top ids: logprob}``;
+completions render the legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
+``text_offset`` lists, chat renders ``content: [{token, logprob, bytes, top_logprobs}]``. A stream
+carries the logprobs of all its tokens in its last chunk (clients concatenate chunk logprobs, so
+the joined result is the same as without streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+
+from dsv4ray.cluster.outputs import RequestOutput
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: ``data: {...}`` and a blank line."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage(output: RequestOutput) -> dict:
+    num_prompt, num_completion = len(output.prompt_token_ids), len(output.token_ids)
+    return {
+        "prompt_tokens": num_prompt,
+        "completion_tokens": num_completion,
+        "total_tokens": num_prompt + num_completion,
+        "prompt_tokens_details": {"cached_tokens": output.metrics.num_cached_tokens},
+    }
+
+
+class TokenBytes:
+    """The exact bytes of a token id (a byte-level BPE token may hold part of a UTF-8
+    character, which decoding it alone would turn into U+FFFD)."""
+
+    def __init__(self, model_path: str) -> None:
+        from tokenizers import Tokenizer
+
+        self._tok = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
+        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
+        self._byte_level = "ByteLevel" in json.dumps(decoder)  # DeepSeek's tokenizers are
+        self._added = set(self._tok.get_added_tokens_decoder())
+        self._byte_of = _byte_level_alphabet()
+
+    def __call__(self, token_id: int) -> bytes:
+        piece = self._tok.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and token_id not in self._added:
+            if all(ch in self._byte_of for ch in piece):
+                return bytes(self._byte_of[ch] for ch in piece)
+        return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the printable stand-in character -> its byte."""
+    byte_values = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    code_points = list(byte_values)
+    num_moved = 0
+    for byte in range(256):
+        if byte not in byte_values:  # unprintable bytes map to 256, 257, ... in byte order
+            byte_values.append(byte)
+            code_points.append(256 + num_moved)
+            num_moved += 1
+    return {chr(c): b for b, c in zip(byte_values, code_points)}
+
+
+class _Format:
+    """What both endpoints share: ids, the model name, token strings, the top-n logprobs."""
+
+    prefix = ""
+    object_name = ""
+    chunk_object_name = ""
+
+    def __init__(
+        self, model: str, token_bytes: TokenBytes, num_top: int | None, return_token_ids: bool
+    ) -> None:
+        self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.model = model
+        self.token_bytes = token_bytes
+        self.num_top = num_top  # None: no logprobs
+        self.return_token_ids = return_token_ids
+
+    def _envelope(self, name: str, choices: list) -> dict:
+        return {
+            "id": self.request_id,
+            "object": name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def token_text(self, token_id: int) -> str:
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def _steps(self, output: RequestOutput) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """Per generated token: (token id, its logprob, the num_top best (id, logprob))."""
+        steps = []
+        for token_id, lps in zip(output.token_ids, output.logprobs or []):
+            best = sorted(lps.items(), key=lambda item: -item[1])[: self.num_top]
+            steps.append((token_id, lps[token_id], best))
+        return steps
+
+    def _choice_extras(self, output: RequestOutput | None, token_ids: list[int] | None) -> dict:
+        """logprobs (all of them once the output is there), and the token ids when asked for:
+        a response's own, or a chunk's new ones (``token_ids``)."""
+        extras = {"logprobs": None}
+        if output is not None and self.num_top is not None:
+            extras["logprobs"] = self.logprobs(output)
+        if self.return_token_ids:
+            extras["token_ids"] = list(output.token_ids if token_ids is None else token_ids)
+        return extras
+
+    def logprobs(self, output: RequestOutput) -> dict:
+        raise NotImplementedError
+
+    def usage_chunk(self, output: RequestOutput) -> dict:
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage(output)}
+
+
+class CompletionFormat(_Format):
+    prefix = "cmpl"
+    object_name = chunk_object_name = "text_completion"
+
+    def response(self, output: RequestOutput) -> dict:
+        choice = {
+            "index": 0,
+            "text": output.text,
+            "finish_reason": output.finish_reason,
+            **self._choice_extras(output, None),
+        }
+        return {**self._envelope(self.object_name, [choice]), "usage": usage(output)}
+
+    def start_chunks(self) -> list[dict]:
+        return []
+
+    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None) -> dict:
+        choice = {
+            "index": 0,
+            "text": text,
+            "finish_reason": output.finish_reason if output else None,
+            **self._choice_extras(output, token_ids),
+        }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def logprobs(self, output: RequestOutput) -> dict:
+        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
+        for token_id, logprob, best in self._steps(output):
+            text = self.token_text(token_id)
+            tokens.append(text)
+            token_logprobs.append(logprob)
+            tops.append({self.token_text(t): lp for t, lp in best})
+            offsets.append(offset)
+            offset += len(text)
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }
+
+
+class ChatFormat(_Format):
+    prefix = "chatcmpl"
+    object_name = "chat.completion"
+    chunk_object_name = "chat.completion.chunk"
+
+    def response(self, output: RequestOutput) -> dict:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": output.text},
+            "finish_reason": output.finish_reason,
+            **self._choice_extras(output, None),
+        }
+        return {**self._envelope(self.object_name, [choice]), "usage": usage(output)}
+
+    def start_chunks(self) -> list[dict]:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [self._envelope(self.chunk_object_name, [choice])]
+
+    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None) -> dict:
+        choice = {
+            "index": 0,
+            "delta": {"content": text} if text else {},
+            "finish_reason": output.finish_reason if output else None,
+            **self._choice_extras(output, token_ids),
+        }
+        return self._envelope(self.chunk_object_name, [choice])
+
+    def logprobs(self, output: RequestOutput) -> dict:
+        content = []
+        for token_id, logprob, best in self._steps(output):
+            entry = self._token_entry(token_id, logprob)
+            entry["top_logprobs"] = [self._token_entry(t, lp) for t, lp in best]
+            content.append(entry)
+        return {"content": content}
+
+    def _token_entry(self, token_id: int, logprob: float) -> dict:
+        raw = self.token_bytes(token_id)
+        text = raw.decode("utf-8", errors="replace")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}

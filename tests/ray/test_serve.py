@@ -1,0 +1,293 @@
+"""The OpenAI API over Ray Serve, checked with the real `openai` client against a live server.
+
+One server per module on the shared local Ray (tiny checkpoint, fp32 pages so greedy tokens are
+exact), bound to 127.0.0.1 on a free port.
+"""
+
+import asyncio
+import math
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.cluster.serve import APP_NAME, build_app
+from dsv4ray.model.tokenizer import Tokenizer
+
+API_KEY = "test-key-1"
+MODEL = "tiny-test"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(ckpt: str, **config) -> str:
+    """Serve the app on the shared Ray at 127.0.0.1:<free port>; returns the base URL."""
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    app = build_app({"model": ckpt, "served_model_name": MODEL, **config})
+    serve.run(app, name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def base_url(ray_session, tiny_ckpt):
+    url = start_server(
+        tiny_ckpt,
+        kv_cache_dtype="fp32",
+        max_total_tokens=4096,
+        api_key=API_KEY,
+        max_pending_requests=40,
+    )
+    yield url
+    serve.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local_llm(tiny_ckpt):
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", max_total_tokens=4096, use_ray=False)
+    yield llm
+    llm.shutdown()
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key
+
+
+def test_greedy_completions_equal_llm_generate(client, local_llm, tiny_ckpt):
+    text_prompt, id_prompt = "The quick brown fox", [0, 17, 99, 250, 3, 42]
+    expected = local_llm.generate(
+        [text_prompt, id_prompt], SamplingParams(max_tokens=8, temperature=0.0)
+    )
+    for prompt, want in zip([text_prompt, id_prompt], expected):
+        got = client.completions.create(
+            model=MODEL,
+            prompt=prompt,
+            max_tokens=8,
+            temperature=0,
+            extra_body={"return_token_ids": True},
+        )
+        choice = got.choices[0]
+        assert choice.model_extra["token_ids"] == want.token_ids
+        assert choice.text == want.text
+        assert choice.finish_reason == want.finish_reason
+        assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+        assert got.usage.completion_tokens == len(want.token_ids)
+        assert got.usage.total_tokens == len(want.prompt_token_ids) + len(want.token_ids)
+    assert got.usage.prompt_tokens == len(id_prompt)
+    tokenizer = Tokenizer(tiny_ckpt)
+    assert expected[0].prompt_token_ids == tokenizer.encode(text_prompt)
+
+
+def test_chat_uses_the_checkpoint_template_and_equals_llm_generate(client, local_llm, tiny_ckpt):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say something."},
+    ]
+    tokenizer = Tokenizer(tiny_ckpt)
+    rendered = "<|begin_of_text|><|system|>Be brief.\n<|user|>Say something.\n<|assistant|>"
+    assert tokenizer.apply_chat_template(messages) == rendered  # the tiny checkpoint's template
+    want = local_llm.generate(
+        [tokenizer.encode(rendered, add_bos=False)], SamplingParams(max_tokens=6)
+    )[0]
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"return_token_ids": True},
+    )
+    assert got.object == "chat.completion"
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].message.content == want.text
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_streams_carry_the_same_text_usage_and_done(client, base_url):
+    kwargs = {"model": MODEL, "max_tokens": 10, "temperature": 0}
+    whole = client.completions.create(prompt="stream me", **kwargs)
+    chunks = list(
+        client.completions.create(
+            prompt="stream me", stream=True, stream_options={"include_usage": True}, **kwargs
+        )
+    )
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    ids = client.completions.create(
+        prompt="stream me", stream=True, extra_body={"return_token_ids": True}, **kwargs
+    )
+    streamed_ids = [t for c in ids for t in c.choices[0].model_extra["token_ids"]]
+    assert len(streamed_ids) == whole.usage.completion_tokens  # every token, as it came
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == (
+        whole.usage.completion_tokens
+    )
+
+    messages = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(messages=messages, **kwargs)
+    chunks = list(client.chat.completions.create(messages=messages, stream=True, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == (
+        whole.choices[0].message.content
+    )
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in chunks)  # usage only when asked for
+
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 2, "stream": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, headers=headers) as r:
+        raw = r.read().decode()
+    assert r.headers["content-type"].startswith("text/event-stream")
+    events = raw.split("\n\n")
+    assert events[-2] == "data: [DONE]" and events[-1] == ""
+    assert all(e.startswith("data: {") for e in events[:-2])
+
+
+def test_openai_defaults_for_omitted_fields(client):
+    got = client.completions.create(model=MODEL, prompt="abc", extra_body={"ignore_eos": True})
+    assert got.usage.completion_tokens == 16  # OpenAI's completions default
+    seeded = [
+        client.completions.create(model=MODEL, prompt="abc", max_tokens=12, seed=7)
+        for _ in range(2)
+    ]
+    greedy = client.completions.create(model=MODEL, prompt="abc", max_tokens=12, temperature=0)
+    assert seeded[0].choices[0].text == seeded[1].choices[0].text
+    # temperature 1.0 by default: twelve sampled tokens differ from greedy ones (random model)
+    assert seeded[0].choices[0].text != greedy.choices[0].text
+
+
+def test_logprobs_for_completions_and_chat(client):
+    got = client.completions.create(
+        model=MODEL, prompt="log", max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == got.usage.completion_tokens
+    for token_lp, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert 1 <= len(top) <= 3
+        assert token_lp <= 0 and sum(math.exp(v) for v in top.values()) <= 1 + 1e-5
+        # greedy takes the best token (distinct ids may share a string key, so >=)
+        assert token_lp >= max(top.values()) - 1e-6
+
+    got = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "log"}],
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = got.choices[0].logprobs.content
+    assert len(content) == got.usage.completion_tokens
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
+    raw = b"".join(bytes(entry.bytes) for entry in content)
+    assert raw.decode("utf-8", errors="replace") == got.choices[0].message.content
+
+
+def test_32_concurrent_requests_complete_with_their_token_counts(base_url):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str]:
+        max_tokens = 1 + i % 8
+        common = {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "extra_body": {"ignore_eos": True},
+            "stream": i % 2 == 1,
+        }
+        if i % 2:
+            common["stream_options"] = {"include_usage": True}
+        if i % 4 < 2:
+            result = await client.completions.create(prompt=f"request {i}", **common)
+        else:
+            messages = [{"role": "user", "content": f"request {i}"}]
+            result = await client.chat.completions.create(messages=messages, **common)
+        if i % 2 == 0:
+            return max_tokens, result.usage.completion_tokens, result.choices[0].finish_reason
+        chunks = [c async for c in result]
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        return max_tokens, chunks[-1].usage.completion_tokens, finish[-1]
+
+    async def run() -> list:
+        client = openai.AsyncOpenAI(
+            base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0, timeout=300
+        )
+        async with client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run())
+    assert len(results) == 32
+    for asked, got, finish in results:
+        assert (got, finish) == (asked, "length")
+
+
+def test_the_replica_and_its_stages_share_one_placement_group(base_url):
+    info = serve.get_app_handle(APP_NAME).info.remote().result()
+    assert info["stage_placement_group_id"] == info["placement_group_id"]
+    table = ray.util.placement_group_table()[info["placement_group_id"]]
+    assert table["strategy"] == "PACK" and table["state"] == "CREATED"
+    # pp 1 on CPU: one bundle, the stage's half CPU plus the replica's
+    assert list(table["bundles"].values()) == [{"CPU": 1.0}]
+    assert (info["pp_size"], info["capacity_tokens"]) == (1, 4096)
+
+
+def scrape_dsv4ray_metrics(ray_session) -> dict[str, float]:
+    """Ray's Prometheus endpoint on this node: {series with its tags: value} of ours."""
+    port = ray_session.nodes()[0]["MetricsExportPort"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    series = {}
+    for line in text.splitlines():
+        if line.startswith("ray_dsv4ray_"):
+            name, _, value = line.rpartition(" ")
+            series[name] = float(value)
+    return series
+
+
+def _total(series: dict[str, float], name: str, *tags: str) -> float:
+    matching = [k for k in series if k.startswith(name + "{") and all(t in k for t in tags)]
+    return sum(series[k] for k in matching)
+
+
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, ray_session):
+    prompt = [7 + i % 200 for i in range(600)]  # two full 256-token pages to reuse
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= 512
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
+
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while True:
+        series = scrape_dsv4ray_metrics(ray_session)
+        ok = _total(series, "ray_dsv4ray_requests_total", 'status="200"', "/v1/completions")
+        expected = [
+            ok >= 2,
+            _total(series, "ray_dsv4ray_requests_total", 'status="404"') >= 1,
+            _total(series, "ray_dsv4ray_cached_prompt_tokens_total") >= 512,
+            _total(series, "ray_dsv4ray_prompt_tokens_total") >= 1200,
+            _total(series, "ray_dsv4ray_generation_tokens_total") >= 4,
+            _total(series, "ray_dsv4ray_time_to_first_token_seconds_count") >= 2,
+            _total(series, "ray_dsv4ray_time_per_output_token_seconds_count") >= 2,
+            any(k.startswith("ray_dsv4ray_running_requests{") for k in series),
+            any(k.startswith("ray_dsv4ray_waiting_requests{") for k in series),
+        ]
+        if all(expected):
+            break
+        assert time.monotonic() < deadline, (expected, series)
+        time.sleep(1)
