@@ -318,26 +318,8 @@ def _read_quantization(qcfg: Any) -> str | None:
 
 
 def _validate(c: ModelConfig) -> None:
-    _positive(
-        c,
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "q_lora_rank",
-        "o_lora_rank",
-        "o_groups",
-        "index_n_heads",
-        "index_head_dim",
-        "index_topk",
-        "n_routed_experts",
-        "num_experts_per_tok",
-        "moe_intermediate_size",
-        "hc_mult",
-        "hc_sinkhorn_iters",
-        "head_dim",
-        "index_topk_freq",
-    )
+    _positive(c, *_REQUIRED, "o_groups", "index_head_dim", "hc_mult", "hc_sinkhorn_iters",
+              "head_dim", "index_topk_freq")
     n = c.num_hidden_layers
     if len(c.compress_ratios) != n + c.num_nextn_predict_layers:
         raise ConfigError(
