@@ -51,6 +51,10 @@ def _start_head(env: dict, temp_dir: str, attempts: int = 2):
         dash = _free_port()
         cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={_free_port()}",
                "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+               # every port of its own: a Ray already running here holds the defaults
+               *(f"--{name}={_free_port()}" for name in (
+                   "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                   "metrics-export-port", "runtime-env-agent-port", "ray-client-server-port")),
                f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats"]
         head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
@@ -104,8 +108,12 @@ def test_ray_job_submit_runs_the_batch_job(ray_head, tiny_ckpt, tmp_path):
         "--max-tokens",
         "8",
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
+    for _ in range(30):  # the head's job agent registers a little after its dashboard
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        log = proc.stdout + proc.stderr
+        if "No available agent to submit job" not in log:
+            break
+        time.sleep(2)
     assert "line 3" in log  # the broken line is reported with its number
     rows = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
     assert set(rows) == {"a", "b"}
