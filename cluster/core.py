@@ -155,11 +155,13 @@ class EngineCore:
         return self._commit(plan, result)
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
-        finished = self.scheduler.commit(plan, result.sampled)
+        outcome = self.scheduler.commit(plan, result.sampled)
+        finished = outcome.finished
         updates: dict[str, RequestUpdate] = {}
         for req_id, logits in result.full_logits.items():
-            self.tracker.logits.setdefault(req_id, []).append(logits)
-        for req_id, token in result.sampled.items():
+            if req_id in outcome.applied:
+                self.tracker.logits.setdefault(req_id, []).append(logits)
+        for req_id, token in outcome.tokens.items():
             delta, stop = self.tracker.on_token(req_id, token, result.logprobs.get(req_id))
             updates[req_id] = RequestUpdate(req_id, [token], delta)
             if stop and not any(f.req_id == req_id for f in finished):

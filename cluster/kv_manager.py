@@ -121,7 +121,9 @@ class KVCacheManager:
                 self.radix.unlock(node)
             return False
         if self.hicache and node is not None:
-            page_ids, req.num_host_cached_tokens = self.radix.load_path(node)
+            page_ids, num_loaded = self.radix.load_path(node)
+            if req.num_cached_tokens is None:  # metrics report the first admission's hit
+                req.num_host_cached_tokens = num_loaded
         if node is not None:
             # The hit's window page holds [start - 128, start): read only, nothing writes there.
             req.window_pages[start // self.window_size - 1] = node.snapshot.window_page_id

@@ -37,7 +37,7 @@ from dsv4ray.cluster.plan import BatchEntry, NewRequest, RequestDiff, StepPlan
 from dsv4ray.cluster.request import FinishedRequest, Request, Status
 from dsv4ray.cluster.sampling import SamplingParams
 
-__all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig"]
+__all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig", "StepOutcome"]
 
 _POSITIVE_FIELDS = ("num_pages", "num_window_pages", "num_state_slots", "max_model_len")
 _POSITIVE_FIELDS += ("page_size", "window_page_size", "max_num_batched_tokens")
@@ -100,6 +100,18 @@ class SchedulerConfig:
     @property
     def min_window_pages(self) -> int:
         return cdiv(self.max_num_batched_tokens, self.window_page_size) + 3
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a committed step did. applied: the requests whose entries of the step count
+    (requests preempted, aborted or finished while the step ran are not among them: what the
+    stages computed for them belongs to work the scheduler has already thrown away); tokens:
+    req_id -> the token appended; finished: the requests that met a stop condition."""
+
+    applied: frozenset[str]
+    tokens: dict[str, int]
+    finished: list[FinishedRequest]
 
 
 @dataclass
@@ -204,10 +216,10 @@ class Scheduler:
             return None
         return self._build_plan(step)
 
-    def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[FinishedRequest]:
+    def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> StepOutcome:
         """Apply a step that ran: advance computed tokens, append sampled tokens (sampled maps
         req_id -> token for the plan's sampling entries), free window pages that left the
-        window, and finish requests that met a stop condition (returned)."""
+        window, and finish requests that met a stop condition."""
         if plan.step_id not in self._in_flight:
             raise ValueError(f"step {plan.step_id} is not in flight")
         # Requests preempted, aborted or finished while the step ran are skipped.
@@ -221,19 +233,20 @@ class Scheduler:
             raise ValueError(f"step {plan.step_id} sampled no token for {missing}")
         del self._in_flight[plan.step_id]
         self.kv.confirm_host_ops(plan.step_id)
-        finished = []
+        tokens, finished = {}, []
         for req, start, num_tokens in entries:
             req.in_flight_step = None
             req.num_computed_tokens = start + num_tokens
             self.kv.promote_snapshot(req)
             if req.num_computed_tokens == req.num_tokens:
-                req.token_ids.append(int(sampled[req.req_id]))
+                tokens[req.req_id] = int(sampled[req.req_id])
+                req.token_ids.append(tokens[req.req_id])
                 reason = self._stop_reason(req)
                 if reason is not None:
                     finished.append(self._terminate(req, reason))
                     continue
             self.kv.free_old_windows(req)
-        return finished
+        return StepOutcome(frozenset(req.req_id for req, _, _ in entries), tokens, finished)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: queue lengths and each pool's free / cached / in-use ids."""

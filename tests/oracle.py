@@ -100,3 +100,14 @@ def make_hf_checkpoint(out_dir, seed: int = 0, **config_kw):
 
 def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ours.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
+def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """Greedy loop over the reference's incremental path."""
+    state = model.new_state(1)
+    logits = model.step(torch.tensor([prompt]), state)[0, -1]
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
+    return out

@@ -6,7 +6,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from tests.engine.test_llm_greedy import reference_greedy
+from tests.oracle import reference_greedy
 
 
 @pytest.mark.parametrize(

@@ -5,19 +5,9 @@ import torch
 
 from dsv4ray.cluster.engine import LLM
 from dsv4ray.cluster.sampling import SamplingParams
+from tests.oracle import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
-
-
-def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
-    """Greedy loop over the reference's incremental path."""
-    state = model.new_state(1)
-    logits = model.step(torch.tensor([prompt]), state)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
-    return out
 
 
 def _prompts(lengths, seed=0):

@@ -9,7 +9,7 @@ import torch
 
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.kernels import dispatch
-from tests.engine.test_llm_greedy import reference_greedy
+from tests.oracle import reference_greedy
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CUDA run is tests/gpu")

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4ray import LLM, SamplingParams
-from tests.engine.test_llm_greedy import reference_greedy
+from tests.oracle import reference_greedy
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -15,11 +15,13 @@ NUM_HEADS, EPP = 8, 64
 class Pool:
     """An indexer pool with raw keys per request; page_table rows point at shuffled pages."""
 
-    def __init__(self, dtype, lengths, device, max_pages=3, positive=False):
+    def __init__(self, dtype, lengths, device, max_pages=3, positive=False, integers=False):
         self.layout = layout_for("indexer", dtype)
         num_pages = len(lengths) * max_pages
         self.page_table = torch.randperm(num_pages).view(len(lengths), max_pages)  # page 0 included
-        self.keys = [torch.randn(n, 128) for n in lengths]
+        # integer keys give dot products that are exact in any summation order (CPU BLAS sums
+        # rows of one tile in different orders, so float keys may not tie to the last bit)
+        self.keys = [_integers((n, 128)) if integers else torch.randn(n, 128) for n in lengths]
         for k in self.keys:
             if k.shape[0] >= 15:
                 k[10:15] = k[3]  # duplicate keys: exact score ties
@@ -35,6 +37,10 @@ class Pool:
         dev = self.pages.device
         return fn(q.to(dev), weights.to(dev), self.pages, self.page_table, req_idx.to(dev),
                   bound.to(dev), topk, self.layout).cpu()
+
+
+def _integers(shape) -> torch.Tensor:
+    return torch.randint(-3, 4, shape).float()
 
 
 def _direct_topk(pool, q, weights, req_idx, bound, topk):
@@ -108,8 +114,8 @@ def test_kernel_matches_reference(dtype, device):
 
 @pytest.mark.parametrize("fn", [indexer_topk, indexer_topk_ref])
 def test_equal_scores_go_to_the_lower_position(fn, device):
-    pool = Pool("bf16", [100], device, max_pages=2, positive=True)
-    q, weights = torch.randn(3, NUM_HEADS, 128), torch.rand(3, NUM_HEADS)
+    pool = Pool("bf16", [100], device, max_pages=2, positive=True, integers=True)
+    q, weights = _integers((3, NUM_HEADS, 128)), torch.randint(1, 9, (3, NUM_HEADS)) / 8
     weights[0] = 0.0  # all scores 0
     q[1] = -q[1].abs()  # q . k < 0 for every key: all relu scores 0 again
     bound = torch.tensor([100, 100, 100])

@@ -8,7 +8,7 @@ import torch
 
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.model.tiny import PRESETS
-from tests.engine.test_llm_greedy import reference_greedy
+from tests.oracle import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 

@@ -10,7 +10,7 @@ from dsv4ray import LLM, SamplingParams
 from dsv4ray.cluster.async_engine import AsyncEngine
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from tests.engine.test_llm_greedy import reference_greedy
+from tests.oracle import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=5, ignore_eos=True)
 

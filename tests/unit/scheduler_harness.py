@@ -124,10 +124,24 @@ def check_plan(config, plan):
     assert decode(encode(plan)) == plan
 
 
-def drive(sched, stage=None, depth=1, max_steps=5000):
+def commit_and_check(sched, stage, plan, finished: dict, streamed: dict) -> None:
+    """Commit a plan, collecting the tokens a caller would stream (each commit's accepted
+    tokens): they must end each finished request's output, whatever was preempted or aborted in
+    between (all of it when every commit went through here)."""
+    outcome = sched.commit(plan, stage.run(plan))
+    for req_id, token in outcome.tokens.items():
+        streamed.setdefault(req_id, []).append(token)
+    for done in outcome.finished:
+        finished[done.req_id] = done
+        tail = streamed.get(done.req_id, [])
+        assert done.output_token_ids[len(done.output_token_ids) - len(tail) :] == tail
+
+
+def drive(sched, stage=None, depth=1, max_steps=5000, streamed=None):
     """Run until every request finished; up to `depth` plans in flight."""
     stage = stage or FakeStage(sched.config)
     finished, in_flight = {}, deque()
+    streamed = {} if streamed is None else streamed
     for _ in range(max_steps):
         if not sched.has_unfinished() and not in_flight:
             return finished
@@ -136,9 +150,7 @@ def drive(sched, stage=None, depth=1, max_steps=5000):
             sched.check_integrity()
             in_flight.append(plan)
         assert in_flight, "the scheduler stalled with unfinished requests"
-        plan = in_flight.popleft()
-        for done in sched.commit(plan, stage.run(plan)):
-            finished[done.req_id] = done
+        commit_and_check(sched, stage, in_flight.popleft(), finished, streamed)
         sched.check_integrity()
     raise AssertionError("requests did not finish")
 

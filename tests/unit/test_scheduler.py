@@ -17,6 +17,7 @@ from tests.unit.scheduler_harness import (
     VOCAB,
     FakeStage,
     check_plan,
+    commit_and_check,
     drive,
     reference,
     small_config,
@@ -175,7 +176,8 @@ def test_commit_ignores_requests_aborted_while_in_flight():
     assert sched.abort("a").output_token_ids == []
     with pytest.raises(ValueError, match="sampled no token for \\['b'\\]"):
         sched.commit(plan, {})
-    assert [d.req_id for d in sched.commit(plan, sampled)] == []  # "a" would have hit max_tokens
+    outcome = sched.commit(plan, sampled)
+    assert outcome.finished == [] and outcome.tokens == {"b": sampled["b"]}  # "a" is gone
     with pytest.raises(ValueError, match="not in flight"):
         sched.commit(plan, sampled)
     assert sched.get_request("b").output_token_ids == [sampled["b"]]
@@ -220,7 +222,7 @@ def test_pool_too_small_makes_requests_wait_and_all_finish():
     while sched.has_unfinished():
         plan = sched.schedule()
         max_running = max(max_running, sched.num_running)
-        for done in sched.commit(plan, stage.run(plan)):
+        for done in sched.commit(plan, stage.run(plan)).finished:
             finished[done.req_id] = done
         sched.check_integrity()
     assert max_running == 2
@@ -241,7 +243,7 @@ def test_preempted_request_recomputes_and_finishes_with_the_same_tokens():
     while sched.has_unfinished():
         plan = sched.schedule()
         preempted += plan.preempted_ids
-        for done in sched.commit(plan, stage.run(plan)):
+        for done in sched.commit(plan, stage.run(plan)).finished:
             finished[done.req_id] = done
         sched.check_integrity()
     assert preempted and set(preempted) == {"new"}
@@ -331,7 +333,7 @@ def test_random_workloads_conserve_ids_and_match_the_reference(actions, depth):
     config = small_config(num_pages=14, num_state_slots=3, num_cached_state_slots=4)
     sched, stage = Scheduler(config), FakeStage(config)
     prefixes = [[p] * 8 + [p + 1] * 8 for p in range(4)]
-    prompts, ended, in_flight, finished = {}, set(), deque(), {}
+    prompts, ended, in_flight, finished, streamed = {}, set(), deque(), {}, {}
     for i, (action, which, length, max_tokens) in enumerate(actions):
         live = sorted(set(prompts) - ended - set(finished))
         if action == "add":
@@ -344,23 +346,41 @@ def test_random_workloads_conserve_ids_and_match_the_reference(actions, depth):
             assert done.finish_reason == ("abort" if action == "abort" else "stop")
             ended.add(req_id)
         elif action == "step":
-            _step(sched, stage, in_flight, depth, finished)
+            _step(sched, stage, in_flight, depth, finished, streamed)
         sched.check_integrity()
     while in_flight:
-        plan = in_flight.popleft()
-        finished.update({d.req_id: d for d in sched.commit(plan, stage.run(plan))})
-    finished.update(drive(sched, stage, depth=depth))
+        commit_and_check(sched, stage, in_flight.popleft(), finished, streamed)
+    finished.update(drive(sched, stage, depth=depth, streamed=streamed))
     for req_id, (prompt, params) in prompts.items():
         if req_id not in ended:
             assert finished[req_id].output_token_ids == reference(prompt, params)[0]
+            assert streamed[req_id] == finished[req_id].output_token_ids
 
 
-def _step(sched, stage, in_flight, depth, finished):
+def _step(sched, stage, in_flight, depth, finished, streamed):
     """Schedule one more plan if there is room, run the oldest when the pipeline is full."""
     plan = sched.schedule() if len(in_flight) < depth else None
     if plan is not None:
         check_plan(sched.config, plan)
         in_flight.append(plan)
     if in_flight and (len(in_flight) == depth or plan is None):
-        plan = in_flight.popleft()
-        finished.update({d.req_id: d for d in sched.commit(plan, stage.run(plan))})
+        commit_and_check(sched, stage, in_flight.popleft(), finished, streamed)
+
+
+def test_a_request_preempted_while_in_flight_streams_no_token_of_that_step():
+    # two plans in flight: "new" is admitted while "old" decodes; when "old" next needs a page
+    # the pool is short, so "new" is preempted and the token its in-flight step samples is dropped
+    config = small_config(num_pages=4, max_model_len=32, enable_prefix_caching=False)
+    sched, stage = Scheduler(config), FakeStage(config)
+    sched.add_request("old", list(range(15)), SamplingParams(max_tokens=4))
+    sched.commit(first := sched.schedule(), stage.run(first))
+    decode = sched.schedule()  # "old" writes position 15, the last of its 2 pages
+    sched.add_request("new", list(range(20, 36)), SamplingParams(max_tokens=4))
+    in_flight = sched.schedule()  # "new" takes the 2 other pages and samples
+    assert [e.req_id for e in in_flight.batch] == ["new"]
+    sched.commit(decode, stage.run(decode))
+    preempting = sched.schedule()  # "old" needs a third page while "new" is in flight
+    assert preempting.preempted_ids == ["new"]
+    outcome = sched.commit(in_flight, stage.run(in_flight))
+    assert "new" not in outcome.tokens and sched.get_request("new").output_token_ids == []
+    sched.check_integrity()
