@@ -107,9 +107,9 @@ class AsyncEngine:
             if self.core.has_unfinished():
                 try:
                     updates = self.core.step()
-                except Exception as exc:  # keep serving: end what cannot go on, with the reason
+                except Exception:  # keep serving: end what cannot go on (details in the log)
                     log.exception("engine step failed")
-                    updates = self.core.abort_all(f"engine step failed: {exc}")
+                    updates = self.core.abort_all("the engine failed while the request ran")
                 for update in updates:
                     self._deliver(update)
 

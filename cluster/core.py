@@ -21,7 +21,7 @@ import torch
 from dsv4ray.cluster.engine_config import EngineConfig
 from dsv4ray.cluster.outputs import RequestMetrics, RequestOutput
 from dsv4ray.cluster.pipeline_base import PipelineFailure, make_pipeline
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.cluster.sampling import SamplingParams, check_text
 from dsv4ray.cluster.scheduler import FinishedRequest, Scheduler, SchedulerConfig
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
@@ -52,6 +52,7 @@ class EngineCore:
         self.tracker = _Tracker(self.tokenizer)
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
+        self.num_rebuilds = 0
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
@@ -115,6 +116,9 @@ class EngineCore:
     def add_request(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, score: bool = False
     ) -> None:
+        """ValueError for anything a plan could not carry: a request is checked whole before it
+        reaches the scheduler, so no step ever fails on one request's data."""
+        check_request_id(req_id)
         self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
         self.tracker.add(req_id, prompt_ids, params)
         if score:
@@ -155,14 +159,26 @@ class EngineCore:
         return self._commit(plan, result)
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
+        updates: dict[str, RequestUpdate] = {}
+        for req_id, error in self._step_errors(plan, result).items():
+            log.error("request %s aborted: %s", req_id, error)
+            out = self.abort(req_id, error)  # before commit: its step entry no longer counts
+            if out is not None:
+                updates[req_id] = RequestUpdate(req_id, output=out)
         outcome = self.scheduler.commit(plan, result.sampled)
         finished = outcome.finished
-        updates: dict[str, RequestUpdate] = {}
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
                 self.tracker.logits.setdefault(req_id, []).append(logits)
         for req_id, token in outcome.tokens.items():
-            delta, stop = self.tracker.on_token(req_id, token, result.logprobs.get(req_id))
+            try:
+                delta, stop = self.tracker.on_token(req_id, token, result.logprobs.get(req_id))
+            except Exception as exc:  # text or stop handling of one request fails alone
+                log.exception("request %s: output handling failed", req_id)
+                finished = [f for f in finished if f.req_id != req_id]
+                out = self._end(req_id, f"output handling failed: {type(exc).__name__}")
+                updates[req_id] = RequestUpdate(req_id, output=out)
+                continue
             updates[req_id] = RequestUpdate(req_id, [token], delta)
             if stop and not any(f.req_id == req_id for f in finished):
                 done = self.scheduler.finish(req_id, "stop")
@@ -173,13 +189,31 @@ class EngineCore:
             self.scoring.discard(f.req_id)
         return list(updates.values())
 
+    @staticmethod
+    def _step_errors(plan, result) -> dict[str, str]:
+        """Requests the step could not serve: all of its batch when a stage's compute failed,
+        else those whose sampling failed. The messages are for users: no internals."""
+        if result.failed is not None:
+            log.error("step %d failed: %s", plan.step_id, result.failed)
+            reason = "the step computing this request failed on a pipeline stage"
+            return {entry.req_id: reason for entry in plan.batch}
+        return dict(result.errors)
+
+    def _end(self, req_id: str, error: str) -> RequestOutput:
+        """Aborts a request the scheduler may already have finished (its output stays)."""
+        out = self.abort(req_id, error)
+        if out is None:
+            out = self.tracker.outputs[req_id]
+            out.finish_reason, out.error = "abort", error
+        return out
+
     def _recover(self, exc: PipelineFailure) -> list[RequestUpdate]:
         """A stage died: abort every unfinished request with the reason, rebuild, keep serving.
         With a host tier the prefix index keeps what the host holds, so restarted stages load
         cached prefixes back instead of recomputing them."""
-        error = f"pipeline stage failed: {exc}; the request was aborted"
-        log.error("%s; rebuilding the pipeline", error)
-        updates = self.abort_all(error)
+        log.error("pipeline stage failed: %s; rebuilding the pipeline", exc)
+        updates = self.abort_all("a pipeline stage failed while the request ran")
+        self.num_rebuilds += 1
         old_capacity = self.pipeline.capacity
         self.pipeline.rebuild()
         if self.scheduler.kv.hicache and self.pipeline.capacity == old_capacity:
@@ -208,6 +242,7 @@ class EngineCore:
             "num_window_pages": kv.window_pages.num_pages,
             "num_host_pages": self.host_pages,
             "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
+            "num_pipeline_rebuilds": self.num_rebuilds,
         }
 
     def check_integrity(self) -> None:
@@ -233,6 +268,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
+
+
+def check_request_id(req_id: object) -> None:
+    if not isinstance(req_id, str) or not req_id:
+        raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
+    check_text("request id", req_id)
 
 
 def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
@@ -302,7 +343,7 @@ class _Tracker:
         return out
 
     def pop(self, req_id: str) -> RequestOutput:
-        for table in (self.params, self.decoders, self.start):
+        for table in (self.params, self.decoders, self.start, self.logits):
             table.pop(req_id, None)
         self.stopped_by_string.discard(req_id)
         return self.outputs.pop(req_id)

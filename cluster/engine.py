@@ -50,7 +50,7 @@ class LLM:
         params = _per_prompt(sampling_params, len(prompts))
         ids = [self.core.prompt_ids(p) for p in prompts]  # validate everything before queueing
         req_ids = self._add(ids, params, score=False)
-        self.core.run_until_done(set(req_ids))
+        self._run(req_ids)
         return [self.core.pop_output(r) for r in req_ids]
 
     def score(self, prompts: Sequence[Sequence[int]]) -> list:
@@ -58,11 +58,22 @@ class LLM:
         computed through the paged pipeline (chunked prefill, the configured page format)."""
         ids = [self.core.prompt_ids(list(p)) for p in prompts]
         req_ids = self._add(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
-        self.core.run_until_done(set(req_ids))
+        self._run(req_ids)
         logits = [self.core.tracker.pop_logits(r) for r in req_ids]
         for r in req_ids:
             self.core.pop_output(r)
         return logits
+
+    def _run(self, req_ids: list[str]) -> None:
+        """Steps until the call's requests finish; if anything interrupts it (an error, Ctrl-C),
+        the call's requests are aborted and dropped, so no request or page outlives the call."""
+        try:
+            self.core.run_until_done(set(req_ids))
+        except BaseException:
+            for req_id in req_ids:
+                self.core.abort(req_id, "the generate call was interrupted")
+                self.core.pop_output(req_id)
+            raise
 
     def _add(self, ids: list[list[int]], params: list[SamplingParams], score: bool) -> list[str]:
         req_ids = []

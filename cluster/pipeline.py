@@ -134,8 +134,9 @@ class RayPipeline:
         self.host_args, self.tiers, self.regions = None, [], []
 
     def submit(self, plan: StepPlan):
+        data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
         try:
-            return self.dag.execute(encode(plan))
+            return self.dag.execute(data)
         except Exception as exc:  # the compiled graph reports a dead actor in many types
             raise PipelineFailure(_describe(exc)) from exc
 

@@ -14,7 +14,6 @@ class RequestSampler:
         self.temperature = float(params.get("temperature", 0.0))
         self.top_p = float(params.get("top_p", 1.0))
         self.top_k = int(params.get("top_k", -1))
-        self.logprobs = params.get("logprobs")
         self.gen = torch.Generator().manual_seed(int(seed))
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -30,8 +29,9 @@ class RequestSampler:
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p < 1.0:
             sorted_logits, order = torch.sort(logits, descending=True)
-            cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-            drop = cum - torch.softmax(sorted_logits, dim=-1) >= self.top_p  # keep the first past p
+            probs = torch.softmax(sorted_logits, dim=-1)
+            drop = probs.cumsum(-1) - probs >= self.top_p  # keep the first past p
+            drop[0] = False  # a top_p below the top probability (or fp32's range) keeps the top
             logits = logits.masked_fill(
                 torch.zeros_like(drop).scatter(0, order, drop), float("-inf")
             )

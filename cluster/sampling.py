@@ -14,6 +14,7 @@ from typing import Any
 
 MAX_LOGPROBS = 20
 INT64 = 2**63  # seeds and ids travel in msgpack-encoded plans as signed 64-bit integers
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing by them overflows fp32)
 
 
 def _is_int(value: object) -> bool:
@@ -24,16 +25,27 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def check_text(name: str, text: str) -> None:
+    """ValueError naming the field unless text is valid Unicode that UTF-8 can carry (a lone
+    surrogate, e.g. from a JSON escape, cannot travel in a plan or be tokenised)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"{name} is not valid text: {exc.reason} at index {exc.start}"
+        ) from None
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling and stopping.
 
     max_tokens      tokens to generate (>= 1)
-    temperature     0 = greedy
-    top_p           nucleus mass in (0, 1]
+    temperature     0 = greedy (so is anything below 1e-5; it is stored as 0.0)
+    top_p           nucleus mass in (0, 1]; however small, the most likely token stays
     top_k           -1 = off, else >= 1
     seed            per-request generator seed (None = the engine picks one)
-    stop            strings that end the output (normalised to a tuple)
+    stop            strings that end the output (normalised to a tuple; valid UTF-8 text)
     stop_token_ids  token ids that end the output (normalised to a tuple)
     logprobs        None, or top logprobs per token (0..20; 0 = only the sampled token's)
     ignore_eos      keep generating past the model's eos token
@@ -52,7 +64,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         self._check_lengths()
         self._check_sampling()
-        object.__setattr__(self, "temperature", float(self.temperature))
+        temperature = float(self.temperature)
+        object.__setattr__(self, "temperature", 0.0 if temperature < GREEDY_BELOW else temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
         object.__setattr__(self, "stop", self._normalise_stop(self.stop))
         object.__setattr__(self, "stop_token_ids", self._normalise_ids(self.stop_token_ids))
@@ -90,6 +103,7 @@ class SamplingParams:
         for item in items:
             if not isinstance(item, str) or not item:
                 raise ValueError(f"stop strings must be non-empty strings, got {item!r}")
+            check_text("stop", item)
         return tuple(items)
 
     @staticmethod

@@ -37,6 +37,8 @@ class StageResult:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list] = field(default_factory=dict)
     full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
+    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not sample
+    failed: str | None = None  # the step's compute failed on some stage (bookkeeping applied)
 
 
 class StageWorker:
@@ -113,12 +115,30 @@ class StageWorker:
 
     @torch.no_grad()
     def execute(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+        """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
+        earlier stage) is returned in ``failed`` with the bookkeeping applied, so every stage
+        stays in step with the scheduler and only the step's requests are lost."""
         events = self._host_ops(plan)
         self._apply(plan)
         result = StageResult(plan.step_id)
+        if inputs is not None and inputs.failed is not None:
+            result.failed = inputs.failed
+            return result
+        try:
+            self._compute(plan, inputs, events, result)
+        except Exception as exc:  # an engine bug or a bad input must not take the stage down
+            log.exception("step %d failed on stage [%d, %d)", plan.step_id, *self._range)
+            result.failed = f"{type(exc).__name__} on stage {self._range}: {exc}"[:500]
+        return result
+
+    @property
+    def _range(self) -> tuple[int, int]:
+        return self.model.start, self.model.end
+
+    def _compute(self, plan: StepPlan, inputs, events, result: StageResult) -> None:
         if not plan.batch:
             self._snapshots(plan)
-            return result
+            return
         meta = build_batch(plan, self.tables, self.device)
         x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
@@ -126,7 +146,6 @@ class StageWorker:
             self._sample(plan, meta, x, result)
         else:
             result.residual, result.topk = x.flatten(-2), topk
-        return result
 
     def _host_ops(self, plan: StepPlan) -> LayerEvents:
         if not plan.has_host_ops:
@@ -153,11 +172,16 @@ class StageWorker:
             return
         logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
         for row, req_id in enumerate(meta.sample_req_ids):
-            sampler = self.samplers[req_id]
-            token = sampler.sample(logits[row])
+            try:
+                token = self.samplers[req_id].sample(logits[row])
+                if req_id in plan.logprobs:
+                    num_top = plan.logprobs[req_id]
+                    result.logprobs[req_id] = token_logprobs(logits[row], token, num_top)
+            except Exception as exc:  # one request's sampling fails alone
+                log.warning("request %s could not sample: %r", req_id, exc)
+                result.errors[req_id] = f"sampling failed: {type(exc).__name__}: {exc}"[:300]
+                continue
             result.sampled[req_id] = token
-            if req_id in plan.logprobs:
-                result.logprobs[req_id] = token_logprobs(logits[row], token, plan.logprobs[req_id])
 
     def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
         start = 0

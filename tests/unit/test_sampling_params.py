@@ -47,6 +47,9 @@ def test_params_are_frozen():
         ({"stop": [""]}, "stop"),
         ({"stop": ["ok", 3]}, "stop"),
         ({"stop": 5}, "stop"),
+        ({"stop": "\ud800"}, "stop"),
+        ({"stop": ["ok", "a\udfffb"]}, "stop"),
+        ({"top_p": math.nan}, "top_p"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
@@ -55,6 +58,13 @@ def test_params_are_frozen():
 def test_invalid_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-6, 1e-38, 5e-324])
+def test_temperatures_below_the_epsilon_are_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    assert params.is_greedy and params.temperature == 0.0
+    assert not SamplingParams(temperature=2e-5).is_greedy
 
 
 def test_valid_edges_are_accepted():

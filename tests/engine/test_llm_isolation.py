@@ -1,0 +1,134 @@
+"""One request's bad data or failure never hurts another, and the offline API leaks nothing.
+
+Values the API documents as valid (temperatures down to 5e-324, top_p down to 5e-324) sample
+without error; invalid ones raise ValueError before anything is queued; a request whose
+sampling fails on the last stage ends alone with an error while its batch-mates keep their
+reference tokens; a step whose compute fails aborts only that step's requests; and after every
+error path no request is running and every page is free or cached.
+"""
+
+import pytest
+import torch
+
+from dsv4ray import LLM, SamplingParams
+from tests.oracle import reference_greedy
+
+PROMPTS = [
+    torch.randint(2, 258, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    for n in (40, 300)
+]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_ckpt):
+    engine = LLM(tiny_ckpt, kv_cache_dtype="fp32")
+    yield engine
+    engine.shutdown()
+
+
+def _assert_nothing_held(llm) -> None:
+    stats = llm.core.stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0
+    assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
+    assert llm.core.tracker.outputs == {}
+    llm.core.check_integrity()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"temperature": 1e-38},
+        {"temperature": 5e-324},
+        {"temperature": 1.0, "top_p": 5e-324},
+        {"temperature": 0.7, "top_p": 1e-300},
+    ],
+)
+def test_extreme_valid_values_give_greedy_tokens(llm, tiny_model, kw):
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, ignore_eos=True, **kw))[0]
+    assert out.finish_reason == "length"
+    assert out.token_ids == reference_greedy(tiny_model, PROMPTS[0], 4)
+    _assert_nothing_held(llm)
+
+
+@pytest.mark.parametrize(
+    ("make", "field"),
+    [
+        (lambda: SamplingParams(stop="\ud800"), "stop"),
+        (lambda: SamplingParams(stop=["fine", "\udc00x"]), "stop"),
+        (lambda: SamplingParams(temperature=float("nan")), "temperature"),
+        (lambda: SamplingParams(top_p=0.0), "top_p"),
+    ],
+)
+def test_invalid_values_raise_value_error_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_a_bad_prompt_queues_nothing(llm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([PROMPTS[0], [0, 10**6]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request id"):
+        llm.core.add_request("bad\ud800id", PROMPTS[0], SamplingParams())
+    _assert_nothing_held(llm)
+
+
+def test_a_sampling_failure_ends_only_its_request(llm, tiny_model, monkeypatch):
+    worker = llm.core.pipeline.workers[-1]
+    add, added = worker._add, []
+
+    def add_with_a_failing_sampler(new):  # the second request's sampler breaks
+        add(new)
+        added.append(new.req_id)
+        if len(added) == 2:
+            monkeypatch.setattr(worker.samplers[new.req_id], "sample", _raise)
+
+    monkeypatch.setattr(worker, "_add", add_with_a_failing_sampler)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert outs[0].token_ids == reference_greedy(tiny_model, PROMPTS[0], 4)
+    assert outs[1].finish_reason == "abort" and "sampling failed" in outs[1].error
+    assert llm.core.num_rebuilds == 0
+    _assert_nothing_held(llm)
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(
+    llm, tiny_model, monkeypatch
+):
+    worker = llm.core.pipeline.workers[0]
+    run = worker._run
+    calls = []
+
+    def run_failing_once(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the first decode step of the batch
+            raise RuntimeError("injected compute failure")
+        return run(*args)
+
+    monkeypatch.setattr(worker, "_run", run_failing_once)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
+    assert [o.finish_reason for o in outs] == ["abort", "abort"]
+    assert all("pipeline stage" in o.error and "injected" not in o.error for o in outs)
+    _assert_nothing_held(llm)
+    again = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
+    assert llm.core.num_rebuilds == 0
+
+
+def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
+    step = llm.core.step
+    steps = []
+
+    def step_then_interrupt():
+        steps.append(1)
+        if len(steps) == 3:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(llm.core, "step", step_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, SamplingParams(max_tokens=8))
+    monkeypatch.undo()
+    _assert_nothing_held(llm)
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected sampling failure")
