@@ -8,10 +8,10 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics"]
 
 _EXPORTS = {
-    "LLM": "dsv4ray.cluster.engine",
-    "SamplingParams": "dsv4ray.cluster.sampling",
-    "RequestOutput": "dsv4ray.cluster.outputs",
-    "RequestMetrics": "dsv4ray.cluster.outputs",
+    "LLM": "dsv4ray.entrypoints.llm",
+    "SamplingParams": "dsv4ray.engine.sampling",
+    "RequestOutput": "dsv4ray.engine.outputs",
+    "RequestMetrics": "dsv4ray.engine.outputs",
 }
 
 

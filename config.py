@@ -437,3 +437,8 @@ def yarn_inv_freq_bounds(rope: RopeSpec) -> tuple[float, float]:
     low = max(math.floor(corr_dim(y.beta_fast)), 0)
     high = min(math.ceil(corr_dim(y.beta_slow)), dim - 1)
     return float(low), float(high)
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool (JSON true must not pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -14,8 +14,8 @@ import ray
 import torch
 
 from dsv4ray.cache.pools import PoolSizes
-from dsv4ray.cluster.plan import decode
-from dsv4ray.cluster.worker import StageResult, StageWorker
+from dsv4ray.engine.plan import StageResult, decode
+from dsv4ray.worker.stage_worker import StageWorker
 
 
 @ray.remote

@@ -27,8 +27,8 @@ from report import (  # noqa: E402
     write_results,
 )
 
-from dsv4ray.cluster.engine import LLM  # noqa: E402
-from dsv4ray.cluster.sampling import SamplingParams  # noqa: E402
+from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
+from dsv4ray.entrypoints.llm import LLM  # noqa: E402
 from dsv4ray.model import load_reference  # noqa: E402
 
 

@@ -34,9 +34,9 @@ from dsv4ray import LLM, SamplingParams  # noqa: E402
 from dsv4ray.actors.host_tier import HostTier  # noqa: E402
 from dsv4ray.cache.host_pool import HostLayout  # noqa: E402
 from dsv4ray.cache.pools import PoolSizes, StagePools  # noqa: E402
-from dsv4ray.cluster.host_io import HostIO  # noqa: E402
-from dsv4ray.cluster.plan import StepPlan  # noqa: E402
 from dsv4ray.config import ModelConfig  # noqa: E402
+from dsv4ray.engine.plan import StepPlan  # noqa: E402
+from dsv4ray.worker.host_io import HostIO  # noqa: E402
 
 
 def _sync(device) -> None:

@@ -30,7 +30,7 @@ from report import (  # noqa: E402
 )
 
 from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.cluster.plan import StepPlan, encode  # noqa: E402
+from dsv4ray.engine.plan import StepPlan, encode  # noqa: E402
 
 
 def empty_step_ms(llm: LLM, steps: int = 200) -> tuple[float, float]:

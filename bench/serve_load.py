@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import result, write_benchmarks_md, write_results  # noqa: E402
 
-from dsv4ray.cluster.sampling import SamplingParams  # noqa: E402
-from dsv4ray.cluster.serve import APP_NAME, build_app, is_loopback  # noqa: E402
+from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
+from dsv4ray.entrypoints.serve import APP_NAME, build_app, is_loopback  # noqa: E402
 
 # (ttft_s, e2e_s, num_tokens) of one request
 Sample = tuple[float, float, int]
@@ -66,7 +66,7 @@ def prompt_ids(idx: int, length: int) -> list[int]:
 
 
 async def engine_phase(args, model: str) -> tuple[list[Sample], float]:
-    from dsv4ray.cluster.async_engine import AsyncEngine
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
 
     engine = AsyncEngine(model, **engine_options(args))
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)

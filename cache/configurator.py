@@ -26,12 +26,11 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
 from dsv4ray.cache.layer_mapping import count_kinds
 
 logger = logging.getLogger("dsv4ray.cache")
 
-PAGE_SIZE = 256
-WINDOW_PAGE_SIZE = 128
 DEFAULT_CPU_MAX_TOTAL_TOKENS = 65536
 ENTRY_KINDS = ("window", "c4", "c128", "indexer")
 

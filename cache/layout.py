@@ -24,9 +24,8 @@ from functools import cache, lru_cache
 
 import torch
 
-KINDS = ("window", "c4", "c128", "indexer")
-DTYPES = ("fp8", "bf16", "fp32")
-ENTRIES_PER_PAGE = {"window": 128, "c4": 64, "c128": 2, "indexer": 64}
+from dsv4ray.cache.formats import DTYPES, ENTRIES_PER_PAGE, KINDS
+
 KV_DIM, INDEXER_DIM = 512, 128
 NOPE_DIM, ROPE_DIM, GROUP_DIM = 448, 64, 64
 NUM_GROUPS = NOPE_DIM // GROUP_DIM  # 7 ue8m0 scales per kv entry

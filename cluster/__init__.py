@@ -1,1 +1,2 @@
-"""cluster."""
+"""Ray control: placement (bundles for pipelines and Serve replicas) and the compiled-graph
+pipeline of stage actors."""

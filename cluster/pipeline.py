@@ -23,12 +23,12 @@ from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.pipeline_base import PipelineFailure, pool_sizes, size_pipeline
-from dsv4ray.cluster.plan import StepPlan, encode
-from dsv4ray.cluster.ray_utils import ensure_ray, stage_bundle
-from dsv4ray.cluster.worker import StageResult
+from dsv4ray.cluster.placement import ensure_ray, stage_bundle
 from dsv4ray.config import ModelConfig
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.pipeline import PipelineFailure
+from dsv4ray.engine.plan import StageResult, StepPlan, encode
+from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
 
 log = logging.getLogger("dsv4ray.pipeline")
 

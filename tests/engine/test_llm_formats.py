@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv4ray.cluster.engine import LLM
+from dsv4ray.entrypoints.llm import LLM
 
 
 def _kl(ref_logits: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:

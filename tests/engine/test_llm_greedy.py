@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dsv4ray.cluster.engine import LLM
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.llm import LLM
 from tests.oracle import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)

@@ -30,7 +30,7 @@ def _assert_nothing_held(llm) -> None:
     stats = llm.core.stats()
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
-    assert llm.core.tracker.outputs == {}
+    assert llm.core.outputs.unfinished() == [] and not llm.core.outputs.outputs
     llm.core.check_integrity()
 
 

@@ -7,7 +7,7 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.cluster.async_engine import AsyncEngine
+from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
 from tests.oracle import reference_greedy

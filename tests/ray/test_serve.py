@@ -16,7 +16,7 @@ import ray
 from ray import serve
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.cluster.serve import APP_NAME, build_app
+from dsv4ray.entrypoints.serve import APP_NAME, build_app
 from dsv4ray.model.tokenizer import Tokenizer
 
 API_KEY = "test-key-1"

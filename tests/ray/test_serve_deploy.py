@@ -11,7 +11,7 @@ import pytest
 import yaml
 from ray import serve
 
-from dsv4ray.cluster.serve import ServeSettings
+from dsv4ray.entrypoints.serve import ServeSettings
 from tests.ray.test_serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -44,7 +44,7 @@ def test_bad_serve_config_names_the_key(tiny_ckpt):
 def test_serve_yaml_autoscales_the_deployment_that_build_app_makes():
     config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
     (app,) = config["applications"]
-    assert app["import_path"] == "dsv4ray.cluster.serve:build_app"
+    assert app["import_path"] == "dsv4ray.entrypoints.serve:build_app"
     (deployment,) = app["deployments"]
     assert deployment["name"] == "OpenAIDeployment"
     scaling = deployment["autoscaling_config"]

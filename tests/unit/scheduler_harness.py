@@ -10,8 +10,8 @@ assertion, and outputs must equal a plain generation loop over the same hash (``
 
 from collections import deque
 
-from dsv4ray.cluster.plan import decode, encode
-from dsv4ray.cluster.scheduler import SchedulerConfig
+from dsv4ray.engine.plan import decode, encode
+from dsv4ray.engine.scheduler import SchedulerConfig
 
 VOCAB = 37
 

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4ray.cache.hicache import WRITE_POLICIES
-from dsv4ray.cluster.sampling import SamplingParams
-from dsv4ray.cluster.scheduler import Scheduler
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.scheduler import Scheduler
 from tests.unit.scheduler_harness import FakeStage, drive, reference, small_config
 
 

@@ -4,8 +4,8 @@ top-p with at least one token kept), including the extreme values the API allows
 import pytest
 import torch
 
-from dsv4ray.cluster.sampler import RequestSampler
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.worker.sampler import RequestSampler
 
 
 def _allowed(logits: torch.Tensor, top_k: int, top_p: float) -> set[int]:

@@ -5,8 +5,8 @@ import math
 import msgpack
 import pytest
 
-from dsv4ray.cluster.outputs import RequestMetrics, RequestOutput
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.outputs import RequestMetrics, RequestOutput
+from dsv4ray.engine.sampling import SamplingParams
 
 
 def test_defaults_are_greedy_and_16_tokens():

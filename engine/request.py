@@ -20,7 +20,7 @@ import enum
 from dataclasses import dataclass, field
 
 from dsv4ray.cache.radix import RadixNode
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams
 
 
 class Status(enum.Enum):

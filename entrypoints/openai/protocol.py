@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from dsv4ray.cluster.sampling import MAX_LOGPROBS, SamplingParams
+from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4

@@ -1,33 +1,23 @@
-"""Pipelines the engine core drives: stages in this process, or stage actors over Ray.
-
-Both have the same surface: ``capacity`` (the pipeline's pool sizes: the minimum over stages,
-each sized by its own layer slice), ``depth`` (plans in flight), ``submit(plan) -> handle``,
-``collect(handle) -> StageResult`` (the last stage's result), ``rebuild()`` and ``shutdown()``.
-A dead stage surfaces as ``PipelineFailure``.
+"""LocalPipeline: stage workers called in order in this process (the engine.pipeline protocol),
+and the pool sizing every pipeline shares: each stage sized by its own layer slice, the
+pipeline taking the minimum, since one page id names a page in every stage.
 """
 
 from __future__ import annotations
 
 from dsv4ray.cache.configurator import pipeline_capacity, size_stage
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.layout import KINDS, layout_for
 from dsv4ray.cache.pools import PoolSizes
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.plan import StepPlan
-from dsv4ray.cluster.worker import StageResult, StageWorker
 from dsv4ray.config import ModelConfig
-
-
-class PipelineFailure(RuntimeError):
-    """A stage of the pipeline died or stopped answering."""
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.worker.stage_worker import StageWorker
 
 
 def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | None]):
-    """Pools of every stage from its own layer slice; the pipeline takes the minimum (seed 004)."""
-    entry_bytes = {
-        k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry
-        for k in ("window", "c4", "c128", "indexer")
-    }
+    """Pools of every stage from its own layer slice; the pipeline takes the minimum."""
+    entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
     skip = [spec.skip_topk for spec in cfg.layers]
     caps = [
         size_stage(
@@ -86,14 +76,14 @@ class LocalPipeline:
     def rebuild(self) -> None:
         self._build()
 
+    def attach_host(self, num_pages: int, num_snapshots: int) -> None:
+        raise ValueError("the host tier needs Ray stage actors (use_ray)")
+
+    def host_alive(self) -> bool:
+        return True
+
+    def drop_host(self) -> None:
+        """No host tier is ever attached in process."""
+
     def shutdown(self) -> None:
         self.workers = []
-
-
-def make_pipeline(config: EngineConfig, cfg: ModelConfig, placement=None):
-    """In-process when pp_size == 1 and use_ray is not forced; Ray stage actors otherwise."""
-    if config.uses_ray or placement is not None:
-        from dsv4ray.cluster.pipeline import RayPipeline
-
-        return RayPipeline(config, cfg, placement)
-    return LocalPipeline(config, cfg)

@@ -1,4 +1,4 @@
-"""``LLM``: the offline engine API over EngineCore (see cluster/core.py for one engine step).
+"""``LLM``: the offline engine API over EngineCore (see engine/core.py for one engine step).
 
 With pp_size 1 the stage runs in this process; with pp_size > 1 (or use_ray=True) the stages are
 Ray actors in one placement group, and a local Ray starts when no cluster is reachable
@@ -10,10 +10,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from dsv4ray.cluster.core import EngineCore
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.outputs import RequestOutput
-from dsv4ray.cluster.sampling import SamplingParams
+import torch
+
+from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 
 
 class LLM:
@@ -23,8 +24,8 @@ class LLM:
     """
 
     def __init__(self, model: str, **options) -> None:
-        self.config = EngineConfig.build(model, **options)
-        self.core = EngineCore(self.config)
+        self.core = build_engine_core(engine_config(model, **options))
+        self.config = self.core.config
         self._ids = itertools.count()
 
     @property
@@ -59,7 +60,7 @@ class LLM:
         ids = [self.core.prompt_ids(list(p)) for p in prompts]
         req_ids = self._add(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
         self._run(req_ids)
-        logits = [self.core.tracker.pop_logits(r) for r in req_ids]
+        logits = [torch.log_softmax(torch.cat(self.core.pop_logits(r)), dim=-1) for r in req_ids]
         for r in req_ids:
             self.core.pop_output(r)
         return logits

@@ -18,15 +18,12 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from dsv4ray.cache.allocator import PageAllocator
 from dsv4ray.cache.hicache import HiRadixIndex
 from dsv4ray.cache.radix import RadixIndex, RadixNode, Snapshot
-from dsv4ray.cluster.request import Request, RequestSnapshot
-
-if TYPE_CHECKING:
-    from dsv4ray.cluster.scheduler import SchedulerConfig
+from dsv4ray.engine.config import SchedulerConfig
+from dsv4ray.engine.request import Request, RequestSnapshot
 
 
 def cdiv(a: int, b: int) -> int:

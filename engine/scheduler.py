@@ -31,76 +31,14 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dsv4ray.cluster.kv_manager import KVCacheManager, cdiv
-from dsv4ray.cluster.outputs import FINISH_REASONS
-from dsv4ray.cluster.plan import BatchEntry, NewRequest, RequestDiff, StepPlan
-from dsv4ray.cluster.request import FinishedRequest, Request, Status
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.config import SchedulerConfig
+from dsv4ray.engine.kv_manager import KVCacheManager
+from dsv4ray.engine.outputs import FINISH_REASONS
+from dsv4ray.engine.plan import BatchEntry, NewRequest, RequestDiff, StepPlan
+from dsv4ray.engine.request import FinishedRequest, Request, Status
+from dsv4ray.engine.sampling import SamplingParams
 
 __all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig", "StepOutcome"]
-
-_POSITIVE_FIELDS = ("num_pages", "num_window_pages", "num_state_slots", "max_model_len")
-_POSITIVE_FIELDS += ("page_size", "window_page_size", "max_num_batched_tokens")
-
-
-def _is_int(value: object, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Pool sizes (from the configurator) and batching limits. num_state_slots is the maximum
-    number of running requests."""
-
-    num_pages: int
-    num_window_pages: int
-    num_state_slots: int
-    num_cached_state_slots: int
-    max_model_len: int
-    eos_token_id: int | None = None
-    page_size: int = 256
-    window_page_size: int = 128
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    num_host_pages: int = 0  # host tier (HiCache): 0 = off
-    num_host_snapshots: int = 0
-    hicache_write_policy: str = "write_through"
-
-    def __post_init__(self) -> None:
-        for name in _POSITIVE_FIELDS:
-            if not _is_int(getattr(self, name), 1):
-                raise ValueError(f"{name} must be an int >= 1, got {getattr(self, name)!r}")
-        if not _is_int(self.num_cached_state_slots, 0):
-            raise ValueError(
-                f"num_cached_state_slots must be an int >= 0, got {self.num_cached_state_slots!r}"
-            )
-        if self.eos_token_id is not None and not _is_int(self.eos_token_id, 0):
-            raise ValueError(f"eos_token_id must be None or an int >= 0, got {self.eos_token_id!r}")
-        if self.page_size % self.window_page_size:
-            raise ValueError(
-                f"page_size ({self.page_size}) must be a multiple of window_page_size "
-                f"({self.window_page_size})"
-            )
-        if self.max_num_batched_tokens < self.page_size:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= page_size "
-                f"({self.page_size}) so that a page-aligned prefill chunk always fits"
-            )
-        if self.max_model_len > self.num_pages * self.page_size:
-            raise ValueError(
-                f"max_model_len ({self.max_model_len}) exceeds num_pages ({self.num_pages}) * "
-                f"page_size ({self.page_size}): a lone request could never finish"
-            )
-        if self.num_window_pages < self.min_window_pages:
-            raise ValueError(
-                f"num_window_pages ({self.num_window_pages}) must be >= {self.min_window_pages}: "
-                f"a full-budget chunk, the 127 tokens before it and a snapshot's pinned page"
-            )
-
-    @property
-    def min_window_pages(self) -> int:
-        return cdiv(self.max_num_batched_tokens, self.window_page_size) + 3
-
 
 @dataclass(frozen=True)
 class StepOutcome:
@@ -249,14 +187,27 @@ class Scheduler:
         return StepOutcome(frozenset(req.req_id for req, _, _ in entries), tokens, finished)
 
     def stats(self) -> dict[str, int]:
-        """Counters for metrics: queue lengths and each pool's free / cached / in-use ids."""
-        counters = {"num_running": len(self._running), "num_waiting": len(self._waiting)}
-        for alloc in (self.kv.pages, self.kv.window_pages, self.kv.cached_state_slots):
-            name = alloc.name.replace(" ", "_").replace("-", "_")
-            counters[f"{name}_free"] = alloc.num_free
-            counters[f"{name}_cached"] = alloc.num_cached
-            counters[f"{name}_in_use"] = alloc.num_in_use
-        return counters
+        """Counters for metrics: queue lengths and the pools' free, cached and total ids."""
+        kv = self.kv
+        return {
+            "num_running": len(self._running),
+            "num_waiting": len(self._waiting),
+            "num_free_pages": kv.pages.num_free,
+            "num_cached_pages": kv.pages.num_cached,
+            "num_pages": kv.pages.num_pages,
+            "num_free_window_pages": kv.window_pages.num_free,
+            "num_cached_window_pages": kv.window_pages.num_cached,
+            "num_window_pages": kv.window_pages.num_pages,
+            "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
+        }
+
+    @property
+    def uses_host_tier(self) -> bool:
+        return self.kv.hicache
+
+    def drop_host_residency(self) -> None:
+        """The host tier is gone: forget host copies and make no new ones."""
+        self.kv.radix.drop_host_residency()
 
     def num_cached_tokens(self, req_id: str) -> int:
         """Prompt tokens the request reused from the prefix cache (0 before admission)."""

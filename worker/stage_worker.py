@@ -10,35 +10,20 @@ the step's tokens and, on the last stage, samples. Between stages travel the res
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import torch
 
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
-from dsv4ray.cluster.batch import BatchMeta, ReqTable, build_batch
-from dsv4ray.cluster.host_io import HostIO, LayerEvents
-from dsv4ray.cluster.plan import NewRequest, StepPlan
-from dsv4ray.cluster.sampler import RequestSampler, token_logprobs
 from dsv4ray.config import ModelConfig
+from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
-from dsv4ray.model.paged import paged_block
+from dsv4ray.worker.batch import BatchMeta, ReqTable, build_batch
+from dsv4ray.worker.host_io import HostIO, LayerEvents
+from dsv4ray.worker.paged import paged_block
+from dsv4ray.worker.sampler import RequestSampler, token_logprobs
 
 log = logging.getLogger("dsv4ray.worker")
-
-
-@dataclass
-class StageResult:
-    """What a stage hands on: tensors for the next stage, or (last stage) the sampled tokens."""
-
-    step_id: int
-    residual: torch.Tensor | None = None  # [T, hc * hidden]
-    topk: torch.Tensor | None = None  # [T, k] logical C4 positions, -1 = none
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, list] = field(default_factory=dict)
-    full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
-    errors: dict[str, str] = field(default_factory=dict)  # req_id -> why it could not sample
-    failed: str | None = None  # the step's compute failed on some stage (bookkeeping applied)
 
 
 class StageWorker:

@@ -1,6 +1,6 @@
 """OpenAIServer: the OpenAI-compatible HTTP API over an engine, as a plain class.
 
-The Serve deployment (cluster/serve.py) only forwards Starlette requests to ``handle``; tests and
+The Serve deployment (entrypoints/serve.py) only forwards Starlette requests to ``handle``; tests and
 other hosts can drive the same class. The engine is reached through ``EngineClient``, the small
 protocol that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models[/{id}]``,
@@ -22,19 +22,25 @@ from typing import Protocol
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from dsv4ray.cluster.core import RequestUpdate
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
-from dsv4ray.cluster.openai_format import SSE_DONE, ChatFormat, CompletionFormat, TokenBytes, sse
-from dsv4ray.cluster.openai_protocol import (
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.core import RequestUpdate
+from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.openai.format import (
+    SSE_DONE,
+    ChatFormat,
+    CompletionFormat,
+    TokenBytes,
+    sse,
+)
+from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
+from dsv4ray.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
     parse_request,
 )
-from dsv4ray.cluster.outputs import RequestOutput
-from dsv4ray.cluster.sampling import SamplingParams
 
 log = logging.getLogger("dsv4ray.serve")
 

@@ -21,9 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -111,21 +114,20 @@ class StepPlan:
 
 
 @dataclass
-class StageOutput:
-    """A stage's answer to one plan. Only the last stage fills sampled (req_id -> token id) and
-    logprobs (req_id -> [sampled token's logprob, [[token id, logprob], ...] top entries]);
-    the residual stack and top-k tensors travel beside these fields through the compiled graph."""
+class StageResult:
+    """What a stage hands on: tensors for the next stage (the compiled graph moves them: NCCL on
+    GPUs, shared memory on CPUs), or on the last stage the sampled tokens. errors: req_id -> why
+    it could not sample; failed: the step's compute failed on some stage (every stage still
+    applied the plan's bookkeeping)."""
 
     step_id: int
+    residual: torch.Tensor | None = None  # [T, hc * hidden]
+    topk: torch.Tensor | None = None  # [T, k] logical C4 positions, -1 = none
     sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, list[Any]] = field(default_factory=dict)
-
-    def to_msgpack(self) -> bytes:
-        return msgpack.packb(dataclasses.asdict(self), use_bin_type=True)
-
-    @classmethod
-    def from_msgpack(cls, data: bytes) -> StageOutput:
-        return cls(**msgpack.unpackb(data, raw=False))
+    logprobs: dict[str, list[Any]] = field(default_factory=dict)  # [logprob, [[id, lp], ...]]
+    full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
+    errors: dict[str, str] = field(default_factory=dict)
+    failed: str | None = None
 
 
 def encode(plan: StepPlan) -> bytes:

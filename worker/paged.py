@@ -3,7 +3,7 @@
 Same parameters and math as model/reference.py, but the window KV, compressed entries, indexer
 keys and compressor state live in a stage's pools (cache/pools.py) and every cache operation goes
 through kernels/dispatch (Triton on CUDA, torch references elsewhere). A step runs the flattened
-tokens of all scheduled requests at once; cluster/batch.py holds their per-token index lists.
+tokens of all scheduled requests at once; worker/batch.py holds their per-token index lists.
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import torch
 
 from dsv4ray.cache.layer_mapping import LayerInfo
 from dsv4ray.cache.pools import StagePools
-from dsv4ray.cluster.batch import BatchMeta
 from dsv4ray.config import RopeSpec
 from dsv4ray.kernels import dispatch
 from dsv4ray.model.block import Block
@@ -21,6 +20,7 @@ from dsv4ray.model.layers.common import unweighted_rms_norm
 from dsv4ray.model.layers.compressor import Compressor
 from dsv4ray.model.layers.mhc import hc_post
 from dsv4ray.model.layers.rope import apply_rope, cos_sin, rope_tables
+from dsv4ray.worker.batch import BatchMeta
 
 
 def paged_block(

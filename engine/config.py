@@ -1,4 +1,10 @@
-"""EngineConfig: every LLM option, validated once, with the option named in each error."""
+"""The engine's configs, validated once with the option named in each error.
+
+EngineConfig holds every LLM option; SchedulerConfig the pool sizes a built pipeline reports and
+the batching limits. Page sizes and KV formats are defined by the page layouts (cache/layout.py),
+write policies by the host tier's index (cache/hicache.py), the CPU token cap by the sizing rules
+(cache/configurator.py); nothing here restates them.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +12,11 @@ import dataclasses
 import os
 from dataclasses import dataclass
 
-import torch
-
-KV_DTYPES = ("fp8", "bf16", "fp32")
-CPU_MAX_TOTAL_TOKENS = 65536
-_NOT_YET = {
-    "enable_hisparse": "HiSparse",
-}
-WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+from dsv4ray.cache.configurator import DEFAULT_CPU_MAX_TOTAL_TOKENS
+from dsv4ray.cache.formats import DTYPES as KV_DTYPES
+from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
+from dsv4ray.cache.hicache import WRITE_POLICIES
+from dsv4ray.config import is_int
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,8 @@ class EngineConfig:
     enable_hicache: bool = False
     host_cache_tokens: int | None = None  # None: twice the device pool capacity
     hicache_write_policy: str = "write_through"
-    enable_hisparse: bool = False
-    speculative_num_steps: int = 0
     dtype: str | None = None  # model compute dtype; None = the checkpoint's
-    device: str | None = None  # None = cuda when available, else cpu
+    device: str | None = None  # None until resolved: cuda when available, else cpu
     memory_fraction: float = 0.85
     use_ray: str | bool = "auto"
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
@@ -49,12 +50,11 @@ class EngineConfig:
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
             raise ValueError(f"model: no config.json in {self.model!r}")
         _int_at_least(self, "pp_size", 1)
-        _int_at_least(self, "max_num_batched_tokens", 256)
+        _int_at_least(self, "max_num_batched_tokens", PAGE_SIZE)
         _int_at_least(self, "max_running_requests", 1)
-        _int_at_least(self, "speculative_num_steps", 0)
         for name in ("max_total_tokens", "max_model_len", "host_cache_tokens"):
             if getattr(self, name) is not None:
-                _int_at_least(self, name, 256 if name == "max_total_tokens" else 1)
+                _int_at_least(self, name, PAGE_SIZE if name == "max_total_tokens" else 1)
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"
@@ -65,19 +65,11 @@ class EngineConfig:
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        self._check_unavailable()
-        if self.device is None:
-            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in (None, "cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        self._check_combinations()
 
-    def _check_unavailable(self) -> None:
-        for name, what in _NOT_YET.items():
-            if getattr(self, name):
-                raise ValueError(f"{name}=True needs {what}, which this build does not include")
-        if self.speculative_num_steps:
-            raise ValueError(
-                "speculative_num_steps > 0 needs the MTP draft worker, which this "
-                "build does not include"
-            )
+    def _check_combinations(self) -> None:
         if self.pp_size > 1 and self.use_ray is False:
             raise ValueError(
                 f"pp_size={self.pp_size} runs its stages as Ray actors; use_ray=False allows "
@@ -108,12 +100,70 @@ class EngineConfig:
     @property
     def resolved_max_total_tokens(self) -> int | None:
         """None on GPUs means no cap; on CPU machines pools are sized from tokens, never RAM."""
+        if self.device is None:
+            raise ValueError("the engine's device is not resolved yet")
         if self.max_total_tokens is not None or self.device != "cpu":
             return self.max_total_tokens
-        return CPU_MAX_TOTAL_TOKENS
+        return DEFAULT_CPU_MAX_TOTAL_TOKENS
 
 
-def _int_at_least(cfg: EngineConfig, name: str, low: int) -> None:
+_POSITIVE_FIELDS = ("num_pages", "num_window_pages", "num_state_slots", "max_model_len")
+_POSITIVE_FIELDS += ("page_size", "window_page_size", "max_num_batched_tokens")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Pool sizes (from the configurator) and batching limits. num_state_slots is the maximum
+    number of running requests."""
+
+    num_pages: int
+    num_window_pages: int
+    num_state_slots: int
+    num_cached_state_slots: int
+    max_model_len: int
+    eos_token_id: int | None = None
+    page_size: int = PAGE_SIZE
+    window_page_size: int = WINDOW_PAGE_SIZE
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    num_host_pages: int = 0  # host tier (HiCache): 0 = off
+    num_host_snapshots: int = 0
+    hicache_write_policy: str = "write_through"
+
+    def __post_init__(self) -> None:
+        for name in _POSITIVE_FIELDS:
+            _int_at_least(self, name, 1)
+        _int_at_least(self, "num_cached_state_slots", 0)
+        if self.eos_token_id is not None:
+            _int_at_least(self, "eos_token_id", 0)
+        if self.page_size % self.window_page_size:
+            raise ValueError(
+                f"page_size ({self.page_size}) must be a multiple of window_page_size "
+                f"({self.window_page_size})"
+            )
+        if self.max_num_batched_tokens < self.page_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= page_size "
+                f"({self.page_size}) so that a page-aligned prefill chunk always fits"
+            )
+        if self.max_model_len > self.num_pages * self.page_size:
+            raise ValueError(
+                f"max_model_len ({self.max_model_len}) exceeds num_pages ({self.num_pages}) * "
+                f"page_size ({self.page_size}): a lone request could never finish"
+            )
+        if self.num_window_pages < self.min_window_pages:
+            raise ValueError(
+                f"num_window_pages ({self.num_window_pages}) must be >= {self.min_window_pages}: "
+                f"a full-budget chunk, the 127 tokens before it and a snapshot's pinned page"
+            )
+
+    @property
+    def min_window_pages(self) -> int:
+        return -(-self.max_num_batched_tokens // self.window_page_size) + 3
+
+
+def _int_at_least(cfg, name: str, low: int) -> None:
     value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+

@@ -11,20 +11,19 @@ fresh pools, and the engine keeps serving.
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import torch
-
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.outputs import RequestMetrics, RequestOutput
-from dsv4ray.cluster.pipeline_base import PipelineFailure, make_pipeline
-from dsv4ray.cluster.sampling import SamplingParams, check_text
-from dsv4ray.cluster.scheduler import FinishedRequest, Scheduler, SchedulerConfig
+from dsv4ray.cache.formats import PAGE_SIZE
 from dsv4ray.config import ModelConfig
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.engine.config import EngineConfig, SchedulerConfig
+from dsv4ray.engine.output_processor import OutputProcessor
+from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
+from dsv4ray.engine.sampling import SamplingParams, check_text
+from dsv4ray.engine.scheduler import Scheduler
+from dsv4ray.model.tokenizer import Tokenizer
 
 log = logging.getLogger("dsv4ray.engine")
 
@@ -40,16 +39,16 @@ class RequestUpdate:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, placement=None) -> None:
-        """placement: a Ray placement group whose bundle i hosts stage i (the Serve replica
-        passes its own, sharing bundle 0); None creates one when the stages are actors."""
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, pipeline: Pipeline) -> None:
+        """pipeline: built by the caller for this config (in-process stages or Ray stage
+        actors); the core drives it and rebuilds it when a stage dies."""
         self.config = config
-        self.model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+        self.model_config = model_config
         self.tokenizer = Tokenizer(config.model)
-        self.pipeline = make_pipeline(config, self.model_config, placement)
+        self.pipeline = pipeline
         self.host_pages, self.host_snapshots = self._attach_host_tier()
         self.scheduler = self._new_scheduler()
-        self.tracker = _Tracker(self.tokenizer)
+        self.outputs = OutputProcessor(self.tokenizer)
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
@@ -60,13 +59,13 @@ class EngineCore:
             return 0, 0
         cap = self.pipeline.capacity
         tokens = self.config.host_cache_tokens or 2 * cap.num_full_tokens
-        pages = max(1, tokens // 256)
+        pages = max(1, tokens // PAGE_SIZE)
         snapshots = max(4, pages // 8)
         self.pipeline.attach_host(pages, snapshots)
         log.info(
             "host tier: %d pages (%d tokens), %d snapshots per stage, policy %s",
             pages,
-            pages * 256,
+            pages * PAGE_SIZE,
             snapshots,
             self.config.hicache_write_policy,
         )
@@ -120,7 +119,7 @@ class EngineCore:
         reaches the scheduler, so no step ever fails on one request's data."""
         check_request_id(req_id)
         self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
-        self.tracker.add(req_id, prompt_ids, params)
+        self.outputs.add(req_id, prompt_ids, params)
         if score:
             self.scoring.add(req_id)
 
@@ -128,7 +127,7 @@ class EngineCore:
         finished = self.scheduler.abort(req_id)
         if finished is None:
             return None
-        return self.tracker.on_finish(finished, error)
+        return self.outputs.on_finish(finished, error)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -169,10 +168,10 @@ class EngineCore:
         finished = outcome.finished
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
-                self.tracker.logits.setdefault(req_id, []).append(logits)
+                self.outputs.logits.setdefault(req_id, []).append(logits)
         for req_id, token in outcome.tokens.items():
             try:
-                delta, stop = self.tracker.on_token(req_id, token, result.logprobs.get(req_id))
+                delta, stop = self.outputs.on_token(req_id, token, result.logprobs.get(req_id))
             except Exception as exc:  # text or stop handling of one request fails alone
                 log.exception("request %s: output handling failed", req_id)
                 finished = [f for f in finished if f.req_id != req_id]
@@ -185,7 +184,7 @@ class EngineCore:
                 finished += [done] if done is not None else []
         for f in finished:
             update = updates.setdefault(f.req_id, RequestUpdate(f.req_id))
-            update.output = self.tracker.on_finish(f)
+            update.output = self.outputs.on_finish(f)
             self.scoring.discard(f.req_id)
         return list(updates.values())
 
@@ -203,7 +202,7 @@ class EngineCore:
         """Aborts a request the scheduler may already have finished (its output stays)."""
         out = self.abort(req_id, error)
         if out is None:
-            out = self.tracker.outputs[req_id]
+            out = self.outputs.outputs[req_id]
             out.finish_reason, out.error = "abort", error
         return out
 
@@ -216,7 +215,7 @@ class EngineCore:
         self.num_rebuilds += 1
         old_capacity = self.pipeline.capacity
         self.pipeline.rebuild()
-        if self.scheduler.kv.hicache and self.pipeline.capacity == old_capacity:
+        if self.scheduler.uses_host_tier and self.pipeline.capacity == old_capacity:
             self.scheduler.reset_device_state()
             log.info("prefix index kept its host-tier pages across the restart")
         else:
@@ -226,22 +225,14 @@ class EngineCore:
 
     def _host_tier_lost(self) -> None:
         log.error("host tier lost: dropping host residency, serving from device pools only")
-        self.scheduler.kv.radix.drop_host_residency()
+        self.scheduler.drop_host_residency()
         self.pipeline.drop_host()
 
     def stats(self) -> dict:
-        """Counters for metrics and tests: running/waiting requests and free pages."""
-        kv = self.scheduler.kv
+        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds."""
         return {
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "num_free_pages": kv.pages.num_free,
-            "num_cached_pages": kv.pages.num_cached,
-            "num_pages": kv.pages.num_pages,
-            "num_free_window_pages": kv.window_pages.num_free,
-            "num_window_pages": kv.window_pages.num_pages,
+            **self.scheduler.stats(),
             "num_host_pages": self.host_pages,
-            "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
             "num_pipeline_rebuilds": self.num_rebuilds,
         }
 
@@ -252,19 +243,23 @@ class EngineCore:
         """Ends every unfinished request with finish_reason "abort" and ``error``."""
         self.in_flight.clear()
         updates = []
-        for req_id in self.tracker.unfinished():
+        for req_id in self.outputs.unfinished():
             finished = self.scheduler.abort(req_id)
             if finished is not None:
-                out = self.tracker.on_finish(finished, error)
+                out = self.outputs.on_finish(finished, error)
                 updates.append(RequestUpdate(req_id, output=out))
         return updates
 
     def run_until_done(self, req_ids: set[str]) -> None:
-        while any(not self.tracker.outputs[r].finished for r in req_ids):
+        while any(not self.outputs.outputs[r].finished for r in req_ids):
             self.step()
 
+    def pop_logits(self, req_id: str) -> list:
+        """A scoring request's [n, V] fp32 logits per step, in order (popped)."""
+        return self.outputs.pop_logits(req_id)
+
     def pop_output(self, req_id: str) -> RequestOutput:
-        return self.tracker.pop(req_id)
+        return self.outputs.pop(req_id)
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
@@ -285,68 +280,3 @@ def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
                 f"kernels), the checkpoint has {getattr(cfg, name)}"
             )
     return cfg
-
-
-class _Tracker:
-    """Text, logprobs, stop strings and timings of each request, until it is popped."""
-
-    def __init__(self, tokenizer: Tokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.outputs: dict[str, RequestOutput] = {}
-        self.params: dict[str, SamplingParams] = {}
-        self.decoders: dict[str, StreamDecoder] = {}
-        self.start: dict[str, float] = {}
-        self.stopped_by_string: set[str] = set()
-        self.logits: dict[str, list] = {}
-
-    def add(self, req_id: str, prompt_ids: list[int], sp: SamplingParams) -> None:
-        self.outputs[req_id] = RequestOutput(
-            req_id,
-            prompt_ids,
-            logprobs=[] if sp.logprobs is not None else None,
-            metrics=RequestMetrics(num_prompt_tokens=len(prompt_ids)),
-        )
-        self.params[req_id] = sp
-        self.decoders[req_id] = StreamDecoder(self.tokenizer)
-        self.start[req_id] = time.perf_counter()
-
-    def unfinished(self) -> list[str]:
-        return [r for r, out in self.outputs.items() if not out.finished]
-
-    def on_token(self, req_id: str, token: int, logprobs) -> tuple[str, bool]:
-        """Records a sampled token; returns (text delta, whether a stop string appeared)."""
-        out, sp = self.outputs[req_id], self.params[req_id]
-        if out.metrics.ttft_s is None:
-            out.metrics.ttft_s = time.perf_counter() - self.start[req_id]
-        out.token_ids.append(token)
-        if out.logprobs is not None and logprobs is not None:
-            out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
-        before = len(out.text)
-        out.text += self.decoders[req_id].push([token])
-        for stop in sp.stop or ():
-            cut = out.text.find(stop)
-            if cut >= 0:
-                out.text = out.text[:cut]
-                self.stopped_by_string.add(req_id)
-                return out.text[before:], True
-        return out.text[before:], False
-
-    def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
-        out = self.outputs[finished.req_id]
-        out.finish_reason = finished.finish_reason
-        out.error = error
-        out.metrics.num_cached_tokens = finished.num_cached_tokens
-        out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens
-        out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
-        if finished.req_id not in self.stopped_by_string:
-            out.text = self.tokenizer.decode(out.token_ids)
-        return out
-
-    def pop(self, req_id: str) -> RequestOutput:
-        for table in (self.params, self.decoders, self.start, self.logits):
-            table.pop(req_id, None)
-        self.stopped_by_string.discard(req_id)
-        return self.outputs.pop(req_id)
-
-    def pop_logits(self, req_id: str) -> torch.Tensor:
-        return torch.log_softmax(torch.cat(self.logits.pop(req_id)), dim=-1)

@@ -16,9 +16,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from dsv4ray.cluster.core import EngineCore
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.core import EngineCore
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 
 log = logging.getLogger("dsv4ray.job")
 
@@ -132,8 +132,7 @@ def run_job(
 
     if not os.path.isfile(input_path):
         raise SystemExit(f"dsv4ray job: no input file {input_path!r}")
-    config = EngineConfig.build(model, pp_size=pp_size, use_ray=True, **options)
-    core = EngineCore(config)
+    core = build_engine_core(engine_config(model, pp_size=pp_size, use_ray=True, **options))
     stats = JobStats()
     start = time.perf_counter()
     try:

@@ -16,9 +16,10 @@ import queue
 import threading
 from collections.abc import AsyncIterator
 
-from dsv4ray.cluster.core import EngineCore, RequestUpdate
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.core import RequestUpdate
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 
 log = logging.getLogger("dsv4ray.async")
 
@@ -32,8 +33,8 @@ class AsyncEngine:
         **options,
     ) -> None:
         """placement: a Ray placement group for the stage actors (bundle i = stage i)."""
-        self.config = config or EngineConfig.build(model, **options)
-        self.core = EngineCore(self.config, placement)
+        self.core = build_engine_core(config or engine_config(model, **options), placement)
+        self.config = self.core.config
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()

@@ -16,7 +16,7 @@ import os
 import time
 import uuid
 
-from dsv4ray.cluster.outputs import RequestOutput
+from dsv4ray.engine.outputs import RequestOutput
 
 
 def sse(payload: dict | str) -> str:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import sys
 
-from dsv4ray.cluster.async_engine import AsyncEngine
-from dsv4ray.cluster.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.async_engine import AsyncEngine
 
 
 def generate(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4ray.cluster.plan import StepPlan
+from dsv4ray.engine.plan import StepPlan
 
 PAGE, WINDOW = 256, 128
 

@@ -14,7 +14,7 @@ import torch
 from dsv4ray.cache.host_pool import HostBuffers, HostLayout
 from dsv4ray.cache.layer_mapping import stage_layers
 from dsv4ray.cache.pools import StagePools
-from dsv4ray.cluster.plan import StepPlan
+from dsv4ray.engine.plan import StepPlan
 from dsv4ray.kernels import dispatch
 
 

@@ -1,6 +1,6 @@
 """The Ray Serve application: an OpenAI-compatible API where each replica owns one pipeline.
 
-``build_app(config)`` is the Serve entry point (``serve run dsv4ray.cluster.serve:build_app`` or
+``build_app(config)`` is the Serve entry point (``serve run dsv4ray.entrypoints.serve:build_app`` or
 ``import_path`` in deploy/serve.yaml); ``run_server`` backs ``dsv4ray serve``. Config keys:
 
     model                checkpoint folder (default: $DSV4RAY_MODEL, else ./.tiny, else the .tiny
@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 import ray
 from ray import serve
 
-from dsv4ray.cluster.async_engine import AsyncEngine
-from dsv4ray.cluster.engine_config import EngineConfig
-from dsv4ray.cluster.metrics import ServeMetrics
-from dsv4ray.cluster.openai_server import OpenAIServer, ServerOptions
-from dsv4ray.cluster.ray_utils import CPU_BUNDLE, GPU_BUNDLE, ensure_ray
+from dsv4ray.cluster.placement import CPU_BUNDLE, GPU_BUNDLE, ensure_ray
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.model_path import default_model
+from dsv4ray.entrypoints.openai.metrics import ServeMetrics
+from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
 
 log = logging.getLogger("dsv4ray.serve")
 
@@ -80,7 +81,7 @@ class ServeSettings:
             raise ValueError(f"unknown serve config key {unknown[0]!r}")
         if "use_ray" in config and config["use_ray"] is not True:
             raise ValueError("use_ray: the Serve app always runs its stages as Ray actors")
-        model = os.path.abspath(config.get("model") or _default_model())
+        model = os.path.abspath(config.get("model") or default_model())
         engine = {k: config[k] for k in _ENGINE_KEYS if k in config}
         engine["use_ray"] = True
         engine.setdefault("device", _default_device())
@@ -218,12 +219,6 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-def _default_model() -> str:
-    from dsv4ray.__main__ import default_model
-
-    return default_model()
 
 
 def _default_device() -> str:

@@ -1,0 +1,80 @@
+"""OutputProcessor: what callers see of each request while it runs (pure Python).
+
+Per request: the RequestOutput being filled (token ids, text, logprobs, timings), its streaming
+detokeniser and its stop strings; a request's entry lives from ``add`` until ``pop``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dsv4ray.engine.outputs import RequestMetrics, RequestOutput
+from dsv4ray.engine.request import FinishedRequest
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+
+
+class OutputProcessor:
+    """Text, logprobs, stop strings and timings of each request, until it is popped."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.outputs: dict[str, RequestOutput] = {}
+        self.params: dict[str, SamplingParams] = {}
+        self.decoders: dict[str, StreamDecoder] = {}
+        self.start: dict[str, float] = {}
+        self.stopped_by_string: set[str] = set()
+        self.logits: dict[str, list] = {}
+
+    def add(self, req_id: str, prompt_ids: list[int], sp: SamplingParams) -> None:
+        self.outputs[req_id] = RequestOutput(
+            req_id,
+            prompt_ids,
+            logprobs=[] if sp.logprobs is not None else None,
+            metrics=RequestMetrics(num_prompt_tokens=len(prompt_ids)),
+        )
+        self.params[req_id] = sp
+        self.decoders[req_id] = StreamDecoder(self.tokenizer)
+        self.start[req_id] = time.perf_counter()
+
+    def unfinished(self) -> list[str]:
+        return [r for r, out in self.outputs.items() if not out.finished]
+
+    def on_token(self, req_id: str, token: int, logprobs) -> tuple[str, bool]:
+        """Records a sampled token; returns (text delta, whether a stop string appeared)."""
+        out, sp = self.outputs[req_id], self.params[req_id]
+        if out.metrics.ttft_s is None:
+            out.metrics.ttft_s = time.perf_counter() - self.start[req_id]
+        out.token_ids.append(token)
+        if out.logprobs is not None and logprobs is not None:
+            out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
+        before = len(out.text)
+        out.text += self.decoders[req_id].push([token])
+        for stop in sp.stop or ():
+            cut = out.text.find(stop)
+            if cut >= 0:
+                out.text = out.text[:cut]
+                self.stopped_by_string.add(req_id)
+                return out.text[before:], True
+        return out.text[before:], False
+
+    def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
+        out = self.outputs[finished.req_id]
+        out.finish_reason = finished.finish_reason
+        out.error = error
+        out.metrics.num_cached_tokens = finished.num_cached_tokens
+        out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens
+        out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
+        if finished.req_id not in self.stopped_by_string:
+            out.text = self.tokenizer.decode(out.token_ids)
+        return out
+
+    def pop(self, req_id: str) -> RequestOutput:
+        for table in (self.params, self.decoders, self.start, self.logits):
+            table.pop(req_id, None)
+        self.stopped_by_string.discard(req_id)
+        return self.outputs.pop(req_id)
+
+    def pop_logits(self, req_id: str) -> list:
+        """The [n, V] fp32 logits a scoring request's steps returned, in order."""
+        return self.logits.pop(req_id)

@@ -1,0 +1,37 @@
+"""The Pipeline protocol: what EngineCore needs from a pipeline of stages.
+
+Two implementations: ``worker.local_pipeline.LocalPipeline`` (stages in this process) and
+``cluster.pipeline.RayPipeline`` (stage actors over a Ray compiled graph). ``capacity`` is the
+pipeline's pool sizes (the minimum over its stages, each sized by its own layer slice);
+``depth`` how many plans may be in flight; ``submit`` returns a handle that ``collect`` turns
+into the last stage's StageResult. A dead stage surfaces as PipelineFailure, nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from dsv4ray.engine.plan import StageResult, StepPlan
+
+
+class PipelineFailure(RuntimeError):
+    """A stage of the pipeline died or stopped answering: rebuild before the next step."""
+
+
+class Pipeline(Protocol):
+    capacity: Any  # cache.configurator.PipelineCapacity
+    depth: int
+
+    def submit(self, plan: StepPlan) -> Any: ...
+
+    def collect(self, handle: Any) -> StageResult: ...
+
+    def rebuild(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+    def attach_host(self, num_pages: int, num_snapshots: int) -> None: ...
+
+    def host_alive(self) -> bool: ...
+
+    def drop_host(self) -> None: ...

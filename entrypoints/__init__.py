@@ -1,0 +1,1 @@
+"""What users call: LLM, AsyncEngine, the OpenAI server and its Serve app, batch jobs, the CLI."""

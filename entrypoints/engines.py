@@ -1,0 +1,40 @@
+"""Building an engine for a config: resolve the device, read the model config, choose the
+pipeline (stages in this process, or Ray stage actors) and hand it to EngineCore."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dsv4ray.config import ModelConfig
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.core import EngineCore, check_paged_shapes
+from dsv4ray.worker.local_pipeline import LocalPipeline
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def engine_config(model: str, **options) -> EngineConfig:
+    """EngineConfig.build with the device resolved (cuda when this process sees a GPU)."""
+    config = EngineConfig.build(model, **options)
+    if config.device is None:
+        config = dataclasses.replace(config, device=default_device())
+    return config
+
+
+def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
+    """placement: a Ray placement group whose bundle i hosts stage i (the Serve replica passes
+    its own, sharing bundle 0); None creates one when the stages are actors."""
+    if config.device is None:
+        config = dataclasses.replace(config, device=default_device())
+    model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+    if config.uses_ray or placement is not None:
+        from dsv4ray.cluster.pipeline import RayPipeline  # Ray starts only when actors are wanted
+
+        pipeline = RayPipeline(config, model_config, placement)
+    else:
+        pipeline = LocalPipeline(config, model_config)
+    return EngineCore(config, model_config, pipeline)

@@ -1,0 +1,28 @@
+"""Which checkpoint a command serves when none is named."""
+
+from __future__ import annotations
+
+import os
+
+DEFAULT_MODEL_ENV = "DSV4RAY_MODEL"
+
+
+def default_model() -> str:
+    """``$DSV4RAY_MODEL``, else ``./.tiny`` when present, else ``.tiny`` beside the package."""
+    if os.environ.get(DEFAULT_MODEL_ENV):
+        return os.environ[DEFAULT_MODEL_ENV]
+    if os.path.isdir(".tiny"):
+        return os.path.abspath(".tiny")
+    package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return os.path.join(package_root, ".tiny")
+
+
+def model_path(path: str | None) -> str:
+    """The named checkpoint, or the default; SystemExit naming the folder without config.json."""
+    path = path or default_model()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(
+            f"dsv4ray: no checkpoint at {path!r} (no config.json). Make the tiny one with "
+            "`dsv4ray make-tiny --out .tiny` or pass --model /path/to/checkpoint."
+        )
+    return path
