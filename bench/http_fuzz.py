@@ -52,6 +52,7 @@ class Tally:
     examples: dict = field(default_factory=dict)  # kind -> one case and its answer
     valid_sent: int = 0
     valid_ok: int = 0
+    valid_failed: collections.Counter = field(default_factory=collections.Counter)  # by fields
     greedy_during: list = field(default_factory=list)  # True per identical completion
     greedy_after: list = field(default_factory=list)
     greedy_final: list = field(default_factory=list)
@@ -140,11 +141,20 @@ def record(tally: Tally, case: Case, problem: str | None, status, content: bytes
         tally.valid_ok += problem is None
         if problem is not None:
             tally.examples.setdefault("valid", _example(case, status, content))
+            tally.valid_failed[f"{_own_fields(case)} -> {status}"] += 1
         return
     tally.sent[case.family] += 1
     if problem is not None:
         tally.wrong[problem] += 1
         tally.examples.setdefault(problem, _example(case, status, content))
+
+
+def _own_fields(case: Case) -> str:
+    """What a valid case adds to the plain request (its extreme values)."""
+    fields = json.loads(case.body) if case.body else {}
+    plain = ("model", "prompt", "max_tokens", "ignore_eos")
+    own = {k: v for k, v in fields.items() if k not in plain or k == "prompt" and v != "Hello"}
+    return json.dumps(own or dict(case.headers))[:60]
 
 
 def _example(case: Case, status, content: bytes) -> dict:
@@ -201,6 +211,8 @@ def rows_for(tally: Tally, note: str) -> list[dict]:
     sent = tally.malformed_sent
     families_note = ", ".join(f"{name} {num}" for name, num in tally.sent.items())
     wrong = ", ".join(f"{kind} {num}" for kind, num in tally.wrong.items()) or "none"
+    failed = "; ".join(f"{what} ({num}x)" for what, num in tally.valid_failed.items())
+    rebuilds = "" if tally.rebuilds else "; the engine reports no num_pipeline_rebuilds"
     rows = [
         result("malformed requests answered 4xx with OpenAI's error body",
                sent - sum(tally.wrong.values()), "requests", sent, 1.0, ">=",
@@ -212,10 +224,11 @@ def rows_for(tally: Tally, note: str) -> list[dict]:
         _share("greedy completions during the fuzz equal to the first", tally.greedy_during,
                "one client asking for the same greedy completion back to back"),
         _share("greedy completion after the malformed requests equal to the first",
-               tally.greedy_after, "one per server"),
+               tally.greedy_after, "one per server" + rebuilds),
         result("valid extreme-value requests answered 200", tally.valid_ok, "requests",
                tally.valid_sent, 1.0, ">=", "temperature 1e-38 and 5e-324, top_p 5e-324, "
-               "top_k 2^63-1, seeds +-(2^63-1), ...: valid, so sent as valid requests"),
+               "top_k 2^63-1, seeds +-(2^63-1), ...: valid, so sent as valid requests; "
+               f"failed: {failed or 'none'}"),
         _share("greedy completion after the valid extreme-value requests equal to the first",
                tally.greedy_final, "one per server"),
     ]  # fmt: skip
@@ -294,7 +307,8 @@ def main() -> None:
     if not args.out_dir:
         write_benchmarks_md()
     summary = {"sent": tally.sent, "wrong": tally.wrong, "examples": tally.examples,
-               "valid": [tally.valid_ok, tally.valid_sent], "rebuilds": tally.rebuilds}  # fmt: skip
+               "valid": [tally.valid_ok, tally.valid_sent], "valid_failed": tally.valid_failed,
+               "rebuilds": tally.rebuilds}  # fmt: skip
     print(json.dumps(summary, indent=2, default=str))
     print(f"wrote {path}")
 

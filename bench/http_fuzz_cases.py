@@ -320,7 +320,7 @@ def routes_and_methods(target: Target, rng: random.Random, scale: int) -> Iterat
             yield Case("routes and methods", path, body, method=method)
 
 
-BAD_AUTHORIZATIONS = ["", "Bearer", "Bearer ", "Basic dXNlcjpwYXNz", "Bearer nope", "Token {k}",
+BAD_AUTHORIZATIONS = ["", "Bearer", "Bearer %20", "Basic dXNlcjpwYXNz", "Bearer nope", "Token {k}",
                       "Bearer {k}x", "Bearer x{k}", "Bearer " + "k" * 8000, "Bearer {k} {k}",
                       "{k}", "Bearer\t{k}", "Bearer {short}"]  # fmt: skip
 
