@@ -298,8 +298,9 @@ def main() -> None:
     about = run(args, tally, budget)
     tally.wall_s = time.perf_counter() - start
     note = (
-        f"{about}; {tally.malformed_sent} malformed requests, {args.concurrency} at a time, "
-        f"in {tally.wall_s:.0f} s (scale {args.scale}, seed {args.seed})"
+        f"{about}; {tally.malformed_sent} malformed requests, {args.concurrency} at a time "
+        f"(scale {args.scale}, seed {args.seed}); {tally.wall_s:.0f} s in all, servers' starts "
+        "and the valid requests included"
     )
     kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
     commit = args.commit or git_commit()
