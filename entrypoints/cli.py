@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, model_path
 
@@ -52,9 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "model": model_path(args.model),
         "pp_size": args.pp,
         "kv_cache_dtype": args.kv_cache_dtype,
-        "api_key": args.api_key,
     }
-    for name in ("max_total_tokens", "served_model_name"):
+    for name in ("max_total_tokens", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     return run_server(config, host=args.host, port=args.port)
@@ -88,13 +86,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on Ray Serve")
     srv.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
-    srv.add_argument("--host", default="127.0.0.1", help="other than loopback needs --api-key")
+    srv.add_argument("--host", default="127.0.0.1", help="other than loopback needs an API key")
     srv.add_argument("--port", type=int, default=8000)
     srv.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages per replica")
-    srv.add_argument(
-        "--api-key",
-        default=os.environ.get("DSV4RAY_API_KEY") or None,
-        help="require 'Authorization: Bearer KEY' (default: $DSV4RAY_API_KEY)",
+    key = srv.add_mutually_exclusive_group()
+    key.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="require 'Authorization: Bearer KEY', KEY read from PATH (default: "
+        "$DSV4RAY_API_KEY_FILE, else $DSV4RAY_API_KEY); without a key only local clients "
+        "(loopback Host and Origin) are answered",
+    )
+    key.add_argument(
+        "--api-key", default=None, help="the key itself (visible in ps: prefer --api-key-file)"
     )
     srv.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     srv.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity cap")

@@ -6,8 +6,11 @@
     model                checkpoint folder (default: $DSV4RAY_MODEL, else ./.tiny, else the .tiny
                          beside the package); resolved to an absolute path
     served_model_name    the name clients send as "model" (default: the folder's name)
-    api_key              when set, /v1/* requires "Authorization: Bearer <key>" (default:
+    api_key              when set, /v1/* requires "Authorization: Bearer <key>"; without one,
+                         only loopback Host and Origin headers are answered (default:
                          $DSV4RAY_API_KEY as the process building the app sees it, else none)
+    api_key_file         a file holding the key (stripped), instead of api_key (default:
+                         $DSV4RAY_API_KEY_FILE); a key given both ways is an error
     max_body_bytes       larger request bodies get 413 (default 1 MiB)
     max_pending_requests generation requests per replica before 503s (default 256)
     num_replicas | autoscaling_config   passed to the deployment as they are
@@ -23,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import ipaddress
 import logging
 import os
 import time
@@ -37,6 +39,7 @@ from dsv4ray.cluster.placement import CPU_BUNDLE, GPU_BUNDLE, ensure_ray
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.model_path import default_model
+from dsv4ray.entrypoints.openai.edge import is_loopback
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
 
@@ -44,10 +47,12 @@ log = logging.getLogger("dsv4ray.serve")
 
 APP_NAME = "dsv4ray"
 API_KEY_ENV = "DSV4RAY_API_KEY"
+API_KEY_FILE_ENV = "DSV4RAY_API_KEY_FILE"
 DEPLOYMENT_NAME = "OpenAIDeployment"
 REPLICA_CPUS = {True: 1.0, False: 0.5}  # by use_gpu; a GPU bundle already has room for it
 ONGOING_HEADROOM = 16  # health, models and stats calls beside max_pending_requests generations
-_SERVE_KEYS = ("model", "served_model_name", "api_key", "max_body_bytes", "max_pending_requests")
+_SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests")
+_KEY_KEYS = ("model", "api_key", "api_key_file")  # resolved by from_config
 _DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config")
 _ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
 
@@ -76,7 +81,7 @@ class ServeSettings:
 
     @classmethod
     def from_config(cls, config: Mapping) -> ServeSettings:
-        unknown = sorted(set(config) - {*_SERVE_KEYS, *_DEPLOYMENT_KEYS, *_ENGINE_KEYS})
+        unknown = sorted(set(config) - {*_KEY_KEYS, *_SERVE_KEYS, *_DEPLOYMENT_KEYS, *_ENGINE_KEYS})
         if unknown:
             raise ValueError(f"unknown serve config key {unknown[0]!r}")
         if "use_ray" in config and config["use_ray"] is not True:
@@ -85,10 +90,9 @@ class ServeSettings:
         engine = {k: config[k] for k in _ENGINE_KEYS if k in config}
         engine["use_ray"] = True
         engine.setdefault("device", _default_device())
-        serve_opts = {k: config[k] for k in _SERVE_KEYS if k in config and k != "model"}
+        serve_opts = {k: config[k] for k in _SERVE_KEYS if k in config}
         serve_opts.setdefault("served_model_name", os.path.basename(model.rstrip("/")))
-        if serve_opts.get("api_key") is None and os.environ.get(API_KEY_ENV):
-            serve_opts["api_key"] = os.environ[API_KEY_ENV]
+        serve_opts["api_key"] = resolve_api_key(config.get("api_key"), config.get("api_key_file"))
         overrides = {k: config[k] for k in _DEPLOYMENT_KEYS if k in config}
         return cls(model, engine_options=engine, deployment_overrides=overrides, **serve_opts)
 
@@ -168,6 +172,36 @@ class OpenAIDeployment:
             self.engine.shutdown()
 
 
+def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
+    """The key given, else the one in ``api_key_file``, else $DSV4RAY_API_KEY, else the one in
+    the file at $DSV4RAY_API_KEY_FILE, else None. Both a key and a file, from the arguments or
+    from the environment, is an error: which one was meant is unclear."""
+    if api_key is not None and api_key_file is not None:
+        raise ValueError("api_key and api_key_file are both set; give one")
+    if api_key_file is not None:
+        return read_api_key_file(api_key_file)
+    if api_key is not None:
+        return api_key
+    env_key, env_file = os.environ.get(API_KEY_ENV), os.environ.get(API_KEY_FILE_ENV)
+    if env_key and env_file:
+        raise ValueError(f"${API_KEY_ENV} and ${API_KEY_FILE_ENV} are both set; set one")
+    return read_api_key_file(env_file) if env_file else env_key or None
+
+
+def read_api_key_file(path: str) -> str:
+    """The file's text without surrounding whitespace; a missing or empty file is an error
+    naming it."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            key = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = getattr(exc, "strerror", None) or exc
+        raise ValueError(f"cannot read the API key file {path!r}: {reason}") from None
+    if not key:
+        raise ValueError(f"the API key file {path!r} is empty")
+    return key
+
+
 def build_app(config: Mapping | None = None):
     """The Serve application for ``config`` (see the module docstring for its keys)."""
     settings = ServeSettings.from_config(dict(config or {}))
@@ -177,10 +211,15 @@ def build_app(config: Mapping | None = None):
 def run_server(config: Mapping, host: str = "127.0.0.1", port: int = 8000) -> int:
     """``dsv4ray serve``: starts (or joins, with RAY_ADDRESS) Ray, runs the app, blocks until
     Ctrl-C. Any address but loopback needs an API key."""
-    if not is_loopback(host) and not config.get("api_key"):
+    try:
+        api_key = resolve_api_key(config.get("api_key"), config.get("api_key_file"))
+    except ValueError as exc:
+        raise SystemExit(f"dsv4ray serve: {exc}") from None
+    config = {k: v for k, v in config.items() if k != "api_key_file"} | {"api_key": api_key}
+    if not is_loopback(host) and not api_key:
         raise SystemExit(
-            f"dsv4ray serve: refusing to listen on {host!r} without an API key; pass --api-key "
-            "(or set DSV4RAY_API_KEY), or bind 127.0.0.1"
+            f"dsv4ray serve: refusing to listen on {host!r} without an API key; pass "
+            "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
     ensure_ray()
@@ -212,13 +251,6 @@ def startup_line(info: dict, host: str, port: int) -> str:
     )
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _default_device() -> str:

@@ -1,18 +1,19 @@
 """OpenAIServer: the OpenAI-compatible HTTP API over an engine, as a plain class.
 
-The Serve deployment (entrypoints/serve.py) only forwards Starlette requests to ``handle``; tests and
-other hosts can drive the same class. The engine is reached through ``EngineClient``, the small
+The Serve deployment (entrypoints/serve.py) only forwards Starlette requests to ``handle``; tests
+and other hosts can drive the same class. The engine is reached through ``EngineClient``, the small
 protocol that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``,
 ``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models[/{id}]``,
 ``GET /health`` (no key needed) and ``GET /v1/dsv4ray/stats`` (engine counters: running and
-waiting requests, free pages). Every failure is answered with OpenAI's error body and the server
-keeps serving. A client that disconnects mid-stream aborts its request, whose pages go back.
+waiting requests, free pages). Who may call is cluster/openai_edge.py's rule (the key, else local
+clients only). Every failure is answered with OpenAI's error body and the server keeps serving;
+a 5xx names what failed, never internals. A client that disconnects mid-stream aborts its
+request, whose pages go back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -26,6 +27,13 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.openai.edge import (
+    aborted,
+    check_caller,
+    internal_error,
+    new_error_id,
+    read_body,
+)
 from dsv4ray.entrypoints.openai.format import (
     SSE_DONE,
     ChatFormat,
@@ -92,14 +100,14 @@ class OpenAIServer:
         if self._poller is None:
             self._poller = asyncio.create_task(self._poll_stats())
         try:
-            if path != "/health":
-                self._check_key(request.headers.get("authorization"))
+            check_caller(request.headers, self.options.api_key, path)
             response = await self._dispatch(request.method, path, request)
         except APIError as err:
             return self._error_response(path, err)
-        except Exception as exc:  # a bug: answer it like the API would and keep serving
-            log.exception("%s %s failed", request.method, path)
-            return self._error_response(path, APIError(500, repr(exc), "server_error"))
+        except Exception:  # a bug: answer it like the API would (no internals) and keep serving
+            error_id = new_error_id()
+            log.exception("%s %s failed (request %s)", request.method, path, error_id)
+            return self._error_response(path, internal_error(error_id))
         if path not in GENERATION_PATHS:  # generations count themselves when they end
             self.metrics.request_done(self._endpoint(path), response.status_code)
         return response
@@ -126,34 +134,6 @@ class OpenAIServer:
         if any(p == path for _, p in self._routes):
             raise APIError(405, f"method {method} is not allowed on {path}", code="bad_method")
         raise APIError(404, f"no such route: {method} {path}", code="not_found")
-
-    def _check_key(self, header: str | None) -> None:
-        key = self.options.api_key
-        if key is None:
-            return
-        scheme, _, given = (header or "").partition(" ")
-        if scheme.lower() != "bearer" or not given:
-            raise APIError(
-                401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-            )
-        if not hmac.compare_digest(given.strip().encode(), key.encode()):
-            raise APIError(401, "incorrect API key", code="invalid_api_key")
-
-    async def _body(self, request: Request) -> bytes:
-        limit = self.options.max_body_bytes
-        too_large = APIError(
-            413, f"the request body is larger than {limit} bytes", code="request_too_large"
-        )
-        length = request.headers.get("content-length", "")
-        if length.isdigit() and int(length) > limit:
-            raise too_large
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise too_large
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     def _check_model(self, model: str) -> None:
         if model != self.options.served_model_name:
@@ -183,8 +163,9 @@ class OpenAIServer:
     async def _health(self, request: Request) -> Response:
         try:
             await asyncio.wait_for(self.engine.stats(), timeout=30)
-        except Exception as exc:
-            raise APIError(503, f"the engine does not answer: {exc!r}", "server_error") from None
+        except Exception:
+            log.exception("health check: the engine does not answer")
+            raise APIError(503, "the engine does not answer", "server_error") from None
         return JSONResponse({"status": "ok"})
 
     async def _stats(self, request: Request) -> Response:
@@ -205,7 +186,8 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ generation
     async def _completions(self, request: Request) -> Response:
-        req = parse_request(CompletionRequest, await self._body(request))
+        body = await read_body(request, self.options.max_body_bytes)
+        req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
         if isinstance(req.prompt, str):
             prompt_ids = _tokenize(self.engine.tokenizer.encode, req.prompt, "prompt")
@@ -221,7 +203,8 @@ class OpenAIServer:
         return await self._generate("/v1/completions", prompt_ids, params, req, fmt)
 
     async def _chat(self, request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await self._body(request))
+        body = await read_body(request, self.options.max_body_bytes)
+        req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
         encode_chat = self.engine.tokenizer.encode_chat
         prompt_ids = _tokenize(encode_chat, req.template_messages(), "messages")
@@ -281,7 +264,8 @@ class OpenAIServer:
             raise
         if output.finish_reason == "abort":
             tracked.release()
-            raise APIError(500, f"the request was aborted: {output.error}", "server_error")
+            log.warning("request %s aborted: %s", fmt.request_id, output.error)
+            raise aborted(output.error)
         tracked.close(200, output)
         return JSONResponse(fmt.response(output))
 
@@ -340,33 +324,44 @@ async def _last_output(tracked: _Tracked, update: RequestUpdate, updates) -> Req
 
 
 async def _stream(tracked: _Tracked, fmt, update: RequestUpdate, updates, include_usage: bool):
-    """SSE chunks: the chat role chunk, one chunk per engine update, usage, ``[DONE]``."""
+    """SSE chunks: the chat role chunk, one chunk per engine update, usage, ``[DONE]``. A
+    failure after the headers went out becomes an error chunk (without internals), then
+    ``[DONE]``."""
     try:
-        for chunk in fmt.start_chunks():
-            yield sse(chunk)
-        while True:
-            tracked.on_update(update)
-            output = update.output
-            if output is not None and output.finish_reason == "abort":
-                tracked.close(500)
-                err = APIError(500, f"the request was aborted: {output.error}", "server_error")
-                yield sse(err.body())
-                break
-            text = update.text
-            if output is not None and output.text.startswith(tracked.text + text):
-                text = output.text[len(tracked.text) :]  # what the decoder held back, if any
-            tracked.text += text
-            if text or output is not None or (fmt.return_token_ids and update.token_ids):
-                yield sse(fmt.chunk(text, update.token_ids, output))
-            if output is not None:
-                if include_usage:
-                    yield sse(fmt.usage_chunk(output))
-                tracked.close(200, output)
-                break
-            update = await updates.__anext__()
-        yield SSE_DONE
+        async for chunk in _stream_chunks(tracked, fmt, update, updates, include_usage):
+            yield chunk
+    except Exception:
+        log.exception("stream %s failed", fmt.request_id)
+        tracked.close(500)
+        yield sse(internal_error(fmt.request_id).body())
     finally:
         await updates.aclose()  # an unfinished engine stream aborts its request
+    yield SSE_DONE
+
+
+async def _stream_chunks(tracked: _Tracked, fmt, update: RequestUpdate, updates, include_usage):
+    for chunk in fmt.start_chunks():
+        yield sse(chunk)
+    while True:
+        tracked.on_update(update)
+        output = update.output
+        if output is not None and output.finish_reason == "abort":
+            tracked.close(500)
+            log.warning("stream %s aborted: %s", fmt.request_id, output.error)
+            yield sse(aborted(output.error).body())
+            return
+        text = update.text
+        if output is not None and output.text.startswith(tracked.text + text):
+            text = output.text[len(tracked.text) :]  # what the decoder held back, if any
+        tracked.text += text
+        if text or output is not None or (fmt.return_token_ids and update.token_ids):
+            yield sse(fmt.chunk(text, update.token_ids, output))
+        if output is not None:
+            if include_usage:
+                yield sse(fmt.usage_chunk(output))
+            tracked.close(200, output)
+            return
+        update = await updates.__anext__()
 
 
 class SSEResponse(StreamingResponse):

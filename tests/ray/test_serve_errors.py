@@ -155,6 +155,17 @@ def test_requests_without_the_key_get_401(base_url, client):
     assert_still_serving(client)
 
 
+def test_with_a_key_any_host_and_origin_may_call(base_url, client):
+    """The key protects the server: the loopback Host/Origin rule is for keyless servers."""
+    foreign = {"host": "serve.example:443", "origin": "https://app.example"}
+    models = httpx.get(f"{base_url}/v1/models", headers={**AUTH, **foreign})
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL
+    assert httpx.get(f"{base_url}/health", headers=foreign).status_code == 200
+    response = post(base_url, "/v1/completions", GOOD, headers=foreign)
+    assert_error(response, 401, "invalid_request_error")
+    assert_still_serving(client)
+
+
 def test_oversized_bodies_get_413(base_url, client):
     body = json.dumps({**GOOD, "prompt": "a" * MAX_BODY}).encode()
     assert_error(post(base_url, "/v1/completions", body), 413, "invalid_request_error")

@@ -1,0 +1,147 @@
+"""Who may call the HTTP API, how much they may send, and what a server error may tell them.
+
+With an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``. Without one,
+the server trusts only the machine it runs on, and a web page the user visits runs there too: a
+``text/plain`` POST needs no CORS preflight, and DNS rebinding lets a page read the replies. So a
+keyless server answers only requests whose ``Host`` is a loopback name (``localhost``, 127.x.y.z,
+``[::1]``, with or without a port) and whose ``Origin``, when sent, is a loopback origin; anything
+else gets 403 ``forbidden`` on every route. A 5xx says what failed without internals: no reprs,
+tracebacks, actor names, pids or addresses (those go to the server log only).
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import re
+import uuid
+
+from dsv4ray.entrypoints.openai.protocol import APIError
+
+MAX_REASON_LEN = 200
+ORIGIN_SCHEMES = ("http", "https")
+# ANSI CSI sequences (colours, cursor moves) and two-byte escapes
+_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
+# where internals start in an engine error: Ray's exception names, process and node facts,
+# hex ids, addresses; the reason is cut there
+_INTERNALS = re.compile(
+    r"Ray\w*Error|\w*DiedError|Traceback|\bray::|\b(?:pid|ip|node|actor|worker)(?:_id)?\s*[=:]"
+    r"|\b[0-9a-f]{16,}\b|\b\d{1,3}(?:\.\d{1,3}){3}\b|(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{1,4}",
+    re.IGNORECASE,
+)
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); no port, no brackets."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def host_of(authority: str) -> str | None:
+    """``host``, ``host:port``, ``[v6]`` or ``[v6]:port`` -> host; None when malformed."""
+    if authority.startswith("["):
+        host, closed, rest = authority[1:].partition("]")
+        if not closed:
+            return None
+    else:
+        host, colon, port = authority.partition(":")
+        rest = colon + port
+    if rest and not (rest[0] == ":" and rest[1:].isascii() and rest[1:].isdigit()):
+        return None
+    return host
+
+
+def is_loopback_authority(authority: str) -> bool:
+    host = host_of(authority)
+    return host is not None and is_loopback(host)
+
+
+def is_loopback_origin(origin: str) -> bool:
+    """``http(s)://<loopback host>[:port]``; ``null`` and every other origin are not."""
+    scheme, sep, authority = origin.partition("://")
+    return bool(sep) and scheme.lower() in ORIGIN_SCHEMES and is_loopback_authority(authority)
+
+
+def check_caller(headers, api_key: str | None, path: str) -> None:
+    """The key when there is one (``/health`` excepted), else loopback Host and Origin only.
+    ``headers``: Starlette's (a request may repeat a header; every copy must pass)."""
+    if api_key is not None:
+        if path != "/health":
+            check_key(headers.get("authorization"), api_key)
+        return
+    hosts = headers.getlist("host")
+    if not hosts or not all(is_loopback_authority(h.strip()) for h in hosts):
+        raise forbidden("Host", "a loopback host (localhost, 127.0.0.1 or [::1])")
+    if not all(is_loopback_origin(o.strip()) for o in headers.getlist("origin")):
+        raise forbidden("Origin", "a loopback origin such as http://localhost:8000")
+
+
+def forbidden(header: str, allowed: str) -> APIError:
+    return APIError(
+        403,
+        f"this server has no API key, so it only answers local clients: the {header} header must "
+        f"be {allowed}; start it with an API key to serve other hosts",
+        code="forbidden",
+    )
+
+
+def check_key(header: str | None, key: str) -> None:
+    scheme, _, given = (header or "").partition(" ")
+    if scheme.lower() != "bearer" or not given:
+        raise APIError(
+            401, "missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+        )
+    if not hmac.compare_digest(given.strip().encode(), key.encode()):
+        raise APIError(401, "incorrect API key", code="invalid_api_key")
+
+
+async def read_body(request, limit: int) -> bytes:
+    """The body of a Starlette request; 413 past ``limit`` bytes, declared or streamed."""
+    too_large = APIError(
+        413, f"the request body is larger than {limit} bytes", code="request_too_large"
+    )
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def new_error_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def internal_error(error_id: str) -> APIError:
+    """What a client learns about a bug: that it happened, and the id the log has it under."""
+    return APIError(
+        500,
+        f"internal server error (request {error_id}); see the server log",
+        "server_error",
+    )
+
+
+def aborted(reason: str | None) -> APIError:
+    return APIError(500, f"the request was aborted: {safe_reason(reason)}", "server_error")
+
+
+def safe_reason(reason: str | None) -> str:
+    """An engine's abort reason fit for a client: no ANSI codes, its first line only, cut
+    before any internals, printable, at most ``MAX_REASON_LEN`` characters."""
+    text = _ANSI.sub("", reason or "").strip()
+    text = text.splitlines()[0] if text else ""
+    internals = _INTERNALS.search(text)
+    if internals is not None:
+        text = text[: internals.start()]
+    text = "".join(ch for ch in text if ch.isprintable()).strip(" \t:;,.(-")
+    if len(text) > MAX_REASON_LEN:
+        text = text[: MAX_REASON_LEN - 3].rstrip() + "..."
+    return text or "the engine stopped it"

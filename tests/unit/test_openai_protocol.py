@@ -1,0 +1,146 @@
+"""parse_request's limits on hostile bodies, without Ray: every one a 400 naming the field."""
+
+import json
+import time
+
+import pytest
+
+from dsv4ray.entrypoints.openai.protocol import (
+    MAX_INT_DIGITS,
+    MAX_JSON_DEPTH,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    parse_request,
+)
+
+GOOD = b'{"model": ".tiny", "prompt": "Hello", "max_tokens": 4'
+
+
+def rejected(body: bytes, model_cls=CompletionRequest) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_request(model_cls, body)
+    err = info.value
+    assert err.status == 400 and err.type == "invalid_request_error"
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+    json.dumps(err.body(), ensure_ascii=False).encode("utf-8")  # the body itself can be sent
+    return err
+
+
+LONE_SURROGATES = [
+    (GOOD + rb', "stop": "\ud800"}', "stop"),
+    (GOOD + rb', "stop": ["ok", "a\udfffb"]}', "stop.1"),
+    (rb'{"model": ".tiny", "prompt": "\udbff"}', "prompt"),
+    (rb'{"model": ".tiny", "prompt": ["x\ud800"]}', "prompt.0"),
+    (rb'{"model": "\ud800", "prompt": "x"}', "model"),
+    (GOOD + rb', "user": "\ud800"}', "user"),
+    (GOOD + rb', "stream_options": {"x": "\ud800"}}', "stream_options.x"),
+    (GOOD + rb', "unknown_extra": ["\ud800"]}', "unknown_extra.0"),
+]
+
+
+@pytest.mark.parametrize("body, param", LONE_SURROGATES)
+def test_lone_surrogates_in_completion_fields_name_the_field(body, param):
+    err = rejected(body)
+    assert err.param == param and "UTF-8" in err.message
+
+
+def test_lone_surrogates_in_chat_messages_name_the_message_field():
+    head = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}, '
+    err = rejected(head + rb'{"role": "user", "content": "\ud800"}]}', ChatCompletionRequest)
+    assert err.param == "messages.1.content"
+    parts = rb'{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}]}'
+    err = rejected(head + parts, ChatCompletionRequest)
+    assert err.param == "messages.1.content.0.text"
+    err = rejected(head + rb'{"role": "user", "content": "x", "name": "\ud800"}]}',
+                   ChatCompletionRequest)  # fmt: skip
+    assert err.param == "messages.1.name"
+
+
+def test_a_lone_surrogate_in_a_key_is_refused():
+    assert rejected(GOOD + rb', "\ud800": 1}').param is None
+    assert rejected(GOOD + rb', "stream_options": {"\ud800": 1}}').param == "stream_options"
+
+
+def test_valid_non_ascii_and_paired_surrogate_escapes_pass():
+    request = parse_request(CompletionRequest, GOOD + rb', "stop": ["\ud83d\ude00", "\u00e9"]}')
+    assert request.stop == ["\U0001f600", "é"]
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"model": ".tiny", "prompt": ' + b"[" * 100_000,
+        b'{"a":' * 5000,
+        b'{"model": ".tiny", "prompt": "x", "a": '
+        + b"[" * MAX_JSON_DEPTH
+        + b"]" * MAX_JSON_DEPTH
+        + b"}",
+        b"[" * 1_000_000,
+    ],
+    ids=["100k-brackets", "5k-objects", "depth-65", "1M-brackets"],
+)
+def test_deep_nesting_is_a_400_before_parsing(body):
+    start = time.perf_counter()
+    err = rejected(body)
+    assert f"deeper than {MAX_JSON_DEPTH}" in err.message
+    assert time.perf_counter() - start < 2.0  # checked without recursing
+
+
+def test_nesting_up_to_the_limit_and_brackets_inside_strings_pass():
+    depth = MAX_JSON_DEPTH - 1  # the body object is the first level
+    body = b'{"model": ".tiny", "prompt": "x", "a": ' + b"[" * depth + b"]" * depth + b"}"
+    assert parse_request(CompletionRequest, body).prompt == "x"
+    brackets = json.dumps({"model": ".tiny", "prompt": "[{" * 10_000 + '\\"['}).encode()
+    assert parse_request(CompletionRequest, brackets).prompt.startswith("[{[{")
+
+
+@pytest.mark.parametrize("field", ["max_tokens", "seed", "top_k", "logprobs"])
+@pytest.mark.parametrize("num_digits", [MAX_INT_DIGITS + 1, 4301, 50_000])
+def test_overlong_integers_name_their_field(field, num_digits):
+    body = b'{"model": ".tiny", "prompt": "x", "%s": -%s}' % (field.encode(), b"9" * num_digits)
+    err = rejected(body)
+    assert err.param == field and f"{num_digits} digits" in err.message
+
+
+def test_overlong_integer_inside_a_token_list_names_its_index():
+    body = b'{"model": ".tiny", "prompt": [1, 2, %s]}' % (b"7" * 5000)
+    assert rejected(body).param == "prompt.2"
+
+
+def test_integers_up_to_the_digit_limit_reach_the_field_checks():
+    err = rejected(b'{"model": ".tiny", "prompt": "x", "seed": %s}' % (b"9" * MAX_INT_DIGITS))
+    assert err.param == "seed" and "64-bit" in err.message
+
+
+@pytest.mark.parametrize("literal", [b"NaN", b"Infinity", b"-Infinity", b"1e999", b"-1e400"])
+@pytest.mark.parametrize("field", ["temperature", "top_p", "max_tokens"])
+def test_non_finite_numbers_are_refused_with_their_field(literal, field):
+    body = b'{"model": ".tiny", "prompt": "x", "%s": %s}' % (field.encode(), literal)
+    err = rejected(body)
+    assert err.param == field
+
+
+def test_extreme_but_valid_sampling_values_are_accepted():
+    for temperature, top_p in [(1e-38, 1.0), (5e-324, 1.0), (1.0, 5e-324), (2.0, 1.0)]:
+        body = json.dumps(
+            {"model": ".tiny", "prompt": "x", "temperature": temperature, "top_p": top_p}
+        ).encode()
+        params = parse_request(CompletionRequest, body).sampling_params(4, None)
+        assert params.top_p == top_p
+        assert params.temperature == (0.0 if temperature < 1e-5 else temperature)  # greedy
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{", b'{"model": "x", "prompt": ', b"\xff\xfe{}", b"model=x&prompt=y", b"[1, 2]"],
+)
+def test_malformed_bodies_are_400_without_a_field(body):
+    assert rejected(body).param is None
+
+
+def test_large_token_prompts_parse_quickly():
+    body = json.dumps({"model": ".tiny", "prompt": list(range(150_000))}).encode()
+    start = time.perf_counter()
+    assert len(parse_request(CompletionRequest, body).prompt) == 150_000
+    assert time.perf_counter() - start < 2.0
