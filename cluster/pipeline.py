@@ -5,6 +5,9 @@ actor). The compiled graph sends each plan (msgpack bytes) to every stage and pa
 StageResult (residual stack [T, hc * hidden], running top-k) to the next: shared-memory channels
 on CPU, NCCL on GPUs. Up to pp_size plans are in flight. A dead or stuck stage raises
 PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in the same bundles.
+Teardown lets the stage actors exit cleanly (killing only those that do not) and then removes the
+channel files a dead stage left in /dev/shm (see cluster/channel_files.py): builds and rebuilds
+leave no files behind.
 """
 
 from __future__ import annotations
@@ -23,6 +26,11 @@ from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
+from dsv4ray.cluster.channel_files import (
+    BUILD_LOCK,
+    mapped_channel_files,
+    remove_channel_files,
+)
 from dsv4ray.cluster.placement import ensure_ray, stage_bundle
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
@@ -31,6 +39,8 @@ from dsv4ray.engine.plan import StageResult, StepPlan, encode
 from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
 
 log = logging.getLogger("dsv4ray.pipeline")
+
+EXIT_TIMEOUT_S = 10.0  # a stage actor not gone this long after being asked to exit is killed
 
 
 class RayPipeline:
@@ -51,6 +61,7 @@ class RayPipeline:
         )
         ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
         self.actors, self.dag = [], None
+        self.channel_files: list[str] = []  # this graph's channel files the driver maps
         self.host_args: dict | None = None  # host tier regions (HiCache), once attached
         self.key = uuid.uuid4().hex[:12]
         self._build()
@@ -65,7 +76,12 @@ class RayPipeline:
         ray.get([a.allocate.remote(sizes) for a in self.actors])
         if self.host_args is not None:
             self._attach_regions()
-        self.dag = self._compile()
+        with BUILD_LOCK:
+            before = mapped_channel_files()
+            self.dag = self._compile()
+            # channels register on first use: one empty step maps the driver's side of each
+            self.collect(self.submit(StepPlan(step_id=-1)))
+            self.channel_files = sorted(mapped_channel_files() - before)
         log.info(
             "pipeline: %d stage actors %s, compiled graph ready",
             len(self.actors),
@@ -127,10 +143,7 @@ class RayPipeline:
     def drop_host(self) -> None:
         """The host tier is gone: stop using it and remove its files on this node."""
         for region in self.regions:
-            try:
-                os.unlink(region["path"])
-            except OSError:
-                pass
+            _unlink(region["path"])
         self.host_args, self.tiers, self.regions = None, [], []
 
     def submit(self, plan: StepPlan):
@@ -157,19 +170,45 @@ class RayPipeline:
             except Exception as exc:  # a graph with a dead actor may not tear down cleanly
                 log.warning("compiled graph teardown: %s", _describe(exc))
             self.dag = None
-        for actor in self.actors:
-            ray.kill(actor, no_restart=True)
+        _stop_actors(self.actors)
         self.actors = []
+        remove_channel_files(self.channel_files)
+        self.channel_files = []
 
     def shutdown(self) -> None:
         self._teardown()
         for tier, region in zip(getattr(self, "tiers", []), getattr(self, "regions", [])):
             try:
                 ray.get(tier.release_region.remote(region["key"]), timeout=10)
-            except Exception as exc:  # the tier may be gone already
+            except Exception as exc:  # the tier died: nobody else removes its files
                 log.warning("host region %s not released: %s", region["key"], _describe(exc))
+                _unlink(region["path"])
+        self.tiers, self.regions = [], []
         if self.own_pg:
             remove_placement_group(self.pg)
+
+
+def _stop_actors(actors: list) -> None:
+    """Asks every actor to exit and waits for it. A clean exit runs Ray's channel cleanup in the
+    actor's process, which unlinks the graph's semaphore files; ``ray.kill`` skips it and leaves
+    them in /dev/shm. Actors still there after EXIT_TIMEOUT_S (a stuck stage) are killed."""
+    if not actors:
+        return
+    refs = [actor.__ray_terminate__.remote() for actor in actors]
+    # an exited actor's ref is ready (with ActorDiedError), as is one of an actor already dead
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=EXIT_TIMEOUT_S)
+    done = set(ready)
+    for actor, ref in zip(actors, refs):
+        if ref not in done:
+            log.warning("stage actor did not exit in %.0f s; killing it", EXIT_TIMEOUT_S)
+            ray.kill(actor, no_restart=True)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def _describe(exc: BaseException) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, model_path
+from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -33,14 +33,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_job(args: argparse.Namespace) -> int:
     from dsv4ray.entrypoints.job import run_job
 
-    options = {"kv_cache_dtype": args.kv_cache_dtype}
+    # run_job checks the checkpoint itself: a missing one is a usage error (exit 2) there
     return run_job(
-        model_path(args.model),
+        args.model or default_model(),
         args.input,
         args.output,
         pp_size=args.pp,
         default_max_tokens=args.max_tokens,
-        **options,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
 
 
@@ -56,6 +56,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     return run_server(config, host=args.host, port=args.port)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,12 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     gen.set_defaults(func=cmd_generate)
 
-    job = sub.add_parser("job", help="batch generation over a JSONL file (ray job submit)")
+    job = sub.add_parser(
+        "job",
+        help="batch generation over a JSONL file (ray job submit)",
+        description="Batch generation over a JSONL file; results are appended to --output, "
+        "keyed by id (the last line of an id wins). A rerun skips finished ids and retries "
+        "aborted ones.",
+        epilog="exit codes: 0 every request finished; 1 a bad input line or an aborted "
+        "request; 2 usage error (no input file or checkpoint, bad option); "
+        "130 interrupted (Ctrl-C): the requests left are done by a rerun",
+    )
     job.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
     job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
-    job.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    job.add_argument("--max-tokens", type=int, default=16, help="default per request")
+    job.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel stages")
+    job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
     job.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     job.set_defaults(func=cmd_job)
 

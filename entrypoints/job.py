@@ -1,26 +1,44 @@
 """``dsv4ray job``: the ``ray job submit`` entrypoint for batch generation over a JSONL file.
 
 Input lines: ``{"id", "prompt" | "messages", "max_tokens", "temperature", "top_p", "top_k",
-"seed", "stop", "stop_token_ids", "logprobs", "ignore_eos"}``. Output lines, appended as requests
-finish: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ ``"error"`` for aborted
-ones). A rerun skips ids already in the output. Bad input lines are reported with their line
-number and skipped. Exit code 1 when any line was bad or any request was aborted.
+"seed", "stop", "stop_token_ids", "logprobs", "ignore_eos"}``. Bad input lines are reported with
+their line number and skipped.
+
+Output lines, appended as requests finish: ``{"id", "text", "token_ids", "finish_reason",
+"metrics"}`` (+ ``"error"`` for aborted ones). The output file is append-only and keyed by id:
+the last line of an id wins. A rerun with the same output skips ids whose last line finished
+("length" or "stop") and retries the others (last line with finish_reason "abort" or an
+"error", or a line cut short), appending their new lines.
+
+SIGINT (Ctrl-C) stops submitting, aborts the requests that run (they get no output line, so a
+rerun does them), prints the summary with the number of requests left and shuts the engine down.
+
+Exit codes: 0 every request finished; 1 some input line was bad or some request was aborted;
+2 usage error (no input file or checkpoint, no folder for the output, an invalid option);
+130 interrupted by SIGINT.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from dsv4ray.engine.core import EngineCore
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
+from dsv4ray.model.tokenizer import Tokenizer
 
 log = logging.getLogger("dsv4ray.job")
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 PARAM_KEYS = (
     "max_tokens",
@@ -40,13 +58,17 @@ class JobStats:
     done: int = 0
     failed: int = 0
     bad_lines: int = 0
-    skipped: int = 0
+    skipped: int = 0  # ids whose last output line finished
+    retried: int = 0  # ids whose last output line was aborted, run again
+    left: int | None = None  # requests not finished when interrupted (None: input not read)
+    interrupted: bool = False
     tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
 
 
-def read_requests(path: str, done_ids: set, tokenizer, stats: JobStats, default_max_tokens: int):
-    """Yields (id, prompt ids, SamplingParams) for good, not yet done lines."""
+def read_requests(path: str, prior: dict, tokenizer, stats: JobStats, default_max_tokens: int):
+    """Yields (id, prompt ids, SamplingParams) for good lines whose id has not finished.
+    prior: id -> whether its last output line finished (``last_results``)."""
     seen = set()
     with open(path) as f:
         for line_no, line in enumerate(f, 1):
@@ -61,9 +83,10 @@ def read_requests(path: str, done_ids: set, tokenizer, stats: JobStats, default_
                 print(f"dsv4ray job: {path}: line {line_no}: {exc}; skipped", file=sys.stderr)
                 continue
             seen.add(req_id)
-            if req_id in done_ids:
+            if prior.get(req_id) is True:
                 stats.skipped += 1
                 continue
+            stats.retried += req_id in prior
             yield req_id, ids, params
 
 
@@ -108,16 +131,49 @@ def _messages(messages) -> list[dict]:
     return messages
 
 
-def done_ids(path: str) -> set:
-    ids = set()
+def last_results(path: str) -> dict[str, bool]:
+    """id -> whether the id's last line in the output finished (not aborted, no error)."""
+    results: dict[str, bool] = {}
     if os.path.isfile(path):
         with open(path) as f:
             for line in f:
                 try:
-                    ids.add(str(json.loads(line)["id"]))
+                    row = json.loads(line)
+                    req_id = str(row["id"])
                 except (json.JSONDecodeError, KeyError, TypeError):
-                    continue  # a line cut by an interrupted run is redone
-    return ids
+                    continue  # a line cut by an interrupted run: its id is redone
+                ok = row.get("finish_reason") not in (None, "abort") and not row.get("error")
+                results[req_id] = ok
+    return results
+
+
+def usage_problem(model: str, input_path: str, output_path: str) -> str | None:
+    """What makes the command unusable before any work starts, or None."""
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        return f"no checkpoint at {model!r} (no config.json); pass --model /path/to/checkpoint"
+    if not os.path.isfile(input_path):
+        return f"no input file {input_path!r}"
+    folder = os.path.dirname(os.path.abspath(output_path))
+    if os.path.isdir(output_path) or not os.path.isdir(folder):
+        return f"cannot write the output {output_path!r} (a folder, or its folder is missing)"
+    return None
+
+
+def usage_error(message: str) -> int:
+    print(f"dsv4ray job: error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+@dataclass
+class _Work:
+    """Requests not yet submitted (todo) and submitted but not finished (running)."""
+
+    todo: deque
+    running: set = field(default_factory=set)
+
+    @property
+    def left(self) -> int:
+        return len(self.todo) + len(self.running)
 
 
 def run_job(
@@ -128,48 +184,104 @@ def run_job(
     default_max_tokens: int = 16,
     **options,
 ) -> int:
-    from tqdm import tqdm
-
-    if not os.path.isfile(input_path):
-        raise SystemExit(f"dsv4ray job: no input file {input_path!r}")
-    core = build_engine_core(engine_config(model, pp_size=pp_size, use_ray=True, **options))
-    stats = JobStats()
+    """Runs the job; returns its exit code (EXIT_*). Usage errors return before Ray starts."""
+    problem = usage_problem(model, input_path, output_path)
+    if problem is not None:
+        return usage_error(problem)
+    try:
+        config = engine_config(model, pp_size=pp_size, use_ray=True, **options)
+    except ValueError as exc:
+        return usage_error(str(exc))
+    stats, work, core = JobStats(), None, None
     start = time.perf_counter()
     try:
-        pending = _submit(
-            core,
-            read_requests(
-                input_path, done_ids(output_path), core.tokenizer, stats, default_max_tokens
-            ),
-            stats,
-        )
-        with (
-            open(output_path, "a") as out,
-            tqdm(total=len(pending), desc="requests", unit="req", file=sys.stderr) as bar,
-        ):
-            while pending:
-                for update in core.step():
-                    if update.output is not None and update.request_id in pending:
-                        pending.discard(update.request_id)
-                        _write(out, core.pop_output(update.request_id), stats)
-                        bar.update(1)
+        prior = last_results(output_path)
+        todo = read_requests(input_path, prior, Tokenizer(model), stats, default_max_tokens)
+        work = _Work(deque(todo))
+        core = build_engine_core(config)
+        _run(core, work, output_path, stats, 2 * config.max_running_requests)
+    except ValueError as exc:
+        if core is not None:
+            raise  # only the engine's construction reports bad options this way
+        return usage_error(str(exc))
+    except KeyboardInterrupt:
+        stats.interrupted = True
+        stats.left = work.left if work is not None else None
     finally:
-        core.shutdown()
+        if core is not None:
+            _stop(core, stats.interrupted)
     _summary(stats, time.perf_counter() - start)
-    return 1 if stats.failed or stats.bad_lines else 0
+    if stats.interrupted:
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED if stats.failed or stats.bad_lines else EXIT_OK
 
 
-def _submit(core: EngineCore, requests, stats: JobStats) -> set:
-    pending = set()
-    for req_id, ids, params in requests:
-        try:
-            core.add_request(req_id, ids, params)
-        except ValueError as exc:
-            stats.bad_lines += 1
-            print(f"dsv4ray job: request {req_id!r}: {exc}; skipped", file=sys.stderr)
-            continue
-        pending.add(req_id)
-    return pending
+def _run(core: EngineCore, work: _Work, output_path: str, stats: JobStats, max_queued: int):
+    """Keeps up to max_queued requests in the engine (the rest wait in work.todo, so an
+    interrupt stops submitting) and appends each finished one to the output."""
+    from tqdm import tqdm
+
+    with (
+        _open_output(output_path) as out,
+        tqdm(total=len(work.todo), desc="requests", unit="req", file=sys.stderr) as bar,
+    ):
+        while work.todo or work.running:
+            while work.todo and len(work.running) < max_queued:
+                req_id, ids, params = work.todo.popleft()
+                if _submit(core, req_id, ids, params, stats):
+                    work.running.add(req_id)
+            for update in core.step():
+                if update.output is not None and update.request_id in work.running:
+                    work.running.discard(update.request_id)
+                    _write(out, core.pop_output(update.request_id), stats)
+                    bar.update(1)
+
+
+def _open_output(path: str):
+    """The output for appending; a last line cut short by a killed run is ended first, so the
+    next line stays whole (the cut line does not parse, and its id is redone)."""
+    if os.path.isfile(path) and os.path.getsize(path):
+        with open(path, "rb") as f:
+            f.seek(-1, os.SEEK_END)
+            cut = f.read(1) != b"\n"
+        if cut:
+            with open(path, "a") as f:
+                f.write("\n")
+    return open(path, "a")
+
+
+def _submit(core: EngineCore, req_id: str, ids: list[int], params, stats: JobStats) -> bool:
+    try:
+        core.add_request(req_id, ids, params)
+    except ValueError as exc:
+        stats.bad_lines += 1
+        print(f"dsv4ray job: request {req_id!r}: {exc}; skipped", file=sys.stderr)
+        return False
+    return True
+
+
+def _stop(core: EngineCore, interrupted: bool) -> None:
+    """Aborts what still runs (after an interrupt) and shuts the engine down; a second
+    Ctrl-C meanwhile is ignored, as it would leave the stage actors behind."""
+    with _sigint_ignored():
+        if interrupted:
+            try:
+                core.abort_all("the job was interrupted")
+            except Exception as exc:  # an interrupt can land mid-step; shut down regardless
+                log.warning("aborting the running requests: %s", exc)
+        core.shutdown()
+
+
+@contextlib.contextmanager
+def _sigint_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change signal handlers
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _write(out, result, stats: JobStats) -> None:
@@ -196,9 +308,15 @@ def _summary(stats: JobStats, seconds: float) -> None:
         values = sorted(stats.ttfts)
         return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
 
+    head = "dsv4ray job: "
+    if stats.interrupted and stats.left is None:
+        head += "interrupted while reading the input; "
+    elif stats.interrupted:
+        head += f"interrupted, {stats.left} requests left (a rerun does them); "
     print(
-        f"dsv4ray job: {stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad "
-        f"lines, {stats.skipped} already done), {stats.tokens / max(seconds, 1e-9):.1f} "
-        f"tokens/s, TTFT p50 {pct(0.5):.3f} s p99 {pct(0.99):.3f} s",
+        f"{head}{stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad lines, "
+        f"{stats.skipped} already done, {stats.retried} retried), "
+        f"{stats.tokens / max(seconds, 1e-9):.1f} tokens/s, "
+        f"TTFT p50 {pct(0.5):.3f} s p99 {pct(0.99):.3f} s",
         file=sys.stderr,
     )

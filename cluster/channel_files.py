@@ -1,0 +1,95 @@
+"""The /dev/shm files of a compiled graph's shared-memory channels, and their removal.
+
+Ray 2.60 gives every shared-memory channel two POSIX semaphores, files
+``/dev/shm/sem.{obj,hdr}<raylet pid>-<ns>``. It never frees them while a graph runs or after
+``teardown()``: each process that used a channel unlinks them only when its core worker is
+destroyed, on a clean exit. An actor killed with ``ray.kill`` (or one that crashed) never gets
+there, so its channels' files stay behind for as long as the node runs. RayPipeline therefore
+(1) asks its stage actors to exit cleanly, which removes every channel file they or the driver
+use, and (2) for a stage that died on its own records, when the graph is built, the channel files
+this (driver) process maps, and removes exactly those after the actors are gone.
+``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+log = logging.getLogger("dsv4ray.pipeline")
+
+SEM_PREFIX = "/dev/shm/sem."
+
+# Held from just before a graph is compiled until its channels are mapped (one warm-up step),
+# so no other pipeline in this process maps new channel files in between: the difference of
+# two ``mapped_channel_files()`` calls then belongs to that graph alone.
+BUILD_LOCK = threading.Lock()
+
+
+def mapped_channel_files() -> set[str]:
+    """Paths of the semaphore files this process maps (empty where there is no /proc)."""
+    try:
+        with open("/proc/self/maps") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return set()
+    paths = set()
+    for line in lines:
+        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+        path = fields[5] if len(fields) == 6 else ""
+        if path.startswith(SEM_PREFIX) and not path.endswith("(deleted)"):
+            paths.add(path)
+    return paths
+
+
+def remove_channel_files(paths: list[str]) -> int:
+    """Unlinks the paths still present; returns how many it removed. Called only once no
+    process will open these channels again (the graph is torn down, its actors are gone)."""
+    removed = 0
+    for path in paths:
+        try:
+            os.unlink(path)
+            removed += 1
+        except FileNotFoundError:
+            continue  # the usual case: a stage's clean exit removed it
+        except OSError as exc:
+            log.warning("channel file %s not removed: %s", path, exc)
+    if removed:
+        log.info("removed %d channel files a dead stage left in /dev/shm", removed)
+    return removed
+
+
+def raylet_pid() -> int:
+    """Pid of the raylet this driver is connected to (it must run on this machine): the channel
+    files of the node's graphs carry it in their names."""
+    import ray
+
+    want = f"--raylet_socket_name={ray._private.worker._global_node.raylet_socket_name}"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue  # the process ended meanwhile
+        if want in args:
+            return int(entry)
+    raise RuntimeError(f"no raylet process on this machine has {want}")
+
+
+def node_shm_files(raylet_pid: int, pipeline_keys: list[str]) -> set[str]:
+    """Names in /dev/shm of the channel files of the raylet's node and of the host tier
+    regions (``dsv4ray-<key>-s<stage>``) of the given pipelines; other Ray instances and
+    engines on the machine are left out."""
+    prefixes = (
+        f"sem.obj{raylet_pid}-",
+        f"sem.hdr{raylet_pid}-",
+        *(f"dsv4ray-{key}-" for key in pipeline_keys),
+    )
+    try:
+        names = os.listdir("/dev/shm")
+    except FileNotFoundError:
+        return set()
+    return {name for name in names if name.startswith(prefixes)}

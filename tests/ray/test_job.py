@@ -1,0 +1,121 @@
+"""`dsv4ray job`: a rerun retries the ids whose last output line aborted, SIGINT ends the job
+with a summary and exit code 130, and usage errors exit with 2 before Ray starts."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import ray
+
+from dsv4ray.__main__ import main
+from dsv4ray.entrypoints.job import run_job
+
+
+def _row(req_id: str, finish_reason: str, **extra) -> str:
+    row = {"id": req_id, "text": "x", "token_ids": [7], "finish_reason": finish_reason}
+    return json.dumps({**row, "metrics": {}, **extra}) + "\n"
+
+
+def test_rerun_retries_ids_whose_last_line_aborted(ray_session, tiny_ckpt, tmp_path, capsys):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(
+        "".join(
+            json.dumps({"id": i, "prompt": f"Hello {i}", "max_tokens": 3, "ignore_eos": True})
+            + "\n"
+            for i in "abcd"
+        )
+    )
+    # a killed earlier run's output: the last line of an id wins, d's line was cut short
+    prior = [
+        _row("a", "length"),
+        _row("b", "length"),
+        _row("b", "abort", error="pipeline stage failed"),
+        _row("c", "abort", error="pipeline stage failed"),
+        _row("c", "stop"),
+        '{"id": "d", "text": "cut sho',
+    ]
+    dst.write_text("".join(prior))
+    assert run_job(tiny_ckpt, str(src), str(dst), kv_cache_dtype="fp32") == 0
+    err = capsys.readouterr().err
+    assert "2 requests (0 failed, 0 bad lines, 2 already done, 1 retried)" in err, err
+    lines = dst.read_text().splitlines()
+    assert lines[: len(prior)] == [line.rstrip("\n") for line in prior]  # append-only
+    new = [json.loads(line) for line in lines[len(prior) :]]
+    assert sorted(r["id"] for r in new) == ["b", "d"]
+    assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 3 for r in new), new
+
+
+class _Stderr:
+    """Collects a child's stderr as it comes (tqdm redraws with \\r, not whole lines)."""
+
+    def __init__(self, stream) -> None:
+        self.chunks: list[bytes] = []
+        self.thread = threading.Thread(target=self._pump, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _pump(self, stream) -> None:
+        for chunk in iter(lambda: stream.read1(4096), b""):
+            self.chunks.append(chunk)
+
+    def text(self) -> str:
+        return b"".join(self.chunks).decode(errors="replace")
+
+    def wait_for(self, needle: str, proc: subprocess.Popen, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while needle not in self.text():
+            assert proc.poll() is None, f"the job ended early:\n{self.text()}"
+            assert time.monotonic() < deadline, f"no {needle!r} yet:\n{self.text()}"
+            time.sleep(0.2)
+
+
+def test_sigint_ends_the_job_with_a_summary_and_exit_130(ray_session, tiny_ckpt, tmp_path):
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    long = {"max_tokens": 1000, "ignore_eos": True}  # minutes of decoding on CPU
+    src.write_text("".join(json.dumps({"id": i, "prompt": "Hi", **long}) + "\n" for i in range(3)))
+    # the child joins this session's Ray instead of starting one (seconds saved)
+    env = dict(os.environ, RAY_ADDRESS=ray._private.worker._global_node.address)
+    cmd = [sys.executable, "-m", "dsv4ray", "job", "--model", tiny_ckpt, "--input", str(src)]
+    proc = subprocess.Popen(
+        [*cmd, "--output", str(dst), "--kv-cache-dtype", "fp32"], env=env, stderr=subprocess.PIPE
+    )
+    err = _Stderr(proc.stderr)
+    try:
+        err.wait_for("requests:", proc, timeout_s=240)  # the progress bar: decoding started
+        time.sleep(1)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=120) == 130, err.text()
+    finally:
+        proc.kill()
+    err.thread.join(timeout=10)
+    text = err.text()
+    assert "dsv4ray job: interrupted, 3 requests left (a rerun does them)" in text, text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+    assert dst.read_text() == ""  # interrupted requests get no line, so a rerun does them
+
+
+def test_usage_errors_exit_2_before_ray_starts(tiny_ckpt, tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    out = str(tmp_path / "out.jsonl")
+    cases = {
+        "no input file": ["--model", tiny_ckpt, "--input", str(tmp_path / "nope"), "--output", out],
+        "no checkpoint": ["--model", str(tmp_path), "--input", str(src), "--output", out],
+        "cannot write the output": [
+            *("--model", tiny_ckpt, "--input", str(src)),
+            *("--output", str(tmp_path / "missing" / "out.jsonl")),
+        ],
+    }
+    for message, args in cases.items():
+        assert main(["job", *args]) == 2, message
+        assert f"dsv4ray job: error: {message}" in capsys.readouterr().err
+    no_output = ["--input", str(src)]
+    for args in (no_output, [*no_output, "--output", out, "--max-tokens", "0"]):
+        with pytest.raises(SystemExit) as exc:  # argparse's own usage errors
+            main(["job", *args])
+        assert exc.value.code == 2
+    assert not os.path.exists(out)
