@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 
+from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
 
 
@@ -68,25 +69,39 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
-    parser.add_argument("--log-level", default="WARNING", help="python logging level")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _log_parent() -> argparse.ArgumentParser:
+    """--log-level, accepted before or after the subcommand (after wins)."""
+    parent = argparse.ArgumentParser(add_help=False)
+    parent.add_argument("--log-level", default=argparse.SUPPRESS, help="python logging level")
+    return parent
 
-    gen = sub.add_parser("generate", help="generate text for prompts, streamed to the terminal")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument(
+
+def _engine_parent(pp_help: str = "pipeline-parallel stages") -> argparse.ArgumentParser:
+    """The options every engine-running subcommand shares."""
+    parent = argparse.ArgumentParser(add_help=False, parents=[_log_parent()])
+    parent.add_argument(
         "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
     )
-    gen.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    parent.add_argument("--pp", type=_positive_int, default=1, help=pp_help)
+    parent.add_argument("--kv-cache-dtype", default="fp8", choices=list(KV_DTYPES))
+    return parent
+
+
+def _add_generate(sub) -> None:
+    gen = sub.add_parser(
+        "generate", parents=[_engine_parent()], help="generate text, streamed to the terminal"
+    )
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument("--max-tokens", type=_positive_int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     gen.set_defaults(func=cmd_generate)
 
+
+def _add_job(sub) -> None:
     job = sub.add_parser(
         "job",
+        parents=[_engine_parent()],
         help="batch generation over a JSONL file (ray job submit)",
         description="Batch generation over a JSONL file; results are appended to --output, "
         "keyed by id (the last line of an id wins). A rerun skips finished ids and retries "
@@ -95,19 +110,20 @@ def build_parser() -> argparse.ArgumentParser:
         "request; 2 usage error (no input file or checkpoint, bad option); "
         "130 interrupted (Ctrl-C): the requests left are done by a rerun",
     )
-    job.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
     job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
-    job.add_argument("--pp", type=_positive_int, default=1, help="pipeline-parallel stages")
     job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
-    job.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     job.set_defaults(func=cmd_job)
 
-    srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on Ray Serve")
-    srv.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
+
+def _add_serve(sub) -> None:
+    srv = sub.add_parser(
+        "serve",
+        parents=[_engine_parent("pipeline-parallel stages per replica")],
+        help="OpenAI-compatible HTTP server on Ray Serve",
+    )
     srv.add_argument("--host", default="127.0.0.1", help="other than loopback needs an API key")
     srv.add_argument("--port", type=int, default=8000)
-    srv.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages per replica")
     key = srv.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key-file",
@@ -120,16 +136,27 @@ def build_parser() -> argparse.ArgumentParser:
     key.add_argument(
         "--api-key", default=None, help="the key itself (visible in ps: prefer --api-key-file)"
     )
-    srv.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     srv.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity cap")
     srv.add_argument("--served-model-name", default=None, help="default: the folder name")
     srv.set_defaults(func=cmd_serve)
 
-    tiny = sub.add_parser("make-tiny", help="write a random tiny checkpoint")
+
+def _add_make_tiny(sub) -> None:
+    tiny = sub.add_parser(
+        "make-tiny", parents=[_log_parent()], help="write a random tiny checkpoint"
+    )
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "dsv4-mini"])
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_make_tiny)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
+    parser.add_argument("--log-level", default="WARNING", help="python logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_generate, _add_job, _add_serve, _add_make_tiny):
+        add(sub)
     return parser
 
 
