@@ -168,22 +168,15 @@ class HiRadixIndex(RadixIndex):
     ) -> EvictResult:
         """Drops device copies (LRU, unlocked, no device-resident child) until enough ids are
         free. Nodes with a host copy (made now under write_back) stay, host only."""
-        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._device_evictable(n)]
-        heapq.heapify(heap)
-        result = EvictResult([], [], [])
-        while heap and (
-            len(result.page_ids) < num_pages
-            or len(result.window_page_ids) < num_window_pages
-            or len(result.state_slots) < num_state_slots
-        ):
-            _, _, node = heapq.heappop(heap)
-            if self.policy == "write_back":
-                self._backup(node)
-            parent = node.parent
-            self._drop_device(node, result)
-            if self._device_evictable(parent):
-                heapq.heappush(heap, (parent.tick, id(parent), parent))
-        return result
+        return self._evict_lru(
+            self._device_evictable, self._evict_device, num_pages, num_window_pages,
+            num_state_slots,
+        )
+
+    def _evict_device(self, node: RadixNode, result: EvictResult) -> None:
+        if self.policy == "write_back":
+            self._backup(node)
+        self._drop_device(node, result)
 
     def _device_evictable(self, node: RadixNode) -> bool:
         return (

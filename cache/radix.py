@@ -200,7 +200,16 @@ class RadixIndex:
     ) -> EvictResult:
         """Evict unlocked leaves, least recently used first, until at least the requested
         numbers of ids went back to the free lists (or nothing evictable is left)."""
-        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._evictable(n)]
+        return self._evict_lru(
+            self._evictable, self._remove_leaf, num_pages, num_window_pages, num_state_slots
+        )
+
+    def _evict_lru(
+        self, evictable, drop, num_pages: int, num_window_pages: int, num_state_slots: int
+    ) -> EvictResult:
+        """Drops evictable nodes least recently used first (a parent becomes a candidate once
+        its last child went) until the requested numbers of ids went back, or none is left."""
+        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if evictable(n)]
         heapq.heapify(heap)
         result = EvictResult([], [], [])
         while heap and (
@@ -209,9 +218,9 @@ class RadixIndex:
             or len(result.state_slots) < num_state_slots
         ):
             _, _, node = heapq.heappop(heap)
-            self._remove_leaf(node, result)
             parent = node.parent
-            if self._evictable(parent):
+            drop(node, result)
+            if evictable(parent):
                 heapq.heappush(heap, (parent.tick, id(parent), parent))
         return result
 
