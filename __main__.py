@@ -90,23 +90,7 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
-    parser.add_argument("--log-level", default="WARNING", help="python logging level")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    gen = sub.add_parser("generate", help="generate text for prompts, streamed to the terminal")
-    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument(
-        "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
-    )
-    gen.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
-    gen.set_defaults(func=cmd_generate)
-
+def _add_job_parser(sub) -> None:
     job = sub.add_parser(
         "job",
         help="batch generation over a JSONL file (ray job submit)",
@@ -124,6 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
     job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
     job.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
     job.set_defaults(func=cmd_job)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
+    parser.add_argument("--log-level", default="WARNING", help="python logging level")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts, streamed to the terminal")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT")
+    gen.add_argument(
+        "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
+    )
+    gen.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--kv-cache-dtype", default="fp8", choices=["fp8", "bf16", "fp32"])
+    gen.set_defaults(func=cmd_generate)
+
+    _add_job_parser(sub)
 
     srv = sub.add_parser("serve", help="OpenAI-compatible HTTP server on Ray Serve")
     srv.add_argument("--model", default=None, help="checkpoint folder (default: .tiny)")
