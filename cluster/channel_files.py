@@ -55,8 +55,8 @@ def remove_channel_files(paths: list[str]) -> int:
             continue  # the usual case: a stage's clean exit removed it
         except OSError as exc:
             log.warning("channel file %s not removed: %s", path, exc)
-    if removed:
-        log.info("removed %d channel files a dead stage left in /dev/shm", removed)
+    if removed:  # a dead stage's, or those of a stage still exiting
+        log.info("removed %d channel files of a torn-down graph from /dev/shm", removed)
     return removed
 
 

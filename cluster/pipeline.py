@@ -79,9 +79,10 @@ class RayPipeline:
         with BUILD_LOCK:
             before = mapped_channel_files()
             self.dag = self._compile()
-            # channels register on first use: one empty step maps the driver's side of each
-            self.collect(self.submit(StepPlan(step_id=-1)))
-            self.channel_files = sorted(mapped_channel_files() - before)
+            try:  # channels register on first use: one empty step maps the driver's side
+                self.collect(self.submit(StepPlan(step_id=-1)))
+            finally:  # a stage that died meanwhile leaves them to this process to remove
+                self.channel_files = sorted(mapped_channel_files() - before)
         log.info(
             "pipeline: %d stage actors %s, compiled graph ready",
             len(self.actors),
