@@ -44,8 +44,8 @@ from chaos_report import summarize, write_records  # noqa: E402
 from report import RESULTS_DIR, git_commit, write_benchmarks_md, write_results  # noqa: E402
 
 from dsv4ray import SamplingParams  # noqa: E402
-from dsv4ray.entrypoints.async_engine import AsyncEngine  # noqa: E402
 from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid  # noqa: E402
+from dsv4ray.entrypoints.async_engine import AsyncEngine  # noqa: E402
 from dsv4ray.model import load_reference  # noqa: E402
 
 MAX_NEW_TOKENS = 24
