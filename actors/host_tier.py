@@ -34,20 +34,22 @@ class HostTier:
         self.regions: dict[str, dict] = {}
 
     def create_region(self, key: str, nbytes: int) -> dict:
-        """The region for key, created (zero-filled, sparse) on first use; same path after."""
+        """The region for key, created (zero-filled, sparse) on first use; same path after.
+        ``created`` says which: a region created again (its tier died and a new one took over)
+        holds none of the pages the engine's index believes are there."""
         region = self.regions.get(key)
         if region is not None:
             if region["nbytes"] != nbytes:
                 raise ValueError(
                     f"host region {key!r} exists with {region['nbytes']} bytes, not {nbytes}"
                 )
-            return dict(region)
+            return {**region, "created": False}
         path = os.path.join(_root_for(nbytes), f"dsv4ray-{key}")
         with open(path, "wb") as f:
             f.truncate(nbytes)
         self.regions[key] = {"key": key, "path": path, "nbytes": nbytes}
         log.info("host tier: region %s, %.1f MiB at %s", key, nbytes / 2**20, path)
-        return dict(self.regions[key])
+        return {**self.regions[key], "created": True}
 
     def release_region(self, key: str) -> bool:
         region = self.regions.pop(key, None)

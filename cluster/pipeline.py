@@ -63,6 +63,8 @@ class RayPipeline:
         self.actors, self.dag = [], None
         self.channel_files: list[str] = []  # this graph's channel files the driver maps
         self.host_args: dict | None = None  # host tier regions (HiCache), once attached
+        self.tiers, self.regions = [], []
+        self.host_lost = False  # a rebuild found the host tier's regions empty
         self.key = uuid.uuid4().hex[:12]
         self._build()
 
@@ -123,6 +125,9 @@ class RayPipeline:
         self._attach_regions()
 
     def _attach_regions(self) -> None:
+        """Maps each stage's region; host_lost is set when any came back newly created after
+        the first attach (a new tier: the host copies the engine indexed are gone)."""
+        first = not self.regions
         self.tiers, self.regions = [], []
         for i, (actor, info) in enumerate(zip(self.actors, self.infos, strict=True)):
             start, end = self.ranges[i]
@@ -132,6 +137,7 @@ class RayPipeline:
             ray.get(actor.attach_host.remote(self.host_args, region["path"]))
             self.tiers.append(tier)
             self.regions.append(region)
+        self.host_lost = not first and any(r["created"] for r in self.regions)
 
     def host_alive(self) -> bool:
         try:

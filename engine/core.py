@@ -52,6 +52,7 @@ class EngineCore:
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
+        self.undelivered: list[RequestUpdate] = []  # aborts a failed rebuild did not hand out
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
@@ -130,11 +131,14 @@ class EngineCore:
         return self.outputs.on_finish(finished, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.in_flight)
+        return self.scheduler.has_unfinished() or bool(self.in_flight or self.undelivered)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestUpdate]:
         """Submits plans up to the pipeline depth, then commits the oldest one in flight."""
+        if self.undelivered:
+            updates, self.undelivered = self.undelivered, []
+            return updates
         while len(self.in_flight) < self.pipeline.depth:
             plan = self.scheduler.schedule()
             if plan is None:
@@ -211,16 +215,21 @@ class EngineCore:
         With a host tier the prefix index keeps what the host holds, so restarted stages load
         cached prefixes back instead of recomputing them."""
         log.error("pipeline stage failed: %s; rebuilding the pipeline", exc)
-        updates = self.abort_all("a pipeline stage failed while the request ran")
+        # queued first: if the rebuild fails too, the next step still delivers these aborts
+        self.undelivered += self.abort_all("a pipeline stage failed while the request ran")
         self.num_rebuilds += 1
         old_capacity = self.pipeline.capacity
         self.pipeline.rebuild()
+        if self.pipeline.host_lost and self.scheduler.uses_host_tier:
+            log.error("the host tier came back empty: its cached prefixes are forgotten")
+            self.scheduler.drop_host_residency()
         if self.scheduler.uses_host_tier and self.pipeline.capacity == old_capacity:
             self.scheduler.reset_device_state()
             log.info("prefix index kept its host-tier pages across the restart")
         else:
             self.scheduler = self._new_scheduler()
         self.scoring.clear()
+        updates, self.undelivered = self.undelivered, []
         return updates
 
     def _host_tier_lost(self) -> None:

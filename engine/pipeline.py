@@ -21,6 +21,7 @@ class PipelineFailure(RuntimeError):
 class Pipeline(Protocol):
     capacity: Any  # cache.configurator.PipelineCapacity
     depth: int
+    host_lost: bool  # the last rebuild found the host tier's regions empty (a new tier)
 
     def submit(self, plan: StepPlan) -> Any: ...
 

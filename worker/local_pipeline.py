@@ -47,6 +47,7 @@ class LocalPipeline:
     """Stage workers called in order in this process (pp_size 1, or tests of a split)."""
 
     depth = 1
+    host_lost = False  # no host tier in process
 
     def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
         self.config, self.cfg = config, cfg

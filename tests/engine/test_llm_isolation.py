@@ -7,6 +7,8 @@ reference tokens; a step whose compute fails aborts only that step's requests; a
 error path no request is running and every page is free or cached.
 """
 
+import asyncio
+
 import pytest
 import torch
 
@@ -132,3 +134,36 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
 
 def _raise(*args, **kwargs):
     raise RuntimeError("injected sampling failure")
+
+
+def test_aborts_reach_their_streams_even_when_a_rebuild_fails(tiny_ckpt, tiny_model):
+    from dsv4ray.engine.pipeline import PipelineFailure
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32")
+    pipeline, faults = engine.core.pipeline, {"submit": 1, "rebuild": 1}
+    submit, rebuild = pipeline.submit, pipeline.rebuild
+
+    def failing(name, call):
+        def run(*args):
+            if faults[name] and (name == "rebuild" or len(engine.core.outputs.outputs)):
+                faults[name] -= 1
+                raise PipelineFailure("stage gone") if name == "submit" else RuntimeError("again")
+            return call(*args)
+
+        return run
+
+    pipeline.submit, pipeline.rebuild = failing("submit", submit), failing("rebuild", rebuild)
+
+    async def last(prompt):
+        updates = [u async for u in engine.generate(prompt, SamplingParams(max_tokens=3))]
+        return updates[-1].output
+
+    try:
+        lost = asyncio.run(asyncio.wait_for(last(PROMPTS[0]), timeout=120))
+        assert lost.finish_reason == "abort" and "stage" in lost.error
+        again = asyncio.run(asyncio.wait_for(last(PROMPTS[1]), timeout=120))
+        assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
+        assert faults == {"submit": 0, "rebuild": 0}
+    finally:
+        engine.shutdown()

@@ -90,3 +90,28 @@ def test_dead_host_tier_drops_residency_and_keeps_serving(
         assert out.token_ids == reference_greedy(tiny_model, prompt, 4)
     assert later.metrics.num_host_cached_tokens == 0
     assert later.token_ids == reference_greedy(tiny_model, c + [3], 4)
+
+
+def test_a_rebuild_that_finds_a_new_host_tier_forgets_the_old_host_copies(
+    ray_session, tiny_ckpt, tiny_model, caplog
+):
+    # the tier and a stage die together; the rebuild creates a new tier whose regions are
+    # zeros, so nothing may be served from the host copies the index remembered
+    a, b, c = _prompts(8)
+    llm = _engine(tiny_ckpt, pp_size=2)
+    try:
+        for prompt in (a, b, c):
+            llm.generate([prompt], GREEDY)
+        llm.generate([[7] * 10], GREEDY)  # carries the last backups while the tier lives
+        for tier in llm.core.pipeline.tiers:
+            ray.kill(tier, no_restart=True)
+        ray.kill(llm.core.pipeline.actors[1], no_restart=True)
+        with caplog.at_level("ERROR", logger="dsv4ray.engine"):
+            lost = llm.generate([[5] * 40], GREEDY)[0]  # no prefix hit: no host copy to load
+        assert lost.finish_reason == "abort" and "came back empty" in caplog.text
+        again = llm.generate([a + [1]], GREEDY)[0]
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    assert again.metrics.num_host_cached_tokens == 0
+    assert again.token_ids == reference_greedy(tiny_model, a + [1], 4)
