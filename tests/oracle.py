@@ -111,3 +111,47 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
         out.append(int(logits.argmax()))
         logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
     return out
+
+
+def _random_rope_entry(rng, kind: str, prf: bool) -> dict:
+    """kind: default, linear, yarn, yarn+attention_factor or yarn+mscale."""
+    kind, _, extra = kind.partition("+")
+    entry = {"rope_type": kind}
+    if rng.random() < 0.8:
+        entry["rope_theta"] = rng.choice([10000.0, 160000.0, rng.uniform(500.0, 2e6)])
+    if prf:
+        entry["partial_rotary_factor"] = 0.125
+    if kind == "linear":
+        entry["factor"] = rng.uniform(1.0, 8.0)
+    if kind == "yarn":
+        entry["factor"] = rng.choice([2.0, 16.0, rng.uniform(1.5, 64.0)])
+        entry["original_max_position_embeddings"] = rng.choice([2048, 4096, 65536])
+        if rng.random() < 0.5:
+            entry["beta_fast"], entry["beta_slow"] = rng.uniform(8, 64), rng.uniform(0.5, 2)
+    if extra == "attention_factor":
+        entry["attention_factor"] = rng.uniform(0.5, 1.5)
+    elif extra == "mscale":
+        entry["mscale"], entry["mscale_all_dim"] = rng.uniform(0.5, 1.5), rng.uniform(0.3, 1.0)
+    return entry
+
+
+ROPE_KINDS = ("default", "linear", "yarn", "yarn+attention_factor", "yarn+mscale")
+
+
+def random_rope_fields(rng, spelling: str, compress_kind: str) -> dict:
+    """Random RoPE config fields with the compress table of ``compress_kind`` (ROPE_KINDS), in
+    one of three spellings: official flat ``rope_scaling``, a flat ``rope_parameters``, or
+    transformers' nested ``rope_parameters`` (main / compress; main gets a random kind)."""
+    fields = {"rope_theta": rng.uniform(1000.0, 50000.0)}
+    if rng.random() < 0.5:
+        fields["compress_rope_theta"] = rng.uniform(10000.0, 500000.0)
+    if spelling == "nested":
+        fields["rope_parameters"] = {
+            "main": _random_rope_entry(rng, rng.choice(ROPE_KINDS), True),
+            "compress": _random_rope_entry(rng, compress_kind, True),
+        }
+    else:
+        entry = _random_rope_entry(rng, compress_kind, False)
+        entry["type"] = entry.pop("rope_type")
+        fields["rope_scaling" if spelling == "rope_scaling" else "rope_parameters"] = entry
+    return fields

@@ -39,7 +39,8 @@ def test_transformers_spelling_reads_the_same(tmp_path):
     official = tiny_config("tiny")
     assert ours.layer_ratios == official.layer_ratios
     assert ours.num_hash_layers == official.num_hash_layers
-    assert ours.qk_rope_head_dim == 64 and ours.yarn == official.yarn
+    assert ours.qk_rope_head_dim == 64 and ours.compress_scaling == official.compress_scaling
+    assert ours.rope_for(4) == official.rope_for(4) and ours.rope_for(0) == official.rope_for(0)
 
 
 def test_raw_config_restores_fields_a_config_class_clobbers(tmp_path):
