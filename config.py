@@ -30,15 +30,8 @@ from dsv4ray.config_rope import (
     yarn_inv_freq_bounds,
 )
 
-__all__ = [
-    "ConfigError",
-    "LayerSpec",
-    "ModelConfig",
-    "QuantConfig",
-    "RopeScaling",
-    "RopeSpec",
-    "yarn_inv_freq_bounds",
-]
+__all__ = ["ConfigError", "LayerSpec", "ModelConfig", "QuantConfig", "RopeScaling", "RopeSpec"]
+__all__ += ["yarn_inv_freq_bounds"]
 VALID_RATIOS = (0, 4, 128)
 WINDOW = 128
 _LAYER_TYPE_RATIO = {
@@ -248,6 +241,7 @@ def _normalise(raw: dict) -> dict[str, Any]:
             raise ConfigError(f"config is missing required key {key!r}")
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     out = {k: v for k, v in raw.items() if k in names and v is not None}
+    _refuse_unsupported(raw)
     out["compress_ratios"] = _read_ratios(raw)
     out["num_hash_layers"] = _read_num_hash_layers(raw)
     if "qk_rope_head_dim" not in raw and raw.get("partial_rotary_factor") is not None:
@@ -263,6 +257,15 @@ def _normalise(raw: dict) -> dict[str, Any]:
     return out
 
 
+def _refuse_unsupported(raw: dict) -> None:
+    """Fields transformers honours that this network does not implement."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act must be 'silu' (SwiGLU experts), got {raw['hidden_act']!r}")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if raw.get(key):
+            raise ConfigError(f"{key} = true is not supported (the release has none)")
+
+
 def _read_ratios(raw: dict) -> tuple[int, ...]:
     if raw.get("compress_ratios") is not None:
         return tuple(int(r) for r in raw["compress_ratios"])
@@ -270,6 +273,12 @@ def _read_ratios(raw: dict) -> tuple[int, ...]:
     if layer_types is None:
         raise ConfigError("config needs 'compress_ratios' (or transformers' 'layer_types')")
     rates = dict(raw.get("compress_rates") or {})
+    for key, kind in (
+        ("compress_rate_csa", "compressed_sparse_attention"),
+        ("compress_rate_hca", "heavily_compressed_attention"),
+    ):
+        if raw.get(key) is not None:  # transformers folds these legacy keys into compress_rates
+            rates[kind] = raw[key]
     ratios = []
     for i, t in enumerate(layer_types):
         if t not in _LAYER_TYPE_RATIO:
@@ -380,17 +389,8 @@ def _layer_specs(c: ModelConfig) -> list[LayerSpec]:
     for i, ratio in enumerate(c.layer_ratios):
         moe_kind = "hash" if i < c.num_hash_layers else "score"
         if ratio == 4:
-            specs.append(
-                LayerSpec(
-                    i,
-                    ratio,
-                    c.rope_for(ratio),
-                    moe_kind,
-                    ordinal,
-                    skip_topk_at(c, ordinal),
-                    skip_topk_at(c, ordinal + 1),
-                )
-            )
+            skips = (skip_topk_at(c, ordinal), skip_topk_at(c, ordinal + 1))
+            specs.append(LayerSpec(i, ratio, c.rope_for(ratio), moe_kind, ordinal, *skips))
             ordinal += 1
         else:
             specs.append(LayerSpec(i, ratio, c.rope_for(ratio), moe_kind))

@@ -117,6 +117,10 @@ def test_pattern_longer_than_c4_layers_is_rejected():
         (dict(vocab_size=None), "vocab_size"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok"),
         (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
     ],
 )
 def test_config_errors_name_the_field(kw, field):
@@ -124,6 +128,14 @@ def test_config_errors_name_the_field(kw, field):
     raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(ConfigError, match=field):
         ModelConfig.from_hf(raw)
+
+
+def test_legacy_compress_rate_keys_fold_in_as_transformers_does():
+    raw = _raw(layer_types=["sliding_attention", "compressed_sparse_attention"] * 3)
+    raw.pop("compress_ratios")
+    assert ModelConfig.from_hf(raw).layer_ratios == (0, 4) * 3
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        ModelConfig.from_hf({**raw, "compress_rate_csa": 8})
 
 
 def test_missing_ratios_is_named():
