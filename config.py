@@ -15,12 +15,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from dsv4ray.config_error import ConfigError
+from dsv4ray.config_quant import QuantConfig
+from dsv4ray.config_rope import (
+    RopeScaling,
+    RopeSpec,
+    official_rope_keys,
+    read_rope_tables,
+    yarn_inv_freq_bounds,
+)
+
+__all__ = ["ConfigError", "LayerSpec", "ModelConfig", "QuantConfig", "RopeScaling", "RopeSpec"]
+__all__ += ["yarn_inv_freq_bounds"]
 VALID_RATIOS = (0, 4, 128)
 WINDOW = 128
 _LAYER_TYPE_RATIO = {
@@ -52,27 +63,6 @@ _REQUIRED = (
     "num_experts_per_tok",
     "moe_intermediate_size",
 )
-
-
-class ConfigError(ValueError):
-    """A model config field is missing or invalid; the message names the field."""
-
-
-@dataclass(frozen=True)
-class Yarn:
-    """YaRN scaling of the compressed layers' RoPE (no mscale: DSV4 does not scale cos/sin)."""
-
-    factor: float = 16.0
-    original_max_position_embeddings: int = 65536
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    theta: float
-    dim: int
-    yarn: Yarn | None = None
 
 
 @dataclass(frozen=True)
@@ -129,18 +119,17 @@ class ModelConfig:
     hc_sinkhorn_iters: int = 20
     hc_eps: float = 1e-6
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    compress_rope_theta: float = 160000.0
-    yarn: Yarn | None = (
-        None  # from rope_scaling; absent means plain RoPE (as transformers reads it)
-    )
+    rope_theta: float = 10000.0  # base of the window-only layers' table ("main")
+    compress_rope_theta: float = 160000.0  # base of the C4/C128 layers' table ("compress")
+    main_scaling: RopeScaling | None = None  # only transformers' nested rope_parameters set it
+    compress_scaling: RopeScaling | None = None  # official rope_scaling (YaRN in the release)
     num_nextn_predict_layers: int = 1
     max_position_embeddings: int = 1048576
     tie_word_embeddings: bool = False
     bos_token_id: int = 0
     eos_token_id: int = 1
     torch_dtype: str = "bfloat16"
-    quantization: str | None = None  # e.g. "fp8" for block-quantised release checkpoints
+    quantization: QuantConfig | None = None  # block-quantised release checkpoints
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -179,8 +168,8 @@ class ModelConfig:
 
     def rope_for(self, ratio: int) -> RopeSpec:
         if ratio == 0:
-            return RopeSpec(self.rope_theta, self.qk_rope_head_dim, None)
-        return RopeSpec(self.compress_rope_theta, self.qk_rope_head_dim, self.yarn)
+            return RopeSpec(self.rope_theta, self.qk_rope_head_dim, self.main_scaling)
+        return RopeSpec(self.compress_rope_theta, self.qk_rope_head_dim, self.compress_scaling)
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -188,8 +177,8 @@ class ModelConfig:
     def to_official_dict(self) -> dict[str, Any]:
         """The official ``config.json`` keys (what ``make_tiny`` writes)."""
         d = dataclasses.asdict(self)
-        d.pop("yarn")
-        d.pop("quantization")
+        for key in ("main_scaling", "compress_scaling", "quantization"):
+            d.pop(key)
         d["compress_ratios"] = list(self.compress_ratios)
         if self.index_topk_pattern is not None:
             d["index_topk_pattern"] = list(self.index_topk_pattern)
@@ -197,8 +186,14 @@ class ModelConfig:
             d.pop("index_topk_pattern")
         if self.index_skip_topk_offset is None:
             d.pop("index_skip_topk_offset")
-        if self.yarn is not None:
-            d["rope_scaling"] = {"type": "yarn", **dataclasses.asdict(self.yarn)}
+        d.update(
+            official_rope_keys(
+                self.rope_theta, self.compress_rope_theta, self.main_scaling, self.compress_scaling
+            )
+        )
+        if self.quantization is not None:
+            d["quantization_config"] = self.quantization.to_dict()
+            d["expert_dtype"] = self.quantization.expert_dtype
         d["architectures"] = ["DeepseekV4ForCausalLM"]
         d["model_type"] = "deepseek_v4"
         return d
@@ -246,18 +241,29 @@ def _normalise(raw: dict) -> dict[str, Any]:
             raise ConfigError(f"config is missing required key {key!r}")
     names = {f.name for f in dataclasses.fields(ModelConfig)}
     out = {k: v for k, v in raw.items() if k in names and v is not None}
+    _refuse_unsupported(raw)
     out["compress_ratios"] = _read_ratios(raw)
     out["num_hash_layers"] = _read_num_hash_layers(raw)
     if "qk_rope_head_dim" not in raw and raw.get("partial_rotary_factor") is not None:
-        out["qk_rope_head_dim"] = round(raw.get("head_dim", 512) * raw["partial_rotary_factor"])
-    out["yarn"] = _read_yarn(raw)
+        # transformers truncates: int(head_dim * partial_rotary_factor)
+        out["qk_rope_head_dim"] = int(raw.get("head_dim", 512) * raw["partial_rotary_factor"])
+    out.update(read_rope_tables(raw, out.get("qk_rope_head_dim", 64)))
     if raw.get("index_topk_pattern") is not None:
         out["index_topk_pattern"] = tuple(raw["index_topk_pattern"])
     out["torch_dtype"] = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    out["quantization"] = _read_quantization(raw.get("quantization_config"))
+    out["quantization"] = QuantConfig.from_raw(raw)
     if isinstance(out.get("eos_token_id"), list):
         out["eos_token_id"] = out["eos_token_id"][0]
     return out
+
+
+def _refuse_unsupported(raw: dict) -> None:
+    """Fields transformers honours that this network does not implement."""
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"hidden_act must be 'silu' (SwiGLU experts), got {raw['hidden_act']!r}")
+    for key in ("attention_bias", "mlp_bias", "tie_word_embeddings"):
+        if raw.get(key):
+            raise ConfigError(f"{key} = true is not supported (the release has none)")
 
 
 def _read_ratios(raw: dict) -> tuple[int, ...]:
@@ -267,6 +273,12 @@ def _read_ratios(raw: dict) -> tuple[int, ...]:
     if layer_types is None:
         raise ConfigError("config needs 'compress_ratios' (or transformers' 'layer_types')")
     rates = dict(raw.get("compress_rates") or {})
+    for key, kind in (
+        ("compress_rate_csa", "compressed_sparse_attention"),
+        ("compress_rate_hca", "heavily_compressed_attention"),
+    ):
+        if raw.get(key) is not None:  # transformers folds these legacy keys into compress_rates
+            rates[kind] = raw[key]
     ratios = []
     for i, t in enumerate(layer_types):
         if t not in _LAYER_TYPE_RATIO:
@@ -287,34 +299,6 @@ def _read_num_hash_layers(raw: dict) -> int:
     if list(kinds[:n]) != ["hash_moe"] * n:
         raise ConfigError("mlp_layer_types: hash_moe layers must come first")
     return n
-
-
-def _read_yarn(raw: dict) -> Yarn | None:
-    scaling = raw.get("rope_scaling")
-    if scaling is None:
-        params = raw.get("rope_parameters") or {}
-        scaling = params.get("compress") if isinstance(params.get("compress"), dict) else params
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "yarn":
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (only 'yarn')")
-    return Yarn(
-        factor=float(scaling["factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-        beta_fast=float(scaling.get("beta_fast") or 32),
-        beta_slow=float(scaling.get("beta_slow") or 1),
-    )
-
-
-def _read_quantization(qcfg: Any) -> str | None:
-    if not qcfg:
-        return None
-    if isinstance(qcfg, dict):
-        return str(qcfg.get("quant_method") or qcfg.get("fmt") or "quantized")
-    return str(qcfg)
 
 
 def _validate(c: ModelConfig) -> None:
@@ -405,40 +389,9 @@ def _layer_specs(c: ModelConfig) -> list[LayerSpec]:
     for i, ratio in enumerate(c.layer_ratios):
         moe_kind = "hash" if i < c.num_hash_layers else "score"
         if ratio == 4:
-            specs.append(
-                LayerSpec(
-                    i,
-                    ratio,
-                    c.rope_for(ratio),
-                    moe_kind,
-                    ordinal,
-                    skip_topk_at(c, ordinal),
-                    skip_topk_at(c, ordinal + 1),
-                )
-            )
+            skips = (skip_topk_at(c, ordinal), skip_topk_at(c, ordinal + 1))
+            specs.append(LayerSpec(i, ratio, c.rope_for(ratio), moe_kind, ordinal, *skips))
             ordinal += 1
         else:
             specs.append(LayerSpec(i, ratio, c.rope_for(ratio), moe_kind))
     return specs
-
-
-def yarn_inv_freq_bounds(rope: RopeSpec) -> tuple[float, float]:
-    """YaRN correction range [low, high] over the frequency index (floor/ceil, clamped)."""
-    assert rope.yarn is not None
-    y, dim, base = rope.yarn, rope.dim, rope.theta
-
-    def corr_dim(rotations: float) -> float:
-        return (
-            dim
-            * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi))
-            / (2 * math.log(base))
-        )
-
-    low = max(math.floor(corr_dim(y.beta_fast)), 0)
-    high = min(math.ceil(corr_dim(y.beta_slow)), dim - 1)
-    return float(low), float(high)
-
-
-def is_int(value: object) -> bool:
-    """An int that is not a bool (JSON true must not pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -6,14 +6,16 @@ import argparse
 import logging
 
 from dsv4ray.cache.formats import DTYPES as KV_DTYPES
+from dsv4ray.config_quant import RELEASE_LAYOUTS
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     from dsv4ray.model.tiny import make_tiny
 
-    path = make_tiny(args.out, args.preset, args.seed)
-    print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}) to {path}")
+    path = make_tiny(args.out, args.preset, args.seed, quantize=args.quantize)
+    layout = f", {args.quantize} release layout" if args.quantize else ""
+    print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}{layout}) to {path}")
     return 0
 
 
@@ -148,6 +150,12 @@ def _add_make_tiny(sub) -> None:
     tiny.add_argument("--out", required=True)
     tiny.add_argument("--preset", default="tiny", choices=["tiny", "dsv4-mini"])
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--quantize",
+        default=None,
+        choices=list(RELEASE_LAYOUTS),
+        help="write the release's block-quantised layout (fp8 linears; fp4 or fp8 experts)",
+    )
     tiny.set_defaults(func=cmd_make_tiny)
 
 

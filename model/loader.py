@@ -1,4 +1,10 @@
-"""Building modules from a checkpoint: the whole reference, or one pipeline stage's slice."""
+"""Building modules from a checkpoint: the whole reference, or one pipeline stage's slice.
+
+Parameters are given their final dtypes while still on the meta device and only then allocated,
+and checkpoint tensors are read (and dequantised) one at a time, so loading a stage holds the
+stage's own parameters plus one checkpoint tensor: never another stage's layers, never a second
+copy of the stage.
+"""
 
 from __future__ import annotations
 
@@ -28,7 +34,7 @@ def load_reference(
     """Builds the reference module from ``path`` (config.json + safetensors, either key spelling).
 
     A checkpoint without ``mtp.*`` tensors loads with ``module.draft_block = None`` (no
-    speculative decoding); fp8/fp4-quantised checkpoints are refused with the tensors named.
+    speculative decoding); fp8/fp4 block-quantised weights are dequantised into ``dtype``.
     """
     dtype = _dtype(dtype)
     cfg = ModelConfig.from_hf(path)
@@ -42,7 +48,7 @@ def load_reference(
         path,
         dtype,
         device,
-        skip=None if with_mtp else (lambda name: name.startswith("mtp.")),
+        want=None if with_mtp else (lambda name: not name.startswith("mtp.")),
     )
     if not with_mtp:
         log.info("checkpoint %s has no mtp.* tensors: speculative decoding unavailable", path)
@@ -66,10 +72,10 @@ def load_stage(
     return module
 
 
-def _materialise(module, path, dtype, device, want=None, skip=None) -> None:
+def _materialise(module, path, dtype, device, want=None) -> None:
+    cast_params(module, dtype)  # on meta: allocation below happens once, in the final dtypes
     module.to_empty(device=device)
-    cast_params(module, dtype)
-    load_state(module, iter_tensors(path, want), allow_unexpected=skip)
+    load_state(module, iter_tensors(path, want, module.cfg.quantization))
     module.eval()
 
 

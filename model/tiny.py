@@ -1,7 +1,11 @@
 """Tiny random checkpoints for tests and benchmarks: ``make_tiny(out_dir, preset, seed, **kw)``.
 
 Writes ``config.json`` (official keys), ``model.safetensors`` (official names, ``mtp.0.*``
-included) and a byte-level tokenizer. Every tensor that transformers' init leaves constant
+included) and a byte-level tokenizer. With ``quantize`` ("fp8" or "fp8+fp4-experts") the weights
+are written as the release stores them instead (``dsv4ray.model.release``): FP8 block-quantised
+linears with their scales, FP4 or FP8 experts, bf16 exceptions, sharded with an index, and a
+``quantization_config`` in ``config.json``; the config's ``torch_dtype`` (the compute dtype the
+engine picks by default) stays the preset's. Every tensor that transformers' init leaves constant
 (sinks, position biases, router biases, hash tables, mHC base/scale, norm weights) is randomised,
 and the lm head is scaled so the mean top-1 probability on random prompts is about 0.3: KL gates
 on near-uniform distributions could not fail.
@@ -18,6 +22,7 @@ import torch
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.mtp import MTPBlock
 from dsv4ray.model.reference import DSV4Reference
+from dsv4ray.model.release import release_quant_fields, release_tensors, save_sharded
 from dsv4ray.model.tokenizer_files import write_byte_tokenizer
 from dsv4ray.model.weights import save_state
 
@@ -87,9 +92,16 @@ def tiny_config(preset: str = "tiny", **overrides) -> ModelConfig:
 
 
 def make_tiny(
-    out_dir: str, preset: str = "tiny", seed: int = 0, device: str = "cpu", **config_overrides
+    out_dir: str,
+    preset: str = "tiny",
+    seed: int = 0,
+    device: str = "cpu",
+    quantize: str | None = None,
+    **config_overrides,
 ) -> str:
     """Writes a random checkpoint to ``out_dir`` and returns the path."""
+    if quantize is not None:
+        config_overrides = {**config_overrides, **release_quant_fields(quantize)}
     cfg = tiny_config(preset, **config_overrides)
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg.torch_dtype)
@@ -100,16 +112,18 @@ def make_tiny(
     model = model.to(device)
     calibrate_head(model, gen)
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {k: _disk(k, v, dtype) for k, v in model.state_dict().items()}
-    save_state(tensors, out_dir)
+    if cfg.quantization is None:
+        save_state({k: _disk(v, dtype) for k, v in model.state_dict().items()}, out_dir)
+    else:
+        save_sharded(release_tensors(model.state_dict(), cfg.quantization), out_dir)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg.to_official_dict(), f, indent=2)
     write_byte_tokenizer(out_dir)
-    log.info("wrote %s checkpoint (seed %d) to %s", preset, seed, out_dir)
+    log.info("wrote %s checkpoint (seed %d, %s) to %s", preset, seed, quantize, out_dir)
     return out_dir
 
 
-def _disk(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def _disk(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t.detach().cpu().to(dtype) if t.is_floating_point() else t.detach().cpu()
 
 

@@ -1,13 +1,25 @@
 """Tokenizer of a checkpoint folder (``tokenizer.json`` + ``tokenizer_config.json``).
 
-Adds the bos token the way the checkpoint asks, renders chat messages with the checkpoint's
-template (or the documented default below), and detokenises incrementally for streaming.
+Adds the bos token the way the checkpoint asks, renders chat messages and detokenises
+incrementally for streaming. Chat rendering, in order of precedence:
+
+1. the checkpoint's jinja template (``chat_template`` in ``tokenizer_config.json``, or
+   ``chat_template.jinja``), rendered as transformers renders it (``chat_template.py``), with
+   ``chat_template_kwargs`` passed to it as template variables;
+2. the DeepSeek-V4 chat format (``chat_encoding.py``) for a DeepSeek-V4 tokenizer without a
+   template (one that has the ``<｜User｜>`` and ``<｜Assistant｜>`` tokens), which takes
+   ``thinking`` and ``drop_thinking``;
+3. otherwise a plain template: the bos token, one ``<|role|>content`` line per message, then
+   ``<|assistant|>``.
 """
 
 from __future__ import annotations
 
 import json
 import os
+
+from dsv4ray.model import chat_encoding
+from dsv4ray.model.chat_template import render
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -31,9 +43,13 @@ class Tokenizer:
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         self.add_bos = bool(cfg.get("add_bos_token", self.bos_token is not None))
-        self.chat_template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.chat_template = _jinja_template(path, cfg)
+        dsv4 = all(self._tok.token_to_id(t) is not None for t in chat_encoding.SPECIAL_TOKENS)
+        self.chat_format = "jinja" if self.chat_template else ("dsv4" if dsv4 else "default")
+        if self.chat_format == "default":
+            self.chat_template = DEFAULT_CHAT_TEMPLATE
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -45,21 +61,59 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        template = env.from_string(self.chat_template)
-        return template.render(
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict | None = None,
+    ) -> str:
+        """Rendered prompt text; a template that refuses the messages raises ValueError."""
+        if self.chat_format == "dsv4":
+            options = chat_encoding.ChatOptions.from_kwargs(chat_template_kwargs)
+            return chat_encoding.encode_messages(messages, options, add_generation_prompt)
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            **(chat_template_kwargs or {}),
+        }
+        return render(
+            self.chat_template,
+            **context,
             messages=messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
         )
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(
+        self, messages: list[dict], chat_template_kwargs: dict | None = None
+    ) -> list[int]:
         """The rendered template already carries the bos token when the template writes it."""
-        return self.encode(self.apply_chat_template(messages), add_bos=False)
+        text = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
+        return self.encode(text, add_bos=False)
+
+    def parse_reasoning(
+        self, text: str, chat_template_kwargs: dict | None = None
+    ) -> tuple[str | None, str]:
+        """Generated text -> (reasoning_content, content): with ``thinking`` on, the reasoning
+        is the text up to ``</think>``; with it off there is none."""
+        if not (chat_template_kwargs or {}).get("thinking"):
+            return None, text
+        return chat_encoding.split_reasoning(text)
+
+
+def _jinja_template(path: str, cfg: dict) -> str | None:
+    """tokenizer_config.json's ``chat_template`` (a string, or named templates: "default"),
+    else a ``chat_template.jinja`` file."""
+    template = cfg.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template:
+        return template
+    file = os.path.join(path, "chat_template.jinja")
+    if os.path.isfile(file):
+        with open(file) as f:
+            return f.read()
+    return None
 
 
 def _token_text(tok) -> str | None:

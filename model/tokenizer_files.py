@@ -1,13 +1,20 @@
-"""Byte-level tokenizer files for tiny checkpoints: 0 = bos, 1 = eos, byte b = token b + 2."""
+"""Byte-level tokenizer files for tiny checkpoints, with DeepSeek-V4's special tokens.
+
+Ids: 0 = bos ``<｜begin▁of▁sentence｜>``, 1 = eos ``<｜end▁of▁sentence｜>``, byte b = token b + 2
+(2..257), then 258 ``<｜User｜>``, 259 ``<｜Assistant｜>``, 260 ``<think>``, 261 ``</think>``; the
+rest of a tiny vocab (up to 511) has no token. bos, eos and the role tokens are special (decoding
+skips them); the think tokens are not, so generated reasoning keeps its ``</think>``. There is no
+jinja template: the tokenizer renders chats in the DeepSeek-V4 format (``chat_encoding``).
+"""
 
 from __future__ import annotations
 
 import json
 import os
 
-from dsv4ray.model.tokenizer import DEFAULT_CHAT_TEMPLATE
+from dsv4ray.model.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
 
-BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
+ROLE_TOKEN_IDS = {USER: 258, ASSISTANT: 259, THINK_START: 260, THINK_END: 261}
 
 
 def _bytes_to_unicode() -> dict[int, str]:
@@ -25,21 +32,23 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def write_byte_tokenizer(out_dir: str) -> None:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {BOS: 0, EOS: 1}
     vocab.update({ch: b + 2 for b, ch in _bytes_to_unicode().items()})
+    vocab.update(ROLE_TOKEN_IDS)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BOS, EOS])
+    tok.add_special_tokens([BOS, EOS, USER, ASSISTANT])
+    think = (THINK_START, THINK_END)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in think])
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     cfg = {
         "bos_token": BOS,
         "eos_token": EOS,
         "add_bos_token": True,
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "chat_template": DEFAULT_CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
+        json.dump(cfg, f, indent=2, ensure_ascii=False)

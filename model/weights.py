@@ -1,9 +1,14 @@
-"""Safetensors checkpoints under the official key names, with transformers' spelling accepted.
+"""Safetensors checkpoints under the official key names, with transformers' spelling accepted and
+block-quantised release weights dequantised at load.
 
 One mapping table turns transformers' names into the official ones (``model.`` prefix dropped,
 ``embed_tokens`` -> ``embed``, ``hc_head.hc_fn`` -> ``hc_head_fn``, the attention's ``norm`` ->
-``kv_norm``); the reference module's parameters carry the official names, so loading is a name
-check, a shape check and a copy. Missing, unexpected and mis-shaped tensors fail with the key.
+``kv_norm``, ``weight_scale_inv`` -> ``scale``); the reference module's parameters carry the
+official names, so loading is a name check, a shape check and a copy. A weight stored as
+float8_e4m3fn (or, for routed experts with ``expert_dtype`` "fp4", as packed int8) is paired with
+its ``scale`` tensor, wherever the shard index puts it, and dequantised straight into the
+parameter (see ``dsv4ray.model.quant``). Missing, unexpected and mis-shaped tensors, a quantised
+weight without its scale and a scale of the wrong shape fail with the tensor named.
 """
 
 from __future__ import annotations
@@ -12,9 +17,13 @@ import json
 import os
 import re
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
+
+from dsv4ray.config import QuantConfig
+from dsv4ray.model.quant import QuantizedWeight
 
 _RENAMES = (
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
@@ -22,11 +31,17 @@ _RENAMES = (
     (re.compile(r"^hc_head\.hc_(fn|base|scale)$"), r"hc_head_\1"),
     (re.compile(r"^(layers\.\d+\.attn)\.norm\.weight$"), r"\1.kv_norm.weight"),
     (re.compile(r"^(mtp\.\d+\.attn)\.norm\.weight$"), r"\1.kv_norm.weight"),
+    (re.compile(r"\.weight_scale_inv$"), ".scale"),
 )
+SCALE_SUFFIX = ".scale"
+_EXPERT = re.compile(r"(^|\.)experts\.\d+\.w[123]\.weight$")
+_FP8, _PACKED = ("F8_E4M3",), ("I8", "U8", "F4")
+_QUANTISED = _FP8 + _PACKED + ("F8_E5M2",)
 
 
 class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, unexpected, mis-shaped or quantised; the message names it."""
+    """A checkpoint tensor is missing, unexpected, mis-shaped or badly quantised; the message
+    names it."""
 
 
 def canonical_name(key: str) -> str:
@@ -53,44 +68,126 @@ def checkpoint_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in found]
 
 
-def iter_tensors(path: str, want=None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (official name, tensor) for every tensor whose official name passes ``want``."""
+@dataclass(frozen=True)
+class _Entry:
+    file: str
+    key: str
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+
+
+def checkpoint_index(path: str) -> dict[str, _Entry]:
+    """Official name -> where the tensor lives, in file order (reads only the headers)."""
+    index: dict[str, _Entry] = {}
     for file in checkpoint_files(path):
         with safe_open(file, framework="pt") as f:
             for key in f.keys():
                 name = canonical_name(key)
-                if want is None or want(name):
-                    yield name, f.get_tensor(key)
+                if name in index:
+                    raise CheckpointError(
+                        f"tensor {name!r} appears twice ({index[name].key!r} and {key!r})"
+                    )
+                index[name] = _Entry(file, key, f.get_slice(key).get_dtype())
+    return index
+
+
+def iter_tensors(
+    path: str, want=None, quant: QuantConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
+    """Yields (official name, tensor) for every tensor whose official name passes ``want``; a
+    quantised weight comes as a ``QuantizedWeight`` holding its scale, scales never alone."""
+    index = checkpoint_index(path)
+    _check_scales(index, want)
+    shards = _Shards()
+    for name, entry in index.items():
+        if name.endswith(SCALE_SUFFIX) or (want is not None and not want(name)):
+            continue
+        kind = _quant_kind(name, entry, quant)
+        if kind is None:
+            item = shards.read(entry)
+        else:
+            scale_name = name[: -len(".weight")] + SCALE_SUFFIX
+            if scale_name not in index:
+                raise CheckpointError(
+                    f"checkpoint is missing tensor {scale_name!r}, the scale of the quantised "
+                    f"{name!r} ({entry.dtype})"
+                )
+            data, scale = shards.read(entry), shards.read(index[scale_name])
+            item = QuantizedWeight(name, data, scale, kind, quant.weight_block_size)
+        yield name, item
+        del item  # the next tensor is read while this one could still be referenced
+
+
+class _Shards:
+    """Open shard files, at most two at a time (the current one and the one holding a scale):
+    a read tensor is a view of its file's mapping, which lives until the view and the handle go."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, object] = {}
+
+    def read(self, entry: _Entry) -> torch.Tensor:
+        handle = self.open.pop(entry.file, None)
+        if handle is None:
+            while len(self.open) > 1:  # close before mapping another file
+                self.open.pop(next(iter(self.open)))
+            handle = safe_open(entry.file, framework="pt")
+        self.open[entry.file] = handle  # most recently used last
+        return handle.get_tensor(entry.key)
+
+
+def _quant_kind(name: str, entry: _Entry, quant: QuantConfig | None) -> str | None:
+    """None for a plain tensor, else "fp8" or "fp4"; impossible combinations are errors."""
+    if entry.dtype not in _QUANTISED:
+        return None
+    if quant is None:
+        raise CheckpointError(
+            f"tensor {name!r} is stored as {entry.dtype} but config.json has no "
+            "quantization_config (its block size and scale format are unknown)"
+        )
+    if entry.dtype == "F8_E5M2":
+        raise CheckpointError(f"tensor {name!r} is float8_e5m2; only e4m3 weights are supported")
+    is_expert = bool(_EXPERT.search(name))
+    kind = "fp8" if entry.dtype in _FP8 else "fp4"
+    if kind == "fp4" and not is_expert:
+        raise CheckpointError(
+            f"tensor {name!r} is stored as {entry.dtype}: only routed experts may be packed FP4"
+        )
+    if is_expert and kind != quant.expert_dtype:
+        raise CheckpointError(
+            f"tensor {name!r} is stored as {entry.dtype} ({kind}) but quantization_config."
+            f"expert_dtype is {quant.expert_dtype!r}"
+        )
+    return kind
+
+
+def _check_scales(index: dict[str, _Entry], want) -> None:
+    for name in index:
+        if not name.endswith(SCALE_SUFFIX) or (want is not None and not want(name)):
+            continue
+        weight = index.get(name[: -len(SCALE_SUFFIX)] + ".weight")
+        if weight is None or weight.dtype not in _QUANTISED:
+            raise CheckpointError(
+                f"unexpected tensor {name!r} in the checkpoint: no quantised weight beside it"
+            )
 
 
 def has_mtp(path: str) -> bool:
-    for file in checkpoint_files(path):
-        with safe_open(file, framework="pt") as f:
-            if any(canonical_name(k).startswith("mtp.") for k in f.keys()):
-                return True
-    return False
+    return any(name.startswith("mtp.") for name in checkpoint_index(path))
 
 
 def load_state(
     module: torch.nn.Module,
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | QuantizedWeight]],
     prefix: str = "",
-    allow_unexpected=None,
 ) -> None:
-    """Copies named tensors into ``module`` (names relative to ``prefix``); every parameter and
-    buffer must be given exactly once with its shape."""
+    """Copies named tensors into ``module`` (names relative to ``prefix``), dequantising
+    quantised weights in place; every parameter and buffer must be given exactly once."""
     expected = module.state_dict()
-    seen, quantised = set(), []
+    seen = set()
     for name, tensor in tensors:
         if not name.startswith(prefix):
             continue
         local = name[len(prefix) :]
-        if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) or local.endswith("scale_inv"):
-            quantised.append(name)
-            continue
         if local not in expected:
-            if allow_unexpected is not None and allow_unexpected(name):
-                continue
             raise CheckpointError(f"unexpected tensor {name!r} in the checkpoint")
         target = expected[local]
         if tuple(tensor.shape) != tuple(target.shape):
@@ -99,18 +196,38 @@ def load_state(
                 f"{tuple(target.shape)}"
             )
         with torch.no_grad():
-            target.copy_(tensor.to(target.dtype))
+            if isinstance(tensor, QuantizedWeight):
+                _check_scale_shape(tensor)
+                tensor.dequantize_into(target)
+            else:
+                target.copy_(tensor)
         seen.add(local)
-    if quantised:
-        raise CheckpointError(
-            f"{len(quantised)} tensors are quantised (e.g. {quantised[:3]}); dequantise the "
-            "checkpoint to bf16 first: fp8/fp4 block-scaled weights are not loaded yet"
-        )
+        del tensor
     missing = sorted(set(expected) - seen)
     if missing:
         raise CheckpointError(
             f"checkpoint is missing tensor {prefix + missing[0]!r}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
+        )
+
+
+def _check_scale_shape(weight: QuantizedWeight) -> None:
+    scale_name = weight.name[: -len(".weight")] + SCALE_SUFFIX
+    if weight.kind == "fp4" and weight.shape[1] % 32:
+        raise CheckpointError(
+            f"tensor {weight.name!r} holds {weight.shape[1]} FP4 values per row; the release "
+            "format needs a multiple of 32 (one ue8m0 scale per 32)"
+        )
+    want = weight.expected_scale_shape()
+    if tuple(weight.scale.shape) != want:
+        layout = (
+            "one scale per 32 values of a row"
+            if weight.kind == "fp4"
+            else f"quantization_config.weight_block_size {list(weight.block)}"
+        )
+        raise CheckpointError(
+            f"scale tensor {scale_name!r} has shape {tuple(weight.scale.shape)}; "
+            f"{weight.name!r} {list(weight.shape)} with {layout} needs {want}"
         )
 
 

@@ -111,3 +111,136 @@ def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
         out.append(int(logits.argmax()))
         logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
     return out
+
+
+def _random_rope_entry(rng, kind: str, prf: bool) -> dict:
+    """kind: default, linear, yarn, yarn+attention_factor or yarn+mscale."""
+    kind, _, extra = kind.partition("+")
+    entry = {"rope_type": kind}
+    if rng.random() < 0.8:
+        entry["rope_theta"] = rng.choice([10000.0, 160000.0, rng.uniform(500.0, 2e6)])
+    if prf:
+        entry["partial_rotary_factor"] = 0.125
+    if kind == "linear":
+        entry["factor"] = rng.uniform(1.0, 8.0)
+    if kind == "yarn":
+        entry["factor"] = rng.choice([2.0, 16.0, rng.uniform(1.5, 64.0)])
+        entry["original_max_position_embeddings"] = rng.choice([2048, 4096, 65536])
+        if rng.random() < 0.5:
+            entry["beta_fast"], entry["beta_slow"] = rng.uniform(8, 64), rng.uniform(0.5, 2)
+    if extra == "attention_factor":
+        entry["attention_factor"] = rng.uniform(0.5, 1.5)
+    elif extra == "mscale":
+        entry["mscale"], entry["mscale_all_dim"] = rng.uniform(0.5, 1.5), rng.uniform(0.3, 1.0)
+    return entry
+
+
+ROPE_KINDS = ("default", "linear", "yarn", "yarn+attention_factor", "yarn+mscale")
+
+
+def random_rope_fields(rng, spelling: str, compress_kind: str) -> dict:
+    """Random RoPE config fields with the compress table of ``compress_kind`` (ROPE_KINDS), in
+    one of three spellings: official flat ``rope_scaling``, a flat ``rope_parameters``, or
+    transformers' nested ``rope_parameters`` (main / compress; main gets a random kind)."""
+    fields = {"rope_theta": rng.uniform(1000.0, 50000.0)}
+    if rng.random() < 0.5:
+        fields["compress_rope_theta"] = rng.uniform(10000.0, 500000.0)
+    if spelling == "nested":
+        fields["rope_parameters"] = {
+            "main": _random_rope_entry(rng, rng.choice(ROPE_KINDS), True),
+            "compress": _random_rope_entry(rng, compress_kind, True),
+        }
+    else:
+        entry = _random_rope_entry(rng, compress_kind, False)
+        entry["type"] = entry.pop("rope_type")
+        fields["rope_scaling" if spelling == "rope_scaling" else "rope_parameters"] = entry
+    return fields
+
+
+def _e4m3fn_value(byte: int) -> float:
+    """float8_e4m3fn from its bit fields: sign, 4-bit exponent (bias 7), 3-bit mantissa;
+    exponent 0 is subnormal, 0x7f / 0xff are NaN."""
+    sign = -1.0 if byte >> 7 else 1.0
+    exp, man = (byte >> 3) & 0xF, byte & 7
+    if exp == 15 and man == 7:
+        return float("nan")
+    if exp == 0:
+        return sign * man / 8 * 2.0**-6
+    return sign * (1 + man / 8) * 2.0 ** (exp - 7)
+
+
+def _e2m1_value(nibble: int) -> float:
+    """e2m1 from its bit fields: sign bit 3, 2-bit exponent (bias 1), 1-bit mantissa."""
+    sign = -1.0 if nibble >> 3 else 1.0
+    exp, man = (nibble >> 1) & 3, nibble & 1
+    return sign * (man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1))
+
+
+_E4M3FN = torch.tensor([_e4m3fn_value(b) for b in range(256)], dtype=torch.float64)
+_E2M1 = torch.tensor([_e2m1_value(n) for n in range(16)], dtype=torch.float64)
+
+
+def decode_e4m3fn(codes: torch.Tensor) -> torch.Tensor:
+    """float8_e4m3fn bytes -> float64, decoded from the bit fields (not through torch's cast)."""
+    return _E4M3FN[codes.view(torch.uint8).long()]
+
+
+def decode_e2m1(nibbles: torch.Tensor) -> torch.Tensor:
+    """e2m1 codes 0..15 -> float64, decoded from the bit fields."""
+    return _E2M1[nibbles.long()]
+
+
+def decode_scale(scale: torch.Tensor) -> torch.Tensor:
+    """Stored scales -> float64: ue8m0 bytes (float8_e8m0fnu or uint8) mean 2^(b - 127)."""
+    if scale.dtype in (torch.float8_e8m0fnu, torch.uint8):
+        return torch.pow(2.0, scale.view(torch.uint8).double() - 127)
+    return scale.double()
+
+
+def dequantize_float64(weight: torch.Tensor, scale: torch.Tensor, block=(128, 128)):
+    """An independent float64 dequantisation of release bytes: fp8 [N, K] with a ceil-div block
+    grid of scales, or packed fp4 int8 [N, K / 2] (low nibble = even column) with [N, K / 32]."""
+    s = decode_scale(scale)
+    if weight.dtype in (torch.int8, torch.uint8):
+        raw = weight.view(torch.uint8)
+        values = torch.stack((decode_e2m1(raw & 0xF), decode_e2m1(raw >> 4)), -1).flatten(-2)
+        return values * s.repeat_interleave(32, dim=1)
+    values = decode_e4m3fn(weight)
+    rows, cols = values.shape
+    grid = s.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+    return values * grid[:rows, :cols]
+
+
+def random_release_tensors(shapes: dict, quant, seed: int = 0) -> dict:
+    """Random bytes in the release layout (``dsv4ray.model.release.release_format``) for tensors
+    of the given logical shapes: fast, valid codes, no quantisation involved."""
+    from dsv4ray.model.release import release_format
+
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, (shape, dtype) in shapes.items():
+        fmt = release_format(name, torch.empty(shape, dtype=dtype, device="meta"), quant)
+        base = name[: -len(".weight")]
+        if fmt in ("fp8", "fp4"):
+            rows, cols = shape
+            if fmt == "fp8":
+                codes = torch.randint(0, 0x7E, shape, generator=gen, dtype=torch.uint8)
+                out[name] = codes.view(torch.float8_e4m3fn)
+                block = quant.weight_block_size
+                grid = (-(-rows // block[0]), -(-cols // block[1]))
+            else:
+                out[name] = torch.randint(0, 256, (rows, cols // 2), generator=gen).to(torch.uint8)
+                out[name] = out[name].view(torch.int8)
+                grid = (rows, cols // 32)
+            exps = torch.randint(118, 124, grid, generator=gen, dtype=torch.uint8)
+            if fmt == "fp8" and quant.scale_fmt == "float":
+                out[base + ".scale"] = torch.pow(2.0, exps.float() - 127.0)
+            else:
+                out[base + ".scale"] = exps.view(torch.float8_e8m0fnu)
+        elif fmt == "int":
+            out[name] = torch.randint(0, 2, shape, generator=gen)
+        else:
+            out[name] = torch.randn(shape, generator=gen).to(
+                torch.float32 if fmt == "fp32" else torch.bfloat16
+            )
+    return out

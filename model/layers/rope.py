@@ -2,6 +2,8 @@
 
 One table per layer kind serves the query, the window kv, the compressed entries, the indexer
 q/k and the output de-rotation (SPEC_MODEL.md section 2.3). Pairs are channels (2i, 2i + 1).
+A table's ``attention_factor`` multiplies cos and sin (as transformers applies YaRN's mscale),
+so every rotation, the de-rotation included, scales by it; the release's tables use 1.0.
 """
 
 from functools import lru_cache
@@ -13,10 +15,12 @@ from dsv4ray.config import RopeSpec, yarn_inv_freq_bounds
 
 @lru_cache(maxsize=16)
 def inv_freq(rope: RopeSpec) -> torch.Tensor:
-    """[dim / 2] fp32 inverse frequencies (YaRN-blended when ``rope.yarn`` is set)."""
+    """[dim / 2] fp32 inverse frequencies (divided by a linear factor, or YaRN-blended)."""
     pos_freqs = rope.theta ** (torch.arange(0, rope.dim, 2, dtype=torch.float) / rope.dim)
-    if rope.yarn is None:
+    if rope.scaling is None:
         return 1.0 / pos_freqs
+    if rope.yarn is None:  # linear
+        return 1.0 / pos_freqs / rope.scaling.factor
     extrapolation = 1.0 / pos_freqs
     interpolation = 1.0 / (rope.yarn.factor * pos_freqs)
     low, high = yarn_inv_freq_bounds(rope)
@@ -30,7 +34,9 @@ def inv_freq(rope: RopeSpec) -> torch.Tensor:
 def cos_sin(rope: RopeSpec, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [...] int -> (cos, sin) [..., dim / 2] fp32."""
     freqs = positions[..., None].float() * inv_freq(rope).to(positions.device)
-    return freqs.cos(), freqs.sin()
+    if rope.attention_factor == 1.0:
+        return freqs.cos(), freqs.sin()
+    return freqs.cos() * rope.attention_factor, freqs.sin() * rope.attention_factor
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

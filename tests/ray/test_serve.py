@@ -99,8 +99,8 @@ def test_chat_uses_the_checkpoint_template_and_equals_llm_generate(client, local
         {"role": "user", "content": "Say something."},
     ]
     tokenizer = Tokenizer(tiny_ckpt)
-    rendered = "<|begin_of_text|><|system|>Be brief.\n<|user|>Say something.\n<|assistant|>"
-    assert tokenizer.apply_chat_template(messages) == rendered  # the tiny checkpoint's template
+    rendered = "<｜begin▁of▁sentence｜>Be brief.<｜User｜>Say something.<｜Assistant｜></think>"
+    assert tokenizer.apply_chat_template(messages) == rendered  # the DeepSeek-V4 chat format
     want = local_llm.generate(
         [tokenizer.encode(rendered, add_bos=False)], SamplingParams(max_tokens=6)
     )[0]

@@ -39,7 +39,8 @@ def test_transformers_spelling_reads_the_same(tmp_path):
     official = tiny_config("tiny")
     assert ours.layer_ratios == official.layer_ratios
     assert ours.num_hash_layers == official.num_hash_layers
-    assert ours.qk_rope_head_dim == 64 and ours.yarn == official.yarn
+    assert ours.qk_rope_head_dim == 64 and ours.compress_scaling == official.compress_scaling
+    assert ours.rope_for(4) == official.rope_for(4) and ours.rope_for(0) == official.rope_for(0)
 
 
 def test_raw_config_restores_fields_a_config_class_clobbers(tmp_path):
@@ -116,6 +117,10 @@ def test_pattern_longer_than_c4_layers_is_rejected():
         (dict(vocab_size=None), "vocab_size"),
         (dict(num_experts_per_tok=9), "num_experts_per_tok"),
         (dict(num_key_value_heads=2), "num_key_value_heads"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias"),
+        (dict(mlp_bias=True), "mlp_bias"),
+        (dict(tie_word_embeddings=True), "tie_word_embeddings"),
     ],
 )
 def test_config_errors_name_the_field(kw, field):
@@ -123,6 +128,14 @@ def test_config_errors_name_the_field(kw, field):
     raw = {k: v for k, v in raw.items() if v is not None}
     with pytest.raises(ConfigError, match=field):
         ModelConfig.from_hf(raw)
+
+
+def test_legacy_compress_rate_keys_fold_in_as_transformers_does():
+    raw = _raw(layer_types=["sliding_attention", "compressed_sparse_attention"] * 3)
+    raw.pop("compress_ratios")
+    assert ModelConfig.from_hf(raw).layer_ratios == (0, 4) * 3
+    with pytest.raises(ConfigError, match="compress_ratios"):
+        ModelConfig.from_hf({**raw, "compress_rate_csa": 8})
 
 
 def test_missing_ratios_is_named():

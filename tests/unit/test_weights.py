@@ -107,14 +107,14 @@ def test_bad_tensors_are_named(tiny_ckpt, tmp_path, edit, key):
         load_reference(path, torch.float32)
 
 
-def test_quantised_checkpoint_is_refused_with_tensor_names(tiny_ckpt, tmp_path):
+def test_quantised_tensor_without_quantization_config_is_named(tiny_ckpt, tmp_path):
     def quantise(t):
         t["layers.1.attn.wq_b.weight"] = t["layers.1.attn.wq_b.weight"].to(torch.float8_e4m3fn)
-        t["layers.1.attn.wq_b.scale_inv"] = torch.ones(1)
+        t["layers.1.attn.wq_b.weight_scale_inv"] = torch.ones(16, 1)
         return t
 
     path = _copy(tiny_ckpt, tmp_path / "fp8", quantise)
-    with pytest.raises(CheckpointError, match=r"quantised.*layers\.1\.attn\.wq_b"):
+    with pytest.raises(CheckpointError, match=r"layers\.1\.attn\.wq_b.*quantization_config"):
         load_reference(path, torch.float32)
 
 
