@@ -16,7 +16,7 @@ from dsv4ray.cache.configurator import DEFAULT_CPU_MAX_TOTAL_TOKENS
 from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
 from dsv4ray.cache.hicache import WRITE_POLICIES
-from dsv4ray.config import is_int
+from dsv4ray.config_error import is_int
 
 
 @dataclass(frozen=True)
