@@ -373,7 +373,7 @@ def _validate_index_share(c: ModelConfig) -> None:
 
 
 def skip_topk_at(c: ModelConfig, ordinal: int) -> bool:
-    """IndexShare rule at C4 ordinal ``ordinal`` (seed 003's formulas with c for layer_id)."""
+    """IndexShare rule at C4 ordinal ``ordinal`` (c is the layer's ordinal among the C4 layers)."""
     if c.index_topk_pattern is not None:
         if ordinal >= len(c.index_topk_pattern):
             return False

@@ -1,7 +1,7 @@
-"""Pool sizing per pipeline stage (SPEC_SERVING section 2, seed 004). Pure Python, no torch.
+"""Pool sizing per pipeline stage. Pure Python, no torch.
 
 Every stage sizes its pools from ITS OWN layer slice ratios[start:end]. Using the whole model's
-ratios on each stage over-counts bytes per token by about the PP size (the bug of seed 004), so the
+ratios on each stage over-counts bytes per token by about the PP size, so the
 functions here take slices, and ``size_stage`` slices the model's list itself.
 
 Bytes per logical full token of a stage, b(kind) = padded bytes per entry of a pool kind:

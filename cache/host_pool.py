@@ -9,7 +9,7 @@ host snapshot hs holds a window page per layer and the C4 rings (main + indexer)
 
 The per-kind lists have the same order and length as StagePools' (built from
 layer_mapping[start:end] through ``stage_layers``), so buffer i of a kind on the host mirrors
-buffer i on the device: a stage never counts or indexes layers of the whole model (seed 001).
+buffer i on the device: a stage never counts or indexes layers of the whole model.
 """
 
 from __future__ import annotations

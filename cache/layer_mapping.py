@@ -9,7 +9,7 @@ A stage owns global layers [start, end). Its pools hold one buffer per owned lay
                                        such layers in the stage (IndexShare sharing layers own none)
 
 The mapping is a list over ALL model layers (MTP excluded) with None outside the stage, so a global
-layer id indexes it directly. Past failures guarded against here (SPEC_SERVING 1, 8; seed 001):
+layer id indexes it directly. Failures this guards against:
 counting layers of the whole model, indexing a per-global-layer list with local ids, and iterating
 None entries. Convert ids only through ``to_local`` / ``to_global``; iterate with ``stage_layers``.
 """
@@ -101,7 +101,7 @@ def build_layer_mapping(
     """Per-global-layer LayerInfo for the stage owning [start, end); None elsewhere.
 
     ratios and skip_topk cover the model's layers (MTP excluded); skip_topk[i] marks an IndexShare
-    sharing C4 layer. Buffer ids count only layers INSIDE the stage (seed 004: never whole-model).
+    sharing C4 layer. Buffer ids count only layers INSIDE the stage (never the whole model).
     """
     _validate(ratios, skip_topk, start, end)
     mapping: list[LayerInfo | None] = [None] * len(ratios)

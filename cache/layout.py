@@ -7,7 +7,7 @@ page, all entries' value bytes come first, then all entries' scale bytes, then p
     slot = page_id * E + offset
     value bytes at offset * value_bytes, scale bytes at scale_offset + offset * scale_bytes
 
-Formats (`kv_cache_dtype`, SPEC_MODEL.md section 7, SPEC_SERVING.md 6b):
+Formats (`kv_cache_dtype`):
 - fp8, kv kinds (window, c4, c128; d = 512): value = 448 fp8 e4m3fn bytes (7 groups of 64 "nope"
   dims) then the 64 rope dims as bf16 (128 bytes at byte 448) = 576 bytes; scale = 7 ue8m0 bytes
   (group g's scale is 2^(byte - 127) = 2^ceil(log2(amax_g / 448)), amax floored at AMAX_FLOOR) +

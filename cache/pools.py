@@ -1,6 +1,6 @@
 """One stage's device pools: preallocated byte pages per layer and kind, plus compressor rings.
 
-Index spaces (SPEC_SERVING.md section 1):
+Index spaces:
 
     window pool, one buffer per stage layer (local id):  slot = window_page_id * 128 + pos % 128
     C4 / C4 indexer / C128 pools, one buffer per compress (or indexer) layer id:

@@ -1,4 +1,4 @@
-"""compress_norm_rope_store: the compressor's pooling, RMSNorm, RoPE and store (SPEC_MODEL.md 3).
+"""compress_norm_rope_store: the compressor's pooling, RMSNorm, RoPE and store.
 
 A token at position p with (p + 1) % ratio == 0 completes block w = p // ratio. Its entry pools
 NSLOT rows per channel with a softmax over score + ape:

@@ -1,6 +1,6 @@
 """indexer_topk: lightning-indexer scores over a request's paged C4 keys, then the causal top-k.
 
-score(t, s) = sum_h relu(q[t, h] . k[s]) * weights[t, h] for s < bound[t] (SPEC_MODEL.md section 4);
+score(t, s) = sum_h relu(q[t, h] . k[s]) * weights[t, h] for s < bound[t];
 the top-k positions in the request's C4 sequence come out in descending score, equal scores in
 ascending s (the spec's tie rule: the lower entry index wins), padded with -1 when fewer than topk
 are visible. Position s of request r lives at slot page_table[r, s // 64] * 64 + s % 64 of the

@@ -1,5 +1,4 @@
-"""sparse_mqa: attention of each query token over its own list of paged KV entries (SPEC_MODEL.md
-2.5).
+"""sparse_mqa: attention of each query token over its own list of paged KV entries.
 
 One softmax per (token, head) over the union of the token's window entries and compressed entries;
 the per-head sink joins only the denominator:

@@ -1,5 +1,5 @@
 """topk_rows: per row of scores, the positions of the k largest in descending score, equal scores in
-ascending position, -1 padded (the indexer's selection rule, SPEC_MODEL.md section 4).
+ascending position, -1 padded (the indexer's selection rule).
 
 Scores arrive as order-preserving int32 (`ordered_int32`: integer order == float order), and
 MASKED_SCORE (below every real score, -inf included) marks positions that must never be picked.

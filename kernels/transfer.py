@@ -1,9 +1,9 @@
 """Page transfers for all layers in one launch: token-granular entries and whole page rows.
 
 `transfer_cache_dsv4_mla` copies N entries (value bytes AND scale bytes: they live in two ranges of
-the page) from src_layers[l] at src_indices[i] to dst_layers[l] at dst_indices[i], for every layer l
-(SPEC_SERVING.md section 6). `transfer_page_rows` copies whole page rows. Each side may be device
-memory or pinned host memory (the kernel reads and writes host memory through unified addresses);
+the page) from src_layers[l] at src_indices[i] to dst_layers[l] at dst_indices[i], for every
+layer l. `transfer_page_rows` copies whole page rows. Each side may be device memory or pinned
+host memory (the kernel reads and writes host memory through unified addresses);
 the wrapper passes the layers as an int64 tensor of data pointers, so one launch covers all layers.
 Pairs with a negative index on either side are skipped; indices must be inside the buffers (not
 checked: that would need a device sync).

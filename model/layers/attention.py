@@ -1,6 +1,6 @@
 """One layer's attention: shared K=V MQA over window + compressed entries with a per-head sink.
 
-Keys seen by the query at position t, in ONE softmax (SPEC_MODEL.md section 2.4): raw window
+Keys seen by the query at position t, in ONE softmax: raw window
 tokens max(0, t-127)..t; on C4 layers the indexer's top-k of entries w < (t+1)//4; on C128
 layers all entries w < (t+1)//128. The sink joins only the denominator. The output's rope
 channels are rotated back at the query position, then the grouped output projection.

@@ -1,4 +1,4 @@
-"""KV compressor: every ``ratio`` tokens become one entry (SPEC_MODEL.md section 3).
+"""KV compressor: every ``ratio`` tokens become one entry.
 
 Ratio 128 pools one block with a per-channel softmax. Ratio 4 overlaps: each token's 2d vector
 splits into a first half feeding the NEXT block and a second half feeding its own block, so entry

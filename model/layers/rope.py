@@ -1,7 +1,7 @@
 """Interleaved RoPE on the trailing ``rope.dim`` channels, with YaRN on compressed layers.
 
 One table per layer kind serves the query, the window kv, the compressed entries, the indexer
-q/k and the output de-rotation (SPEC_MODEL.md section 2.3). Pairs are channels (2i, 2i + 1).
+q/k and the output de-rotation. Pairs are channels (2i, 2i + 1).
 A table's ``attention_factor`` multiplies cos and sin (as transformers applies YaRN's mscale),
 so every rotation, the de-rotation included, scales by it; the release's tables use 1.0.
 """
