@@ -17,7 +17,7 @@ from dsv4ray.model.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_ST
 ROLE_TOKEN_IDS = {USER: 258, ASSISTANT: 259, THINK_START: 260, THINK_END: 261}
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """The printable-character alphabet that byte-level pre-tokenisers map bytes onto."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
@@ -35,7 +35,7 @@ def write_byte_tokenizer(out_dir: str) -> None:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     vocab = {BOS: 0, EOS: 1}
-    vocab.update({ch: b + 2 for b, ch in _bytes_to_unicode().items()})
+    vocab.update({ch: b + 2 for b, ch in bytes_to_unicode().items()})
     vocab.update(ROLE_TOKEN_IDS)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)

@@ -17,6 +17,7 @@ import time
 import uuid
 
 from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.model.tokenizer_files import bytes_to_unicode
 
 
 def sse(payload: dict | str) -> str:
@@ -63,15 +64,7 @@ class TokenBytes:
 
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet inverted: the printable stand-in character -> its byte."""
-    byte_values = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    code_points = list(byte_values)
-    num_moved = 0
-    for byte in range(256):
-        if byte not in byte_values:  # unprintable bytes map to 256, 257, ... in byte order
-            byte_values.append(byte)
-            code_points.append(256 + num_moved)
-            num_moved += 1
-    return {chr(c): b for b, c in zip(byte_values, code_points)}
+    return {ch: byte for byte, ch in bytes_to_unicode().items()}
 
 
 class _Format:

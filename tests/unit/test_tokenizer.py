@@ -8,7 +8,7 @@ import pytest
 
 from dsv4ray.model.chat_encoding import split_reasoning
 from dsv4ray.model.tokenizer import Tokenizer
-from dsv4ray.model.tokenizer_files import _bytes_to_unicode, write_byte_tokenizer
+from dsv4ray.model.tokenizer_files import bytes_to_unicode, write_byte_tokenizer
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -113,7 +113,7 @@ def _byte_tokenizer(path, template=None, template_file=None):
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
 
-    vocab = {"<s>": 0, "</s>": 1, **{ch: b + 2 for b, ch in _bytes_to_unicode().items()}}
+    vocab = {"<s>": 0, "</s>": 1, **{ch: b + 2 for b, ch in bytes_to_unicode().items()}}
     hf = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     hf.decoder = decoders.ByteLevel()
