@@ -192,17 +192,7 @@ def make_prompts(num: int, seed: int) -> list[list[int]]:
 
 def reference_greedy(model, prompts, num_tokens: int) -> dict[tuple[int, ...], list[int]]:
     """Greedy continuations of every prompt on the reference's incremental path."""
-    refs = {}
-    with torch.no_grad():
-        for prompt in prompts:
-            state = model.new_state(1)
-            logits = model.step(torch.tensor([prompt]), state)[0, -1]
-            out = []
-            for _ in range(num_tokens):
-                out.append(int(logits.argmax()))
-                logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
-            refs[tuple(prompt)] = out
-    return refs
+    return {tuple(prompt): model.greedy(prompt, num_tokens) for prompt in prompts}
 
 
 async def drained_state(engine: AsyncEngine, timeout_s: float = 60) -> dict:

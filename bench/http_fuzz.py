@@ -27,16 +27,22 @@ import os
 import socket
 import sys
 import time
-import urllib.parse
 from dataclasses import dataclass, field
 
 import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from http_fuzz_cases import Case, Target, check_response, families  # noqa: E402
-from report import git_commit, result, write_benchmarks_md, write_results  # noqa: E402
+from report import (  # noqa: E402
+    add_server_args,
+    check_loopback_url,
+    git_commit,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
 
-from dsv4ray.entrypoints.serve import APP_NAME, build_app, is_loopback  # noqa: E402
+from dsv4ray.entrypoints.serve import APP_NAME, build_app  # noqa: E402
 
 FUZZ_KEY = "fuzz-key"
 GREEDY_PROMPT = [0, 17, 99, 250, 3, 42, 7, 128]
@@ -253,14 +259,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
-    parser.add_argument("--url", default=None, help="a running loopback server instead")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=os.environ.get("DSV4RAY_API_KEY"))
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
+    add_server_args(parser)
     args = parser.parse_args()
-    if args.url and not is_loopback(urllib.parse.urlparse(args.url).hostname or ""):
-        parser.error("--url must be a loopback address (127.0.0.1, ::1, localhost)")
+    check_loopback_url(parser, args.url)
     if min(args.concurrency, args.max_requests) < 1 or args.duration <= 0:
         parser.error("--concurrency, --max-requests and --duration must be positive")
     return args

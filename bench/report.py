@@ -148,3 +148,25 @@ def write_benchmarks_md(results_dir: Path = RESULTS_DIR, path: Path = BENCHMARKS
 
 if __name__ == "__main__":
     print(write_benchmarks_md())
+
+
+def add_server_args(parser) -> None:
+    """Flags the HTTP benchmarks share: a running loopback server instead of a fresh one, its
+    model name and key, and where results go."""
+    import os
+
+    parser.add_argument("--url", default=None, help="a running loopback server instead")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--api-key", default=os.environ.get("DSV4RAY_API_KEY"))
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out-dir", default=None)
+
+
+def check_loopback_url(parser, url: str | None) -> None:
+    """Benchmarks drive loopback servers only."""
+    import urllib.parse
+
+    from dsv4ray.entrypoints.openai.edge import is_loopback
+
+    if url and not is_loopback(urllib.parse.urlparse(url).hostname or ""):
+        parser.error("--url must be a loopback address (127.0.0.1, ::1, localhost)")

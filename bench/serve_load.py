@@ -26,17 +26,22 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.parse
 from collections.abc import Awaitable, Callable
 
 import httpx
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import result, write_benchmarks_md, write_results  # noqa: E402
+from report import (  # noqa: E402
+    add_server_args,
+    check_loopback_url,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
 
 from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
-from dsv4ray.entrypoints.serve import APP_NAME, build_app, is_loopback  # noqa: E402
+from dsv4ray.entrypoints.serve import APP_NAME, build_app  # noqa: E402
 
 # (ttft_s, e2e_s, num_tokens) of one request
 Sample = tuple[float, float, int]
@@ -191,14 +196,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--max-total-tokens", type=int, default=None)
-    parser.add_argument("--url", default=None, help="a running loopback server instead")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--api-key", default=os.environ.get("DSV4RAY_API_KEY"))
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
+    add_server_args(parser)
     args = parser.parse_args()
-    if args.url and not is_loopback(urllib.parse.urlparse(args.url).hostname or ""):
-        parser.error("--url must be a loopback address (127.0.0.1, ::1, localhost)")
+    check_loopback_url(parser, args.url)
     if min(args.clients, args.max_requests, args.max_tokens, args.prompt_len) < 1:
         parser.error("--clients, --max-requests, --max-tokens and --prompt-len must be >= 1")
     return args

@@ -68,6 +68,17 @@ class DSV4Reference(StageModel):
         logits = self.logits(x)
         return (logits, x, last_topk) if return_hidden else logits
 
+    @torch.no_grad()
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """The greedy continuation of one prompt on the incremental path (the engine's oracle)."""
+        state = self.new_state(1)
+        logits = self.step(torch.tensor([prompt]), state)[0, -1]
+        out = []
+        for _ in range(num_tokens):
+            out.append(int(logits.argmax()))
+            logits = self.step(torch.tensor([[out[-1]]]), state)[0, -1]
+        return out
+
     def run_layers(
         self,
         x,

@@ -104,13 +104,7 @@ def max_rel_err(ours: torch.Tensor, ref: torch.Tensor) -> float:
 
 def reference_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy loop over the reference's incremental path."""
-    state = model.new_state(1)
-    logits = model.step(torch.tensor([prompt]), state)[0, -1]
-    out = []
-    for _ in range(n):
-        out.append(int(logits.argmax()))
-        logits = model.step(torch.tensor([[out[-1]]]), state)[0, -1]
-    return out
+    return model.greedy(prompt, n)
 
 
 def _random_rope_entry(rng, kind: str, prf: bool) -> dict:
