@@ -109,14 +109,14 @@ class HiRadixIndex(RadixIndex):
         loaded = 0
         for n in path:
             if n.page_id < 0:
-                n.page_id = self._pages.alloc(1)[0]
-                self._pages.cache_adopt([n.page_id])
+                n.page_id = self.page_alloc.alloc(1)[0]
+                self.page_alloc.cache_adopt([n.page_id])
                 self.ops.loads.append((n.host_page, n.page_id))
                 loaded += self.page_size
         if node.snapshot is None:
-            window, slot = self._windows.alloc(1)[0], self._states.alloc(1)[0]
-            self._windows.cache_adopt([window])
-            self._states.cache_adopt([slot])
+            window, slot = self.window_alloc.alloc(1)[0], self.state_alloc.alloc(1)[0]
+            self.window_alloc.cache_adopt([window])
+            self.state_alloc.cache_adopt([slot])
             node.snapshot = Snapshot(window, slot)
             self.ops.snapshot_loads.append((node.host_snapshot, window, slot))
         return [n.page_id for n in path], loaded
@@ -169,7 +169,10 @@ class HiRadixIndex(RadixIndex):
         """Drops device copies (LRU, unlocked, no device-resident child) until enough ids are
         free. Nodes with a host copy (made now under write_back) stay, host only."""
         return self._evict_lru(
-            self._device_evictable, self._evict_device, num_pages, num_window_pages,
+            self._device_evictable,
+            self._evict_device,
+            num_pages,
+            num_window_pages,
             num_state_slots,
         )
 
@@ -190,16 +193,16 @@ class HiRadixIndex(RadixIndex):
         if node.host_page < 0:  # nothing left to serve it from: remove it and its subtree
             self._remove_subtree(node, result)
             return
-        result.page_ids.extend(self._pages.cache_release([node.page_id]))
+        result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
         node.page_id = -1
         self._release_snapshot(node, result)
 
     def _release_snapshot(self, node: RadixNode, result: EvictResult) -> None:
         if node.snapshot is not None:
             result.window_page_ids.extend(
-                self._windows.cache_release([node.snapshot.window_page_id])
+                self.window_alloc.cache_release([node.snapshot.window_page_id])
             )
-            result.state_slots.extend(self._states.cache_release([node.snapshot.state_slot]))
+            result.state_slots.extend(self.state_alloc.cache_release([node.snapshot.state_slot]))
             node.snapshot = None
 
     def _remove_subtree(self, node: RadixNode, result: EvictResult) -> None:
@@ -252,8 +255,7 @@ class HiRadixIndex(RadixIndex):
     def _host_evictable(self, node: RadixNode) -> bool:
         """A host-only leaf nobody uses (a locked node is on some request's matched path)."""
         return (
-            node is not self._root and node.page_id < 0 and not node.children
-            and node.lock_ref == 0
+            node is not self._root and node.page_id < 0 and not node.children and node.lock_ref == 0
         )
 
     # ------------------------------------------------------------------ failures

@@ -99,7 +99,9 @@ class RadixIndex:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         self.page_size = page_size
-        self._pages, self._windows, self._states = page_alloc, window_alloc, state_alloc
+        # The allocators are shared with the scheduler's KV manager; the index adopts pages into
+        # them and releases pages back, and the host-tier subclass does the same.
+        self.page_alloc, self.window_alloc, self.state_alloc = page_alloc, window_alloc, state_alloc
         self._root = RadixNode((), -1, None)
         self._clock = itertools.count(1)
         self._num_nodes = 0
@@ -176,12 +178,12 @@ class RadixIndex:
         for key, page_id in zip(self._keys(token_ids, len(page_ids)), page_ids, strict=True):
             child = node.children.get(key)
             if child is None:
-                self._pages.cache_adopt([page_id])
+                self.page_alloc.cache_adopt([page_id])
                 child = RadixNode(key, page_id, node)
                 node.children[key] = child
                 self._num_nodes += 1
             elif child.page_id < 0:  # only on the host tier: the device copy comes back
-                self._pages.cache_adopt([page_id])
+                self.page_alloc.cache_adopt([page_id])
                 child.page_id = page_id
             else:
                 unadopted.append(page_id)
@@ -190,8 +192,8 @@ class RadixIndex:
         self._touch(path)
         if snapshot is None or node.snapshot is not None:
             return InsertResult(unadopted, False)
-        self._windows.cache_adopt([snapshot.window_page_id])
-        self._states.cache_adopt([snapshot.state_slot])
+        self.window_alloc.cache_adopt([snapshot.window_page_id])
+        self.state_alloc.cache_adopt([snapshot.state_slot])
         node.snapshot = snapshot
         return InsertResult(unadopted, True)
 
@@ -231,12 +233,12 @@ class RadixIndex:
         del node.parent.children[node.key]
         self._num_nodes -= 1
         if node.page_id >= 0:
-            result.page_ids.extend(self._pages.cache_release([node.page_id]))
+            result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
         if node.snapshot is not None:
             result.window_page_ids.extend(
-                self._windows.cache_release([node.snapshot.window_page_id])
+                self.window_alloc.cache_release([node.snapshot.window_page_id])
             )
-            result.state_slots.extend(self._states.cache_release([node.snapshot.state_slot]))
+            result.state_slots.extend(self.state_alloc.cache_release([node.snapshot.state_slot]))
             node.snapshot = None
 
     def _iter_nodes(self) -> Iterator[RadixNode]:
@@ -272,7 +274,11 @@ class RadixIndex:
             if len(node.key) != self.page_size or node.depth != node.parent.depth + 1:
                 raise RuntimeError(f"radix: malformed node of page {node.page_id}")
         pages, windows, states = self.held_ids()
-        for alloc, ids in ((self._pages, pages), (self._windows, windows), (self._states, states)):
+        for alloc, ids in (
+            (self.page_alloc, pages),
+            (self.window_alloc, windows),
+            (self.state_alloc, states),
+        ):
             if len(set(ids)) != len(ids):
                 raise RuntimeError(f"radix: an id of {alloc.name} is held twice")
             if not all(alloc.is_cache_held(idx) for idx in ids):
