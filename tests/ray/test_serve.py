@@ -6,7 +6,6 @@ exact), bound to 127.0.0.1 on a free port.
 
 import asyncio
 import math
-import socket
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import ray
 from ray import serve
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.entrypoints.serve import APP_NAME, build_app
+from dsv4ray.entrypoints.serve import APP_NAME
 from dsv4ray.model.chat_encoding import THINK_START, split_reasoning
 from dsv4ray.model.tokenizer import Tokenizer
 
@@ -24,25 +23,11 @@ API_KEY = "test-key-1"
 MODEL = "tiny-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(ckpt: str, **config) -> str:
-    """Serve the app on the shared Ray at 127.0.0.1:<free port>; returns the base URL."""
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"model": ckpt, "served_model_name": MODEL, **config})
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_ckpt):
+def base_url(start_server, tiny_ckpt):
     url = start_server(
         tiny_ckpt,
+        served_model_name=MODEL,
         kv_cache_dtype="fp32",
         max_total_tokens=4096,
         api_key=API_KEY,

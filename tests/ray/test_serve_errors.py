@@ -12,8 +12,7 @@ import openai
 import pytest
 from ray import serve
 
-from tests.ray.test_serve import MODEL, start_server
-
+MODEL = "tiny-test"
 API_KEY = "test-key-2"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONTEXT = 2048  # max_total_tokens below: the tiny model's context is its KV capacity
@@ -23,9 +22,10 @@ LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_ckpt):
+def base_url(start_server, tiny_ckpt):
     url = start_server(
         tiny_ckpt,
+        served_model_name=MODEL,
         kv_cache_dtype="fp8",
         max_total_tokens=CONTEXT,
         api_key=API_KEY,
