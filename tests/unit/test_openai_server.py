@@ -241,3 +241,31 @@ def test_a_bug_in_a_route_is_a_500_and_the_server_keeps_serving(engine):
         assert "NoneType" not in error["message"] and "request" in error["message"]
     server.engine = engine
     assert call(client, "POST", "/v1/completions").status_code == 200
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(engine):
+    """The ASGI server's send fails once the client is gone: the engine stream is closed
+    (the request aborted, its pages freed) and the pending count drops back."""
+    engine.reply = engine.reply * 4
+    server = make_server(engine)
+    body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+    chunks: list[bytes] = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            if len(chunks) == 3:
+                raise OSError("the client closed the connection")
+            chunks.append(message["body"])
+
+    asyncio.run(server.app(scope, receive, send))
+    assert len(chunks) == 3 and all(c.startswith(b"data: {") for c in chunks)
+    assert engine.aborted == [engine.requests[0][2]]
+    assert server.num_pending == 0
