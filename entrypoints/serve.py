@@ -17,6 +17,10 @@
     pp_size, kv_cache_dtype, max_total_tokens, ... any other EngineConfig option (use_ray is
                          always True: the stages are Ray actors in the replica's placement group)
 
+Each replica is a FastAPI ingress (``@serve.ingress``): the app that ``OpenAIServer`` builds over
+the replica's engine (entrypoints/openai/api.py: routes, caller check, OpenAI error bodies) is
+handed to Serve once the engine is up (``__serve_build_asgi_app__``).
+
 Placement: the deployment declares ``placement_group_bundles`` = [bundle 0: stage 0 + the
 replica's CPU, then one bundle per further stage] with strategy PACK, and the replica hands
 ``get_current_placement_group()`` to AsyncEngine, so stage i lands in bundle i.
@@ -128,8 +132,9 @@ class ServeSettings:
 
 
 @serve.deployment
+@serve.ingress()
 class OpenAIDeployment:
-    """A thin shell: the engine in this replica's placement group, requests to OpenAIServer."""
+    """A thin shell: the engine in this replica's placement group, HTTP to OpenAIServer's app."""
 
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
@@ -141,8 +146,8 @@ class OpenAIDeployment:
         metrics = ServeMetrics(settings.served_model_name)
         self.server = OpenAIServer(self.engine, settings.server_options(), metrics)
 
-    async def __call__(self, request):
-        return await self.server.handle(request)
+    def __serve_build_asgi_app__(self):
+        return self.server.app
 
     async def info(self) -> dict:
         """What the startup log prints, and where the stages run."""
@@ -249,8 +254,6 @@ def startup_line(info: dict, host: str, port: int) -> str:
         f"{info['capacity_tokens']} tokens (max_model_len {info['max_model_len']}), "
         f"listening on {url}"
     )
-
-
 
 
 def _default_device() -> str:

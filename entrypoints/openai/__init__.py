@@ -1,1 +1,2 @@
-"""The OpenAI-compatible HTTP layer: protocol models, response formatting, server, metrics."""
+"""The OpenAI-compatible HTTP layer: request parsing and models, answers and SSE, the FastAPI app
+over an engine client (``server.OpenAIServer(...).app``), who may call, and metrics."""

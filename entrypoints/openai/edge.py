@@ -16,7 +16,7 @@ import ipaddress
 import re
 import uuid
 
-from dsv4ray.entrypoints.openai.protocol import APIError
+from dsv4ray.entrypoints.openai.errors import APIError
 
 MAX_REASON_LEN = 200
 ORIGIN_SCHEMES = ("http", "https")

@@ -6,7 +6,9 @@ Logprobs: the engine records, per generated token, ``{sampled id: logprob, top i
 completions render the legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
 ``text_offset`` lists, chat renders ``content: [{token, logprob, bytes, top_logprobs}]``. A stream
 carries the logprobs of all its tokens in its last chunk (clients concatenate chunk logprobs, so
-the joined result is the same as without streaming).
+the joined result is the same as without streaming). A chat answer generated in thinking mode
+carries its reasoning (the text up to ``</think>``) as ``reasoning_content`` beside ``content``,
+in the message and in the stream's deltas alike.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import time
 import uuid
 
 from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
+from dsv4ray.model.chat_encoding import split_reasoning
 from dsv4ray.model.tokenizer_files import bytes_to_unicode
 
 
@@ -168,10 +172,18 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
+    def __init__(self, *args, thinking: bool = False) -> None:
+        """thinking: the answer opens with reasoning, given back as ``reasoning_content``."""
+        super().__init__(*args)
+        self.splitter = ReasoningSplitter() if thinking else None
+
     def response(self, output: RequestOutput) -> dict:
+        message = {"role": "assistant", "content": output.text}
+        if self.splitter is not None:
+            message["reasoning_content"], message["content"] = split_reasoning(output.text)
         choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": output.text},
+            "message": message,
             "finish_reason": output.finish_reason,
             **self._choice_extras(output, None),
         }
@@ -189,11 +201,21 @@ class ChatFormat(_Format):
     def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None) -> dict:
         choice = {
             "index": 0,
-            "delta": {"content": text} if text else {},
+            "delta": self._delta(text, last=output is not None),
             "finish_reason": output.finish_reason if output else None,
             **self._choice_extras(output, token_ids),
         }
         return self._envelope(self.chunk_object_name, [choice])
+
+    def _delta(self, text: str, last: bool) -> dict:
+        if self.splitter is None:
+            return {"content": text} if text else {}
+        reasoning, content = self.splitter.push(text)
+        if last:
+            more_reasoning, more_content = self.splitter.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        return {**delta, "content": content} if content else delta
 
     def logprobs(self, output: RequestOutput) -> dict:
         content = []

@@ -1,70 +1,68 @@
-"""The OpenAI wire format at the HTTP edge: request models, their sampling parameters, errors.
+"""The OpenAI wire format at the HTTP edge: request models and their sampling parameters.
 
 Pydantic lives here and nowhere deeper: a parsed request becomes a plain ``SamplingParams`` and a
-prompt, and every failure becomes an ``APIError`` that renders OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``. Fields the API defines but this server does
-not implement (``n`` > 1, ``echo``, penalties, ``logit_bias``, ...) are refused by name rather than
-silently ignored; unknown extra fields are ignored, as OpenAI-compatible servers do.
-Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids`` and ``return_token_ids`` (the choice
-then carries the generated ``token_ids``; each stream chunk carries its new ones).
+prompt; bodies are parsed within limits (``json_body``) and every failure is an ``APIError``
+(``errors``) with OpenAI's error body. No field is silently ignored: fields the API
+defines but this server does not implement (``n`` > 1, ``echo``, penalties, ``logit_bias``,
+``tools``, ``tool_choice``, ``response_format``, ``reasoning_effort``, ...) are a 400 naming them
+unless they hold the value that asks for nothing (``tools: []``, ``tool_choice: "none"``,
+``response_format: {"type": "text"}``, ...), and so is any top-level field the API does not
+define (``repetition_penalty``, ``min_p``, a typo). ``INFORMATIONAL`` fields (``user``,
+``metadata``, ``store``, ...) do not change what is generated and are accepted. Inside a message,
+``tool_calls``, ``function_call`` and ``audio`` are refused; other keys of a message (``refusal``,
+``annotations``, as a client echoes an earlier answer back) are not part of the prompt.
+Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the choice
+then carries the generated ``token_ids``; each stream chunk carries its new ones) and, for chat,
+``chat_template_kwargs`` (template variables; the DeepSeek-V4 format takes ``thinking`` and
+``drop_thinking``) and an assistant message's ``reasoning_content``.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import re
 from typing import Any, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
+from dsv4ray.entrypoints.openai.errors import APIError, bad_request
+from dsv4ray.entrypoints.openai.json_body import find_bad_value, load_json
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 1024  # every plan of the request carries them to the last stage
 INT64_MAX = 2**63 - 1  # seeds and ids travel to the stages as msgpack int64s
-MAX_JSON_DEPTH = 64  # a request needs 4 levels (messages, a message, content parts, a part)
-MAX_INT_DIGITS = 40  # int64 needs 19; longer ones are refused before Python parses them
-_JSON_STRING = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"')
-_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
-_LONG_DIGITS = re.compile(r"\d{" + str(MAX_INT_DIGITS + 1) + ",}")
-
-
-class APIError(Exception):
-    """An HTTP error with OpenAI's body; ``param`` names the offending request field."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = (
-            status,
-            message,
-            type,
-            param,
-            code,
-        )
-
-    def body(self) -> dict:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.code,
-            }
-        }
-
-
-def bad_request(message: str, param: str | None = None) -> APIError:
-    return APIError(400, message, param=param)
+_TOOLS = "tool and function calls are not supported"
+NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> why
+    "tools": _TOOLS,
+    "tool_choice": _TOOLS,
+    "functions": _TOOLS,
+    "function_call": _TOOLS,
+    "parallel_tool_calls": _TOOLS,
+    "response_format": 'structured output is not supported (only {"type": "text"})',
+    "audio": "only text output is supported",
+    "modalities": 'only text output is supported (modalities ["text"])',
+    "prediction": "predicted outputs are not supported",
+    "reasoning_effort": "it is not supported; turn reasoning on with chat_template_kwargs "
+    '{"thinking": true}',
+    "verbosity": "it is not supported",
+    "web_search_options": "web search is not supported",
+}
+# the values of NOT_IMPLEMENTED fields that ask for nothing (None asks for nothing everywhere)
+NEUTRAL_VALUES = {
+    "tools": [[]],
+    "functions": [[]],
+    "tool_choice": ["none"],
+    "function_call": ["none"],
+    "response_format": [{"type": "text"}],
+    "modalities": [["text"]],
+}
+# fields that do not change what is generated (labels, storage and billing hints): accepted
+INFORMATIONAL = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+MESSAGE_NOT_IMPLEMENTED = {
+    "tool_calls": _TOOLS,
+    "function_call": _TOOLS,
+    "audio": "audio messages are not supported",
+}
 
 
 class _Strict(BaseModel):
@@ -72,11 +70,16 @@ class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
 
 
+class _Request(BaseModel):
+    # a top-level field this server does not know is refused by name, never ignored
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
 
-class _GenerationRequest(_Strict):
+class _GenerationRequest(_Request):
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
@@ -192,6 +195,10 @@ class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an earlier answer's reasoning (thinking mode)
+    tool_calls: Any = None
+    function_call: Any = None
+    audio: Any = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -204,9 +211,14 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
+        for i, message in enumerate(self.messages):
+            for name, why in MESSAGE_NOT_IMPLEMENTED.items():
+                if getattr(message, name):
+                    raise bad_request(f"messages.{i}.{name}: {why}", f"messages.{i}.{name}")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
@@ -218,7 +230,18 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
     def template_messages(self) -> list[dict]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        messages = []
+        for m in self.messages:
+            reasoning = (
+                {} if m.reasoning_content is None else {"reasoning_content": m.reasoning_content}
+            )
+            messages.append({"role": m.role, "content": m.text(), **reasoning})
+        return messages
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the answer opens with reasoning (the template's ``thinking`` variable)."""
+        return (self.chat_template_kwargs or {}).get("thinking") is True
 
 
 def parse_request(model_cls: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
@@ -236,99 +259,24 @@ def parse_request(model_cls: type[_GenerationRequest], body: bytes) -> _Generati
         path, reason = bad
         raise bad_request(f"{path}: {reason}" if path else reason, path or None)
     try:
-        request = model_cls.model_validate(data)
+        request = model_cls.model_validate(_without_neutral_fields(data))
     except ValidationError as exc:
         raise _validation_error(exc) from None
     request.check_supported()
     return request
 
 
-def load_json(text: str) -> Any:
-    """json.loads within limits: nesting at most ``MAX_JSON_DEPTH`` (checked before parsing, so
-    no recursion limit is reached); NaN, Infinity, numbers that overflow a float and integers
-    of more than ``MAX_INT_DIGITS`` digits parse to ``_BadLiteral`` markers that
-    ``find_bad_value`` reports with their field."""
-    skeleton = _JSON_STRING.sub('""', text)  # brackets and digits inside strings do not count
-    if _nesting_depth(skeleton) > MAX_JSON_DEPTH:
-        raise bad_request(f"the request body is nested deeper than {MAX_JSON_DEPTH} levels")
-    hooks = {"parse_constant": _constant, "parse_float": _float}
-    if _LONG_DIGITS.search(skeleton):  # the slow hook only when an integer may be too long
-        hooks["parse_int"] = _int
-    try:
-        return json.loads(text, **hooks)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-
-
-def _nesting_depth(skeleton: str) -> int:
-    brackets = _NOT_BRACKET.sub("", skeleton).encode("ascii")
-    if len(brackets) <= MAX_JSON_DEPTH:
-        return len(brackets)
-    # a running sum of +1 per opening and -1 per closing bracket, in C: bodies may be 1 MiB
-    codes = np.frombuffer(brackets, dtype=np.uint8)
-    steps = np.where((codes == ord("[")) | (codes == ord("{")), 1, -1)
-    return int(np.cumsum(steps).max())
-
-
-class _BadLiteral:
-    """A JSON number this server refuses, kept in place so the error can name its field."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
-def _constant(name: str) -> _BadLiteral:
-    return _BadLiteral(f"{name} is not valid JSON (numbers must be finite)")
-
-
-def _float(literal: str) -> float | _BadLiteral:
-    value = float(literal)
-    return value if math.isfinite(value) else _BadLiteral(f"{literal[:20]} overflows a float")
-
-
-def _int(literal: str) -> int | _BadLiteral:
-    num_digits = len(literal.lstrip("-"))
-    if num_digits > MAX_INT_DIGITS:
-        return _BadLiteral(f"an integer of {num_digits} digits (at most {MAX_INT_DIGITS})")
-    return int(literal)
-
-
-def find_bad_value(data: dict) -> tuple[str, str] | None:
-    """(field path, reason) of a value that must not reach the engine: a ``_BadLiteral``, or a
-    string or key that is not valid UTF-8 (a lone surrogate from a ``\\ud800`` escape). The path
-    joins keys and list indices with dots (``messages.0.content``); a bad key names its
-    parent ("" at the top level)."""
-    stack: list[tuple[str, Any]] = [("", data)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if not _is_utf8(value):
-                return path, "the string is not valid UTF-8 (a lone surrogate escape?)"
-        elif isinstance(value, _BadLiteral):
-            return path, value.reason
-        elif isinstance(value, dict):
-            if not all(_is_utf8(key) for key in value):
-                return path, "a key is not valid UTF-8 (a lone surrogate escape?)"
-            stack.extend((_join(path, k), v) for k, v in reversed(value.items()))
-        elif isinstance(value, list) and not all(type(v) is int for v in value):
-            stack.extend((_join(path, str(i)), v) for i, v in reversed(list(enumerate(value))))
-    return None
-
-
-def _join(path: str, key: str) -> str:
-    return f"{path}.{key}" if path else key
-
-
-def _is_utf8(text: str) -> bool:
-    if text.isascii():
-        return True
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+def _without_neutral_fields(data: dict) -> dict:
+    """``data`` without the NOT_IMPLEMENTED fields that ask for nothing and the INFORMATIONAL
+    ones; any other value of a NOT_IMPLEMENTED field is a 400 naming it."""
+    kept = {}
+    for name, value in data.items():
+        if name in NOT_IMPLEMENTED:
+            if value is not None and value not in NEUTRAL_VALUES.get(name, []):
+                raise bad_request(f"{name}: {NOT_IMPLEMENTED[name]}", name)
+        elif name not in INFORMATIONAL:
+            kept[name] = value
+    return kept
 
 
 def _validation_error(exc: ValidationError) -> APIError:
@@ -338,6 +286,8 @@ def _validation_error(exc: ValidationError) -> APIError:
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         msg = "a required field is missing"
+    elif err["type"] == "extra_forbidden":
+        msg = "this server does not implement this field (unknown fields are refused, not ignored)"
     return bad_request(f"{'.'.join(loc)}: {msg}", loc[0] if loc else None)
 
 

@@ -1,67 +1,60 @@
 """OpenAIServer: the OpenAI-compatible HTTP API over an engine, as a plain class.
 
-The Serve deployment (entrypoints/serve.py) only forwards Starlette requests to ``handle``; tests
-and other hosts can drive the same class. The engine is reached through ``EngineClient``, the small
-protocol that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``,
-``POST /v1/chat/completions`` (JSON or server-sent events), ``GET /v1/models[/{id}]``,
-``GET /health`` (no key needed) and ``GET /v1/dsv4ray/stats`` (engine counters: running and
-waiting requests, free pages). Who may call is cluster/openai_edge.py's rule (the key, else local
-clients only). Every failure is answered with OpenAI's error body and the server keeps serving;
-a 5xx names what failed, never internals. A client that disconnects mid-stream aborts its
-request, whose pages go back.
+``OpenAIServer(engine, options, metrics).app`` is a FastAPI application (built by ``api.py``): the
+Serve deployment (entrypoints/serve.py) hands it to ``@serve.ingress``; tests and other hosts
+drive it with any ASGI client. The engine is reached through ``EngineClient``, the small protocol
+that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``
+(JSON or server-sent events), ``GET /v1/models[/{id}]``, ``GET /health`` (no key needed) and
+``GET /v1/dsv4ray/stats`` (engine counters: running and waiting requests, free pages). Who may
+call is ``edge.py``'s rule (the key, else local clients only). Every failure is answered with
+OpenAI's error body and the server keeps serving; a 5xx names what failed, never internals. A
+client that disconnects mid-stream aborts its request, whose pages go back.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
-from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.entrypoints.openai.edge import (
-    aborted,
-    check_caller,
-    internal_error,
-    new_error_id,
-    read_body,
-)
-from dsv4ray.entrypoints.openai.format import (
-    SSE_DONE,
-    ChatFormat,
-    CompletionFormat,
-    TokenBytes,
-    sse,
-)
+from dsv4ray.entrypoints.openai.api import build_api
+from dsv4ray.entrypoints.openai.edge import aborted, read_body
+from dsv4ray.entrypoints.openai.errors import APIError, bad_request
+from dsv4ray.entrypoints.openai.format import ChatFormat, CompletionFormat, TokenBytes
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
 from dsv4ray.entrypoints.openai.protocol import (
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    bad_request,
     parse_request,
 )
+from dsv4ray.entrypoints.openai.streaming import SSEResponse, Tracked, last_output, stream
 
 log = logging.getLogger("dsv4ray.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATS_POLL_S = 1.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
+ROUTE_PATHS = (*GENERATION_PATHS, "/v1/models", "/v1/dsv4ray/stats", "/health")
 
 
+@runtime_checkable
 class EngineClient(Protocol):
-    """What the server needs from an engine (AsyncEngine provides it)."""
+    """What the server needs from an engine (AsyncEngine provides it). ``tokenizer`` is a
+    ``dsv4ray.model.tokenizer.Tokenizer`` (``encode``, ``encode_chat``); ``config.model`` the
+    checkpoint folder (its ``tokenizer.json`` gives logprobs their token bytes)."""
 
     config: EngineConfig
-    tokenizer: object  # dsv4ray.model.tokenizer.Tokenizer
+    tokenizer: object
     max_model_len: int
 
     def generate(
@@ -86,91 +79,17 @@ class OpenAIServer:
         self.token_bytes = TokenBytes(engine.config.model)
         self.created = int(time.time())
         self._poller: asyncio.Task | None = None
-        self._routes = {
-            ("POST", "/v1/completions"): self._completions,
-            ("POST", "/v1/chat/completions"): self._chat,
-            ("GET", "/v1/models"): self._models,
-            ("GET", "/v1/dsv4ray/stats"): self._stats,
-            ("GET", "/health"): self._health,
-        }
+        self.app = build_api(self)
 
-    # ------------------------------------------------------------------ routing
-    async def handle(self, request: Request) -> Response:
-        path = _route_path(request)
-        if self._poller is None:
-            self._poller = asyncio.create_task(self._poll_stats())
+    # ------------------------------------------------------------------ lifetime and metrics
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app) -> AsyncIterator[None]:
+        """While the app runs, engine counters go to the metrics every ``STATS_POLL_S``."""
+        self._poller = asyncio.create_task(self._poll_stats())
         try:
-            check_caller(request.headers, self.options.api_key, path)
-            response = await self._dispatch(request.method, path, request)
-        except APIError as err:
-            return self._error_response(path, err)
-        except Exception:  # a bug: answer it like the API would (no internals) and keep serving
-            error_id = new_error_id()
-            log.exception("%s %s failed (request %s)", request.method, path, error_id)
-            return self._error_response(path, internal_error(error_id))
-        if path not in GENERATION_PATHS:  # generations count themselves when they end
-            self.metrics.request_done(self._endpoint(path), response.status_code)
-        return response
-
-    def _endpoint(self, path: str) -> str:
-        """The metrics tag: a known route, never a client-chosen path (bounded cardinality)."""
-        if path.startswith("/v1/models/"):
-            return "/v1/models/{id}"
-        return path if any(p == path for _, p in self._routes) else "other"
-
-    def _error_response(self, path: str, err: APIError) -> Response:
-        if err.status >= 500:
-            log.warning("%s: %s", path, err.message)
-        self.metrics.request_done(self._endpoint(path), err.status)
-        headers = {"Retry-After": "1"} if err.status == 503 else None
-        return JSONResponse(err.body(), status_code=err.status, headers=headers)
-
-    async def _dispatch(self, method: str, path: str, request: Request) -> Response:
-        route = self._routes.get((method, path))
-        if route is not None:
-            return await route(request)
-        if path.startswith("/v1/models/") and method == "GET":
-            return JSONResponse(self._model_card(path.removeprefix("/v1/models/")))
-        if any(p == path for _, p in self._routes):
-            raise APIError(405, f"method {method} is not allowed on {path}", code="bad_method")
-        raise APIError(404, f"no such route: {method} {path}", code="not_found")
-
-    def _check_model(self, model: str) -> None:
-        if model != self.options.served_model_name:
-            raise APIError(
-                404,
-                f"the model {model!r} does not exist; this server serves "
-                f"{self.options.served_model_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    # ------------------------------------------------------------------ small routes
-    async def _models(self, request: Request) -> Response:
-        card = self._model_card(self.options.served_model_name)
-        return JSONResponse({"object": "list", "data": [card]})
-
-    def _model_card(self, model: str) -> dict:
-        self._check_model(model)
-        return {
-            "id": model,
-            "object": "model",
-            "created": self.created,
-            "owned_by": "dsv4ray",
-            "max_model_len": self.engine.max_model_len,
-        }
-
-    async def _health(self, request: Request) -> Response:
-        try:
-            await asyncio.wait_for(self.engine.stats(), timeout=30)
-        except Exception:
-            log.exception("health check: the engine does not answer")
-            raise APIError(503, "the engine does not answer", "server_error") from None
-        return JSONResponse({"status": "ok"})
-
-    async def _stats(self, request: Request) -> Response:
-        stats = await self.engine.stats()
-        return JSONResponse({**stats, "num_pending_http_requests": self.num_pending})
+            yield
+        finally:
+            self.close()
 
     def close(self) -> None:
         if self._poller is not None:
@@ -184,13 +103,64 @@ class OpenAIServer:
                 log.exception("engine stats poll failed")
             await asyncio.sleep(STATS_POLL_S)
 
+    def response_started(self, path: str, status: int) -> None:
+        """Counts an answer; a generation's 200 counts itself when it ends (``Tracked``)."""
+        if not (path in GENERATION_PATHS and status == 200):
+            self.metrics.request_done(self.endpoint(path), status)
+
+    def endpoint(self, path: str) -> str:
+        """The metrics tag: a known route, never a client-chosen path (bounded cardinality)."""
+        if path.startswith("/v1/models/"):
+            return "/v1/models/{id}"
+        return path if path in ROUTE_PATHS else "other"
+
+    # ------------------------------------------------------------------ small routes
+    def _check_model(self, model: str) -> None:
+        if model != self.options.served_model_name:
+            raise APIError(
+                404,
+                f"the model {model!r} does not exist; this server serves "
+                f"{self.options.served_model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    async def models(self) -> Response:
+        card = self.model_card(self.options.served_model_name)
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def model(self, model_id: str) -> Response:
+        return JSONResponse(self.model_card(model_id))
+
+    def model_card(self, model: str) -> dict:
+        self._check_model(model)
+        return {
+            "id": model,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "dsv4ray",
+            "max_model_len": self.engine.max_model_len,
+        }
+
+    async def health(self) -> Response:
+        try:
+            await asyncio.wait_for(self.engine.stats(), timeout=30)
+        except Exception:
+            log.exception("health check: the engine does not answer")
+            raise APIError(503, "the engine does not answer", "server_error") from None
+        return JSONResponse({"status": "ok"})
+
+    async def stats(self) -> Response:
+        stats = await self.engine.stats()
+        return JSONResponse({**stats, "num_pending_http_requests": self.num_pending})
+
     # ------------------------------------------------------------------ generation
-    async def _completions(self, request: Request) -> Response:
+    async def completions(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
         if isinstance(req.prompt, str):
-            prompt_ids = _tokenize(self.engine.tokenizer.encode, req.prompt, "prompt")
+            prompt_ids = _tokenize(self.engine.tokenizer.encode, "prompt", req.prompt)
         else:
             prompt_ids = list(req.prompt)
         max_tokens = self._max_tokens(
@@ -202,17 +172,22 @@ class OpenAIServer:
         )
         return await self._generate("/v1/completions", prompt_ids, params, req, fmt)
 
-    async def _chat(self, request: Request) -> Response:
+    async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
         encode_chat = self.engine.tokenizer.encode_chat
-        prompt_ids = _tokenize(encode_chat, req.template_messages(), "messages")
+        messages, kwargs = req.template_messages(), req.chat_template_kwargs
+        prompt_ids = _tokenize(encode_chat, "messages", messages, kwargs)
         max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), "messages", None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, num_top)
         fmt = ChatFormat(
-            self.options.served_model_name, self.token_bytes, num_top, req.return_token_ids
+            self.options.served_model_name,
+            self.token_bytes,
+            num_top,
+            req.return_token_ids,
+            thinking=req.thinking,
         )
         return await self._generate("/v1/chat/completions", prompt_ids, params, req, fmt)
 
@@ -242,25 +217,23 @@ class OpenAIServer:
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"
             )
         updates = self.engine.generate(prompt_ids, params, request_id=fmt.request_id)
-        tracked = _Tracked(self, endpoint, updates)
+        tracked = Tracked(self, endpoint, updates)
         try:
             first = await updates.__anext__()  # engine-side ValueErrors come before any token
         except ValueError as exc:
-            tracked.release()  # answered as a 400 by handle
+            tracked.release()  # answered as a 400, counted as it is sent
             field = "prompt" if endpoint == "/v1/completions" else "messages"
             raise bad_request(str(exc), field) from None
-        except BaseException:
-            await updates.aclose()
-            tracked.close(STATUS_CLIENT_CLOSED)
+        except BaseException as exc:
+            await _give_up(tracked, updates, exc)
             raise
         if req.stream:
-            body = _stream(tracked, fmt, first, updates, req.include_usage)
+            body = stream(tracked, fmt, first, updates, req.include_usage)
             return SSEResponse(body, cleanup=tracked.cancel, media_type="text/event-stream")
         try:
-            output = await _last_output(tracked, first, updates)
-        except BaseException:
-            await updates.aclose()
-            tracked.close(STATUS_CLIENT_CLOSED)
+            output = await last_output(tracked, first, updates)
+        except BaseException as exc:
+            await _give_up(tracked, updates, exc)
             raise
         if output.finish_reason == "abort":
             tracked.release()
@@ -270,127 +243,24 @@ class OpenAIServer:
         return JSONResponse(fmt.response(output))
 
 
-class _Tracked:
-    """One generation in flight: the pending count, timings and metrics, closed exactly once."""
-
-    def __init__(self, server: OpenAIServer, endpoint: str, updates: AsyncIterator) -> None:
-        self.server, self.endpoint, self.updates = server, endpoint, updates
-        self.start = time.perf_counter()
-        self.first_token_at: float | None = None
-        self.text = ""  # text sent so far (streams)
-        self.closed = False
-        server.num_pending += 1
-
-    def on_update(self, update: RequestUpdate) -> None:
-        if self.first_token_at is None and update.token_ids:
-            self.first_token_at = time.perf_counter()
-            self.server.metrics.first_token(self.first_token_at - self.start)
-
-    def release(self) -> bool:
-        """Leaves the pending count; True the first time."""
-        if self.closed:
-            return False
-        self.closed = True
-        self.server.num_pending -= 1
-        return True
-
-    def close(self, status: int | str, output: RequestOutput | None = None) -> None:
-        if not self.release():
-            return
-        self.server.metrics.request_done(self.endpoint, status)
-        if output is not None:
-            num_generated = len(output.token_ids)
-            tpot = None
-            if num_generated > 1 and self.first_token_at is not None:
-                tpot = (time.perf_counter() - self.first_token_at) / (num_generated - 1)
-            self.server.metrics.tokens(
-                len(output.prompt_token_ids), num_generated, output.metrics.num_cached_tokens, tpot
-            )
-
-    async def cancel(self) -> None:
-        """The response ended before the request did (client gone): closing the engine stream
-        aborts the request (synchronously: a second cancellation cannot interrupt it)."""
-        if not self.closed:
-            self.close(STATUS_CLIENT_CLOSED)
-        await self.updates.aclose()
+async def _give_up(tracked: Tracked, updates, exc: BaseException) -> None:
+    """The engine stream failed or the client went away: abort the request. A failure is
+    answered (and counted) as a 500; a client gone gets no answer, so it is counted here."""
+    await updates.aclose()
+    if isinstance(exc, Exception):
+        tracked.release()
+    else:
+        tracked.close(STATUS_CLIENT_CLOSED)
 
 
-async def _last_output(tracked: _Tracked, update: RequestUpdate, updates) -> RequestOutput:
-    while True:
-        tracked.on_update(update)
-        if update.output is not None:
-            return update.output
-        update = await updates.__anext__()
-
-
-async def _stream(tracked: _Tracked, fmt, update: RequestUpdate, updates, include_usage: bool):
-    """SSE chunks: the chat role chunk, one chunk per engine update, usage, ``[DONE]``. A
-    failure after the headers went out becomes an error chunk (without internals), then
-    ``[DONE]``."""
+def _tokenize(encode, field: str, *args) -> list[int]:
+    """A template that cannot render the messages (or refuses a ``chat_template_kwargs`` key),
+    or text the tokenizer refuses (a lone surrogate from a JSON escape), is the request's
+    fault: 400, naming ``chat_template_kwargs`` when the template's message starts with it."""
     try:
-        async for chunk in _stream_chunks(tracked, fmt, update, updates, include_usage):
-            yield chunk
-    except Exception:
-        log.exception("stream %s failed", fmt.request_id)
-        tracked.close(500)
-        yield sse(internal_error(fmt.request_id).body())
-    finally:
-        await updates.aclose()  # an unfinished engine stream aborts its request
-    yield SSE_DONE
-
-
-async def _stream_chunks(tracked: _Tracked, fmt, update: RequestUpdate, updates, include_usage):
-    for chunk in fmt.start_chunks():
-        yield sse(chunk)
-    while True:
-        tracked.on_update(update)
-        output = update.output
-        if output is not None and output.finish_reason == "abort":
-            tracked.close(500)
-            log.warning("stream %s aborted: %s", fmt.request_id, output.error)
-            yield sse(aborted(output.error).body())
-            return
-        text = update.text
-        if output is not None and output.text.startswith(tracked.text + text):
-            text = output.text[len(tracked.text) :]  # what the decoder held back, if any
-        tracked.text += text
-        if text or output is not None or (fmt.return_token_ids and update.token_ids):
-            yield sse(fmt.chunk(text, update.token_ids, output))
-        if output is not None:
-            if include_usage:
-                yield sse(fmt.usage_chunk(output))
-            tracked.close(200, output)
-            return
-        update = await updates.__anext__()
-
-
-class SSEResponse(StreamingResponse):
-    """A stream that always releases its request: Starlette does not close the body iterator
-    when the client goes away while a chunk is being sent, so ``cleanup`` aborts it."""
-
-    def __init__(self, content, cleanup, **kwargs) -> None:
-        super().__init__(content, **kwargs)
-        self._cleanup = cleanup
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            await self._cleanup()
-
-
-def _tokenize(encode, text, field: str) -> list[int]:
-    """A template that cannot render the messages, or text the tokenizer refuses (a lone
-    surrogate from a JSON escape), is the request's fault: 400."""
-    try:
-        return encode(text)
+        return encode(*args)
     except Exception as exc:
-        raise bad_request(f"{field} could not be tokenized: {exc}", field) from None
-
-
-def _route_path(request: Request) -> str:
-    path, root = request.scope.get("path", "/"), request.scope.get("root_path", "")
-    if root and path.startswith(root):
-        path = path[len(root) :]
-    return "/" + path.strip("/") if path.strip("/") else "/"
+        message = str(exc)
+        if message.startswith("chat_template_kwargs"):
+            raise bad_request(message, message.split(" ", 1)[0]) from None
+        raise bad_request(f"{field} could not be tokenized: {message}", field) from None

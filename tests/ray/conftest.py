@@ -1,4 +1,6 @@
-"""One local Ray for the whole test session (tests in tests/ray share it)."""
+"""One local Ray for the whole test session (tests in tests/ray share it); the Serve app on it."""
+
+import socket
 
 import pytest
 
@@ -12,3 +14,32 @@ def ray_session():
         ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port() -> a TCP port on 127.0.0.1 that nothing listens on now."""
+
+    def pick() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    return pick
+
+
+@pytest.fixture(scope="session")
+def start_server(ray_session, free_port):
+    """start_server(ckpt, **config) -> base URL: the dsv4ray Serve app (``build_app(config)``)
+    on the shared Ray at 127.0.0.1:<free port>; the caller shuts Serve down."""
+    from ray import serve
+
+    from dsv4ray.entrypoints.serve import APP_NAME, build_app
+
+    def start(ckpt: str, **config) -> str:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app({"model": ckpt, **config}), name=APP_NAME, route_prefix="/")
+        return f"http://127.0.0.1:{port}"
+
+    return start

@@ -6,7 +6,6 @@ exact), bound to 127.0.0.1 on a free port.
 
 import asyncio
 import math
-import socket
 import time
 
 import httpx
@@ -16,32 +15,19 @@ import ray
 from ray import serve
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.entrypoints.serve import APP_NAME, build_app
+from dsv4ray.entrypoints.serve import APP_NAME
+from dsv4ray.model.chat_encoding import THINK_START, split_reasoning
 from dsv4ray.model.tokenizer import Tokenizer
 
 API_KEY = "test-key-1"
 MODEL = "tiny-test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(ckpt: str, **config) -> str:
-    """Serve the app on the shared Ray at 127.0.0.1:<free port>; returns the base URL."""
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    app = build_app({"model": ckpt, "served_model_name": MODEL, **config})
-    serve.run(app, name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
-
-
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_ckpt):
+def base_url(start_server, tiny_ckpt):
     url = start_server(
         tiny_ckpt,
+        served_model_name=MODEL,
         kv_cache_dtype="fp32",
         max_total_tokens=4096,
         api_key=API_KEY,
@@ -116,6 +102,30 @@ def test_chat_uses_the_checkpoint_template_and_equals_llm_generate(client, local
     assert got.choices[0].message.content == want.text
     assert got.choices[0].model_extra["token_ids"] == want.token_ids
     assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+
+
+def test_thinking_mode_gives_the_openai_client_reasoning_content(client, local_llm, tiny_ckpt):
+    messages = [{"role": "user", "content": "Think first."}]
+    kwargs = {"thinking": True}
+    tokenizer = Tokenizer(tiny_ckpt)
+    prompt = tokenizer.encode_chat(messages, kwargs)  # the answer opens with <think>
+    assert tokenizer.decode(prompt[-1:], skip_special_tokens=False) == THINK_START
+    want = local_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    reasoning, content = split_reasoning(want.text)
+    request = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 8,
+        "temperature": 0,
+        "extra_body": {"chat_template_kwargs": kwargs, "return_token_ids": True},
+    }
+    got = client.chat.completions.create(**request)
+    assert got.choices[0].model_extra["token_ids"] == want.token_ids
+    message = got.choices[0].message
+    assert (message.model_extra["reasoning_content"], message.content) == (reasoning, content)
+    deltas = [c.choices[0].delta for c in client.chat.completions.create(**request, stream=True)]
+    assert "".join(d.model_extra.get("reasoning_content") or "" for d in deltas) == reasoning
+    assert "".join(d.content or "" for d in deltas) == content
 
 
 def test_streams_carry_the_same_text_usage_and_done(client, base_url):

@@ -12,7 +12,6 @@ import yaml
 from ray import serve
 
 from dsv4ray.entrypoints.serve import ServeSettings
-from tests.ray.test_serve import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -61,7 +60,7 @@ def test_cli_refuses_a_public_address_without_a_key(tiny_ckpt):
     assert "without an API key" in done.stderr and "--api-key" in done.stderr
 
 
-def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt):
+def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt, free_port):
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     cmd = [
@@ -99,7 +98,7 @@ def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt):
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
 
 
-def test_serve_run_deploy_yaml_smoke_script(tiny_ckpt):
+def test_serve_run_deploy_yaml_smoke_script(tiny_ckpt, free_port):
     env = dict(os.environ, DSV4RAY_MODEL=tiny_ckpt, PATH=f"{BIN}:{os.environ.get('PATH', '')}")
     env.pop("RAY_ADDRESS", None)
     done = subprocess.run(

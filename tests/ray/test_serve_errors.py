@@ -12,8 +12,7 @@ import openai
 import pytest
 from ray import serve
 
-from tests.ray.test_serve import MODEL, start_server
-
+MODEL = "tiny-test"
 API_KEY = "test-key-2"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 CONTEXT = 2048  # max_total_tokens below: the tiny model's context is its KV capacity
@@ -23,9 +22,10 @@ LONG = {"max_tokens": 1500, "extra_body": {"ignore_eos": True}}
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_ckpt):
+def base_url(start_server, tiny_ckpt):
     url = start_server(
         tiny_ckpt,
+        served_model_name=MODEL,
         kv_cache_dtype="fp8",
         max_total_tokens=CONTEXT,
         api_key=API_KEY,
@@ -117,6 +117,10 @@ def test_bad_chat_requests_get_400(base_url, client):
         ({**good, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({**good, "stream": "yes"}, "stream"),
         ({**good, "messages": [{"role": "user", "content": "x" * (CONTEXT + 5)}]}, "messages"),
+        ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({**good, "response_format": {"type": "json_object"}}, "response_format"),
+        ({**good, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({**good, "chat_template_kwargs": {"thinking": 1}}, "chat_template_kwargs.thinking"),
     ]
     for body, param in cases:
         assert_error(

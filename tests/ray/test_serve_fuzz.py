@@ -18,8 +18,8 @@ from ray import serve
 
 from bench.http_fuzz_cases import Case, Target, check_response, completion, families
 from dsv4ray.entrypoints.serve import API_KEY_ENV, API_KEY_FILE_ENV
-from tests.ray.test_serve import MODEL, start_server
 
+MODEL = "tiny-test"
 CONTEXT = 2048
 PER_FAMILY = 18  # cases sent from each family: ~200 in all
 GREEDY_TOKENS = 8
@@ -28,11 +28,13 @@ TARGET = Target(MODEL, CONTEXT, api_key=None)
 
 
 @pytest.fixture(scope="module")
-def base_url(ray_session, tiny_ckpt):
+def base_url(start_server, tiny_ckpt):
     with pytest.MonkeyPatch.context() as env:  # keyless, whatever the caller's environment
         env.delenv(API_KEY_ENV, raising=False)
         env.delenv(API_KEY_FILE_ENV, raising=False)
-        url = start_server(tiny_ckpt, kv_cache_dtype="fp32", max_total_tokens=CONTEXT)
+        url = start_server(
+            tiny_ckpt, served_model_name=MODEL, kv_cache_dtype="fp32", max_total_tokens=CONTEXT
+        )
     yield url
     serve.shutdown()
 

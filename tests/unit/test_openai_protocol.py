@@ -1,13 +1,16 @@
-"""parse_request's limits on hostile bodies, without Ray: every one a 400 naming the field."""
+"""parse_request without Ray: hostile bodies and fields this server does not implement are each
+a 400 naming the field."""
 
 import json
 import time
 
 import pytest
 
+from dsv4ray.entrypoints.openai.json_body import MAX_INT_DIGITS, MAX_JSON_DEPTH
 from dsv4ray.entrypoints.openai.protocol import (
-    MAX_INT_DIGITS,
-    MAX_JSON_DEPTH,
+    INFORMATIONAL,
+    NEUTRAL_VALUES,
+    NOT_IMPLEMENTED,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -90,7 +93,8 @@ def test_deep_nesting_is_a_400_before_parsing(body):
 def test_nesting_up_to_the_limit_and_brackets_inside_strings_pass():
     depth = MAX_JSON_DEPTH - 1  # the body object is the first level
     body = b'{"model": ".tiny", "prompt": "x", "a": ' + b"[" * depth + b"]" * depth + b"}"
-    assert parse_request(CompletionRequest, body).prompt == "x"
+    err = rejected(body)  # past the depth check, the unknown field is what is wrong
+    assert err.param == "a" and "deeper" not in err.message
     brackets = json.dumps({"model": ".tiny", "prompt": "[{" * 10_000 + '\\"['}).encode()
     assert parse_request(CompletionRequest, brackets).prompt.startswith("[{[{")
 
@@ -144,3 +148,86 @@ def test_large_token_prompts_parse_quickly():
     start = time.perf_counter()
     assert len(parse_request(CompletionRequest, body).prompt) == 150_000
     assert time.perf_counter() - start < 2.0
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+REQUESTED = {  # a value of each field that asks for something this server does not do
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "tool_choice": "auto",
+    "functions": [{"name": "f"}],
+    "function_call": "auto",
+    "parallel_tool_calls": False,
+    "response_format": {"type": "json_object"},
+    "audio": {"voice": "alloy", "format": "wav"},
+    "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"},
+    "reasoning_effort": "high",
+    "verbosity": "low",
+    "web_search_options": {},
+}
+
+
+def chat_body(**fields) -> bytes:
+    return json.dumps({**CHAT, **fields}).encode()
+
+
+def test_every_unimplemented_field_has_a_requesting_value():
+    assert set(REQUESTED) == set(NOT_IMPLEMENTED)
+
+
+@pytest.mark.parametrize("field", sorted(REQUESTED))
+def test_unimplemented_fields_are_a_400_naming_them(field):
+    err = rejected(chat_body(**{field: REQUESTED[field]}), ChatCompletionRequest)
+    assert err.param == field and err.message.startswith(f"{field}: ")
+
+
+@pytest.mark.parametrize("field", sorted(NEUTRAL_VALUES))
+def test_unimplemented_fields_that_ask_for_nothing_are_accepted(field):
+    for value in [None, *NEUTRAL_VALUES[field]]:
+        assert parse_request(ChatCompletionRequest, chat_body(**{field: value})).model == "m"
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("repetition_penalty", 1.1),
+        ("min_p", 0.05),
+        ("min_tokens", 4),
+        ("typical_p", 0.9),
+        ("guided_json", {}),
+        ("max_token", 5),
+        ("best_of", 2),
+    ],  # fmt: skip
+)
+def test_fields_the_api_does_not_define_are_a_400_naming_them(field, value):
+    err = rejected(chat_body(**{field: value}), ChatCompletionRequest)
+    assert err.param == field and "not implement" in err.message
+
+
+def test_informational_fields_are_accepted():
+    values = {"metadata": {"team": "a"}, "store": True, "service_tier": "auto",
+              "prompt_cache_key": "k", "safety_identifier": "u1"}  # fmt: skip
+    assert set(values) == set(INFORMATIONAL)
+    assert parse_request(ChatCompletionRequest, chat_body(**values, user="u")).user == "u"
+
+
+@pytest.mark.parametrize("field", ["tool_calls", "function_call", "audio"])
+def test_message_fields_for_tools_and_audio_are_refused(field):
+    message = {"role": "assistant", "content": "x", field: {"id": "1"}}
+    messages = [message, {"role": "user", "content": "hi"}]
+    err = rejected(chat_body(messages=messages), ChatCompletionRequest)
+    assert err.param == f"messages.0.{field}"
+
+
+def test_a_message_echoed_back_from_an_answer_keeps_its_reasoning_for_the_template():
+    answer = {"role": "assistant", "content": "4", "reasoning_content": "2+2", "refusal": None,
+              "annotations": [], "tool_calls": None}  # fmt: skip
+    request = parse_request(ChatCompletionRequest, chat_body(messages=[answer]))
+    assert request.template_messages() == [
+        {"role": "assistant", "content": "4", "reasoning_content": "2+2"}
+    ]
+    assert not request.thinking
+    thinking = parse_request(
+        ChatCompletionRequest, chat_body(chat_template_kwargs={"thinking": True})
+    )
+    assert thinking.thinking

@@ -1,0 +1,135 @@
+"""One generation in flight over HTTP: its bookkeeping, and its answer as one body or as SSE.
+
+``Tracked`` keeps the server's pending count, time to first token, token counts and the request's
+metric, and closes exactly once whatever ends the request (its end, an abort, a client gone).
+``stream`` renders server-sent events: the chat role chunk, one chunk per engine update, the
+usage chunk when asked for, ``[DONE]``; ``SSEResponse`` aborts the request when the client goes
+away mid-stream, so its pages go back.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from starlette.responses import StreamingResponse
+
+from dsv4ray.engine.core import RequestUpdate
+from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.entrypoints.openai.edge import aborted, internal_error
+from dsv4ray.entrypoints.openai.format import SSE_DONE, sse
+from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
+
+log = logging.getLogger("dsv4ray.serve")
+
+
+class Tracked:
+    """One generation in flight: the pending count, timings and metrics, closed exactly once."""
+
+    def __init__(self, server, endpoint: str, updates: AsyncIterator) -> None:
+        """server: the OpenAIServer (its pending count and metrics)."""
+        self.server, self.endpoint, self.updates = server, endpoint, updates
+        self.start = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.text = ""  # text sent so far (streams)
+        self.closed = False
+        server.num_pending += 1
+
+    def on_update(self, update: RequestUpdate) -> None:
+        if self.first_token_at is None and update.token_ids:
+            self.first_token_at = time.perf_counter()
+            self.server.metrics.first_token(self.first_token_at - self.start)
+
+    def release(self) -> bool:
+        """Leaves the pending count; True the first time."""
+        if self.closed:
+            return False
+        self.closed = True
+        self.server.num_pending -= 1
+        return True
+
+    def close(self, status: int | str, output: RequestOutput | None = None) -> None:
+        if not self.release():
+            return
+        self.server.metrics.request_done(self.endpoint, status)
+        if output is not None:
+            num_generated = len(output.token_ids)
+            tpot = None
+            if num_generated > 1 and self.first_token_at is not None:
+                tpot = (time.perf_counter() - self.first_token_at) / (num_generated - 1)
+            self.server.metrics.tokens(
+                len(output.prompt_token_ids), num_generated, output.metrics.num_cached_tokens, tpot
+            )
+
+    async def cancel(self) -> None:
+        """The response ended before the request did (client gone): closing the engine stream
+        aborts the request (synchronously: a second cancellation cannot interrupt it)."""
+        if not self.closed:
+            self.close(STATUS_CLIENT_CLOSED)
+        await self.updates.aclose()
+
+
+async def last_output(tracked: Tracked, update: RequestUpdate, updates) -> RequestOutput:
+    while True:
+        tracked.on_update(update)
+        if update.output is not None:
+            return update.output
+        update = await updates.__anext__()
+
+
+async def stream(tracked: Tracked, fmt, update: RequestUpdate, updates, include_usage: bool):
+    """SSE chunks: the chat role chunk, one chunk per engine update, usage, ``[DONE]``. A
+    failure after the headers went out becomes an error chunk (without internals), then
+    ``[DONE]``."""
+    try:
+        async for chunk in _stream_chunks(tracked, fmt, update, updates, include_usage):
+            yield chunk
+    except Exception:
+        log.exception("stream %s failed", fmt.request_id)
+        tracked.close(500)
+        yield sse(internal_error(fmt.request_id).body())
+    finally:
+        await updates.aclose()  # an unfinished engine stream aborts its request
+    yield SSE_DONE
+
+
+async def _stream_chunks(tracked: Tracked, fmt, update: RequestUpdate, updates, include_usage):
+    for chunk in fmt.start_chunks():
+        yield sse(chunk)
+    while True:
+        tracked.on_update(update)
+        output = update.output
+        if output is not None and output.finish_reason == "abort":
+            tracked.close(500)
+            log.warning("stream %s aborted: %s", fmt.request_id, output.error)
+            yield sse(aborted(output.error).body())
+            return
+        text = update.text
+        if output is not None and output.text.startswith(tracked.text + text):
+            text = output.text[len(tracked.text) :]  # what the decoder held back, if any
+        tracked.text += text
+        if text or output is not None or (fmt.return_token_ids and update.token_ids):
+            yield sse(fmt.chunk(text, update.token_ids, output))
+        if output is not None:
+            if include_usage:
+                yield sse(fmt.usage_chunk(output))
+            tracked.close(200, output)
+            return
+        update = await updates.__anext__()
+
+
+class SSEResponse(StreamingResponse):
+    """A stream that always releases its request: Starlette does not close the body iterator
+    when the client goes away while a chunk is being sent, so ``cleanup`` aborts it."""
+
+    def __init__(self, content, cleanup, **kwargs) -> None:
+        super().__init__(content, **kwargs)
+        self._cleanup = cleanup
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            await self._cleanup()

@@ -1,0 +1,271 @@
+"""The FastAPI app over a fake engine, without Ray: who may call, and OpenAI's error body with
+the right status for every failure (bad fields, limits, routes, methods, engine errors, bugs)."""
+
+import asyncio
+import inspect
+import json
+
+import httpx
+import pytest
+from starlette.testclient import TestClient
+
+from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.openai.metrics import ServeMetrics
+from dsv4ray.entrypoints.openai.server import EngineClient, OpenAIServer, ServerOptions
+from tests.unit.openai_fake import FakeEngine
+
+MODEL = "tiny-test"
+KEY = "k-123"
+LOCAL = "http://127.0.0.1:8000"
+GOOD = {"model": MODEL, "prompt": "hi", "max_tokens": 3}
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+ROUTES = [
+    ("POST", "/v1/completions"),
+    ("POST", "/v1/chat/completions"),
+    ("GET", "/v1/models"),
+    ("GET", f"/v1/models/{MODEL}"),
+    ("GET", "/v1/dsv4ray/stats"),
+    ("GET", "/nothing"),
+]
+
+
+def make_server(engine, **options) -> OpenAIServer:
+    return OpenAIServer(engine, ServerOptions(MODEL, **options), ServeMetrics(MODEL))
+
+
+@pytest.fixture
+def client(engine) -> TestClient:
+    """A keyless server, called from a loopback host."""
+    return TestClient(make_server(engine).app, base_url=LOCAL)
+
+
+def assert_error(response, status: int, param=None, code=None, type_="invalid_request_error"):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert (error["type"], error["param"], error["code"]) == (type_, param, code)
+    return error
+
+
+def call(client, method: str, path: str, **kwargs):
+    body = GOOD if path == "/v1/completions" else CHAT
+    return client.request(method, path, json=body if method == "POST" else None, **kwargs)
+
+
+def test_the_fake_engine_speaks_the_protocol_async_engine_implements(engine):
+    assert isinstance(engine, EngineClient)
+    for name in ("generate", "stats"):
+        ours = inspect.signature(getattr(FakeEngine, name)).parameters
+        real = inspect.signature(getattr(AsyncEngine, name)).parameters
+        assert list(ours) == list(real)
+        assert inspect.isasyncgenfunction(getattr(FakeEngine, name)) == (
+            inspect.isasyncgenfunction(getattr(AsyncEngine, name))
+        )
+    assert {"tokenizer", "max_model_len"} <= set(vars(AsyncEngine))  # properties of the class
+
+
+def test_a_keyless_server_answers_loopback_callers_only_on_every_route(client):
+    for method, path in ROUTES:
+        assert call(client, method, path).status_code in (200, 404)
+        foreign = call(client, method, path, headers={"host": "evil.example"})
+        assert_error(foreign, 403, code="forbidden")
+        origin = call(client, method, path, headers={"origin": "http://evil.example"})
+        assert_error(origin, 403, code="forbidden")
+    assert_error(client.get("/health", headers={"host": "rebind.example:8000"}), 403,
+                 code="forbidden")  # fmt: skip
+
+
+def test_with_a_key_every_route_but_health_needs_it(engine):
+    app = make_server(engine, api_key=KEY).app
+    client = TestClient(app, base_url="http://serve.example")
+    for method, path in ROUTES:  # unknown routes too: no key, nothing learnt about routes
+        assert_error(call(client, method, path), 401, code="invalid_api_key")
+        wrong = call(client, method, path, headers={"authorization": "Bearer nope"})
+        assert_error(wrong, 401, code="invalid_api_key")
+    assert client.get("/health").json() == {"status": "ok"}
+    auth = {"authorization": f"Bearer {KEY}", "origin": "https://app.example"}
+    assert call(client, "POST", "/v1/completions", headers=auth).status_code == 200
+
+
+def test_unknown_routes_are_404_and_wrong_methods_405(client):
+    assert_error(client.get("/v1/nothing"), 404, code="not_found")
+    assert_error(client.get("/docs"), 404, code="not_found")  # no routes beyond the API's
+    assert_error(client.get("/openapi.json"), 404, code="not_found")
+    for method in ("GET", "PUT", "DELETE", "OPTIONS"):
+        response = client.request(method, "/v1/completions")
+        assert_error(response, 405, code="bad_method")
+        assert response.headers["allow"] == "POST"
+    assert_error(client.post("/v1/models", json={}), 405, code="bad_method")
+    unknown = client.get("/v1/models/gpt-4")
+    assert_error(unknown, 404, param="model", code="model_not_found")
+    assert client.get("/v1/models/").json()["data"][0]["id"] == MODEL  # one spelling per route
+    assert client.post("/v1/completions/", json=GOOD).status_code == 200
+
+
+def test_org_slash_model_ids_are_found(engine):
+    client = TestClient(OpenAIServer(engine, ServerOptions("org/model"), ServeMetrics("m")).app,
+                        base_url=LOCAL)  # fmt: skip
+    assert client.get("/v1/models/org/model").json()["id"] == "org/model"
+
+
+BAD_REQUESTS = [
+    ("malformed JSON", b'{"model": "x", "prompt": ', None),
+    ("not an object", b"[1, 2]", None),
+    ("invalid UTF-8", b'{"model": "\xff", "prompt": "a"}', None),
+    ("nested too deep", b'{"model": "m", "prompt": ' + b"[" * 100 + b"]" * 100 + b"}", None),
+    ("missing prompt", {"model": MODEL}, "prompt"),
+    ("max_tokens as a string", {**GOOD, "max_tokens": "5"}, "max_tokens"),
+    ("max_tokens 0", {**GOOD, "max_tokens": 0}, "max_tokens"),
+    ("max_tokens past the context", {**GOOD, "max_tokens": 10_000}, "max_tokens"),
+    ("prompt past the context", {**GOOD, "prompt": [5] * 10_000}, "prompt"),
+    ("token outside the vocabulary", {**GOOD, "prompt": [5, 10**6]}, "prompt"),
+    ("NaN temperature", b'{"model": "m", "prompt": "x", "temperature": NaN}', "temperature"),
+    ("top_p 0", {**GOOD, "top_p": 0}, "top_p"),
+    ("n > 1", {**GOOD, "n": 2}, "n"),
+    ("unknown field", {**GOOD, "repetition_penalty": 1.1}, "repetition_penalty"),
+]
+
+
+@pytest.mark.parametrize("case, body, param", BAD_REQUESTS, ids=[c[0] for c in BAD_REQUESTS])
+def test_bad_requests_are_400_naming_the_field(client, case, body, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    assert_error(client.post("/v1/completions", content=content), 400, param=param)
+    assert call(client, "POST", "/v1/completions").status_code == 200  # still serving
+
+
+def test_bad_chat_requests_are_400_naming_the_field(client):
+    for body, param in [
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({**CHAT, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking"),
+        ({**CHAT, "chat_template_kwargs": {"effort": 3}}, "chat_template_kwargs"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "42"}]}, "messages"),
+    ]:
+        assert_error(client.post("/v1/chat/completions", json=body), 400, param=param)
+
+
+def test_the_model_must_be_the_served_one(client):
+    for path, body in [("/v1/completions", GOOD), ("/v1/chat/completions", CHAT)]:
+        response = client.post(path, json={**body, "model": "gpt-4"})
+        assert_error(response, 404, param="model", code="model_not_found")
+
+
+def test_bodies_over_the_limit_are_413_declared_or_streamed(engine):
+    client = TestClient(make_server(engine, max_body_bytes=1024).app, base_url=LOCAL)
+    body = json.dumps({**GOOD, "prompt": "a" * 2000}).encode()
+    assert_error(client.post("/v1/completions", content=body), 413, code="request_too_large")
+    chunks = iter([body[:600], body[600:]])  # chunked: no content-length to refuse it by
+    response = client.post("/v1/completions", content=chunks)
+    assert "content-length" not in response.request.headers
+    assert_error(response, 413, code="request_too_large")
+    small = json.dumps({**GOOD, "prompt": "a" * 40}).encode()
+    assert client.post("/v1/completions", content=small).status_code == 200
+
+
+def test_engine_failures_are_500_without_internals(client, engine):
+    engine.fail = RuntimeError("stage 1 died: ray::StageWorker pid=4242 ip=10.1.2.3")
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        for stream in (False, True):
+            response = client.post(path, json={**(GOOD if "chat" not in path else CHAT),
+                                               "stream": stream})  # fmt: skip
+            error = assert_error(response, 500, type_="server_error")
+            assert error["message"].startswith("internal server error (request ")
+            assert not any(s in response.text for s in ("ray::", "4242", "10.1.2.3", "died"))
+    engine.fail = None
+    assert call(client, "POST", "/v1/completions").status_code == 200
+
+
+def test_an_engine_that_does_not_answer_fails_health_and_stats(client, engine):
+    engine.fail = OSError("socket 10.1.2.3:6379 closed")
+    assert_error(client.get("/health"), 503, type_="server_error")
+    error = assert_error(client.get("/v1/dsv4ray/stats"), 500, type_="server_error")
+    assert "10.1.2.3" not in error["message"]
+
+
+def test_an_engine_abort_is_a_500_with_a_safe_reason(client, engine):
+    engine.abort_after = 2
+    engine.abort_reason = "stage 1 failed: RayActorError pid=77 ip=10.0.0.9"
+    error = assert_error(client.post("/v1/completions", json=GOOD), 500, type_="server_error")
+    assert error["message"] == "the request was aborted: stage 1 failed"
+    events = client.post("/v1/chat/completions", json={**CHAT, "stream": True}).text
+    *chunks, error_chunk, done, tail = events.split("\n\n")
+    assert (done, tail) == ("data: [DONE]", "")
+    assert json.loads(error_chunk.removeprefix("data: "))["error"]["message"] == error["message"]
+    assert "10.0.0.9" not in events
+
+
+def test_a_full_server_answers_503_with_retry_after(engine):
+    engine.gate = asyncio.Event()  # requests wait for their first token until it is set
+    app = make_server(engine, max_pending_requests=2).app
+
+    async def run():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as http:
+            waiting = [asyncio.create_task(http.post("/v1/completions", json=GOOD))
+                       for _ in range(2)]  # fmt: skip
+            while len(engine.requests) < 2:
+                await asyncio.sleep(0.01)
+            full = await http.post("/v1/completions", json=GOOD)
+            stats = (await http.get("/v1/dsv4ray/stats")).json()
+            engine.gate.set()
+            done = [await task for task in waiting]
+            return full, stats, done, await http.post("/v1/completions", json=GOOD)
+
+    full, stats, done, after = asyncio.run(run())
+    assert_error(full, 503, code="overloaded", type_="server_error")
+    assert full.headers["retry-after"] == "1" and stats["num_pending_http_requests"] == 2
+    assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
+
+
+def test_fastapi_parameter_errors_keep_the_openai_body(engine):
+    """Routes with typed parameters (none today take any) get a 400 naming the parameter."""
+    app = make_server(engine).app
+
+    @app.get("/v1/dsv4ray/typed/{count}")
+    async def typed(count: int) -> dict:
+        return {"count": count}
+
+    client = TestClient(app, base_url=LOCAL)
+    assert client.get("/v1/dsv4ray/typed/3").json() == {"count": 3}
+    assert_error(client.get("/v1/dsv4ray/typed/three"), 400, param="count")
+
+
+def test_a_bug_in_a_route_is_a_500_and_the_server_keeps_serving(engine):
+    server = make_server(engine)
+    server.engine = None  # every route that reaches the engine fails with AttributeError
+    client = TestClient(server.app, base_url=LOCAL)
+    for response in (client.get("/v1/dsv4ray/stats"), call(client, "POST", "/v1/completions")):
+        error = assert_error(response, 500, type_="server_error")
+        assert "NoneType" not in error["message"] and "request" in error["message"]
+    server.engine = engine
+    assert call(client, "POST", "/v1/completions").status_code == 200
+
+
+def test_a_client_gone_mid_stream_aborts_its_request(engine):
+    """The ASGI server's send fails once the client is gone: the engine stream is closed
+    (the request aborted, its pages freed) and the pending count drops back."""
+    engine.reply = engine.reply * 4
+    server = make_server(engine)
+    body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+    chunks: list[bytes] = []
+
+    async def receive():
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            if len(chunks) == 3:
+                raise OSError("the client closed the connection")
+            chunks.append(message["body"])
+
+    asyncio.run(server.app(scope, receive, send))
+    assert len(chunks) == 3 and all(c.startswith(b"data: {") for c in chunks)
+    assert engine.aborted == [engine.requests[0][2]]
+    assert server.num_pending == 0
