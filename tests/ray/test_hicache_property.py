@@ -70,9 +70,7 @@ def greedy_of(tiny_model):
     max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(workload=_workload)
-def test_random_workloads_with_the_host_tier_match_the_reference(
-    hicache_llm, greedy_of, workload
-):
+def test_random_workloads_with_the_host_tier_match_the_reference(hicache_llm, greedy_of, workload):
     for wave in workload:
         prompts = [_prompt(p, n, seed) for p, n, seed, _ in wave]
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for *_, m in wave]

@@ -64,9 +64,10 @@ def test_layout_on_disk_is_the_release_layout(quant_ckpt):
     assert stored["layers.1.attn.wq_b.scale"] == (scale_dtype, (16, 1))
     assert stored["mtp.0.e_proj.weight"][0] == "F8_E4M3"
     assert stored["layers.2.ffn.shared_experts.w2.scale"] == (scale_dtype, (1, 1))
-    expert, expert_scale = stored["layers.2.ffn.experts.3.w1.weight"], stored[
-        "layers.2.ffn.experts.3.w1.scale"
-    ]
+    expert, expert_scale = (
+        stored["layers.2.ffn.experts.3.w1.weight"],
+        stored["layers.2.ffn.experts.3.w1.scale"],
+    )
     if fp4:  # [128, 128] logical: 64 bytes per row, one scale per 32 values
         assert expert == ("I8", (128, 64)) and expert_scale == ("F8_E8M0", (128, 4))
     else:

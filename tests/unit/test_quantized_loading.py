@@ -116,8 +116,14 @@ def _fp8_experts(raw):
             r"scale tensor 'layers\.1\.attn\.wkv\.scale' has shape \(4, 3\)",
         ),
     ],
-    ids=["missing-scale", "missing-expert-scale", "block-size", "orphan-scale", "expert-dtype",
-         "scale-shape"],
+    ids=[
+        "missing-scale",
+        "missing-expert-scale",
+        "block-size",
+        "orphan-scale",
+        "expert-dtype",
+        "scale-shape",
+    ],
 )
 def test_bad_quantised_checkpoints_name_the_tensor(release, tmp_path, tensors, config, match):
     path = _edit(release, tmp_path, tensors, config)
