@@ -15,8 +15,17 @@ from dsv4ray.model.train_data import eval_windows, is_held_out, load_corpus
 from tests.oracle import reference_greedy
 
 MICRO = TrainConfig(
-    steps=4, batch_size=2, seq_len=24, warmup_steps=1, log_every=2, eval_windows=2, eval_batch=2
+    steps=2, batch_size=2, seq_len=16, warmup_steps=1, log_every=1, eval_windows=2, eval_batch=2
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Micro-scale ops are too small to split: intra-op threads only spin on a busy CPU."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _names(held_out: bool, count: int) -> list[str]:
