@@ -1,6 +1,9 @@
 """Trains the stdlib-tiny checkpoint on this Python's standard library sources.
 
-    python scripts/train_tiny.py --out checkpoints/stdlib-tiny --device cuda --steps N
+    .venv/bin/python scripts/train_tiny.py --device cuda --batch-size 256 --warmup-steps 50 \
+        --steps 575 --out checkpoints/stdlib-tiny
+
+(the committed checkpoint; checkpoints/stdlib-tiny/TRAINING.md gives the Python, torch and GPU).
 
 ``--probe K`` times K steps (after one warm-up step), prints the seconds per step and exits
 without writing anything: size ``--steps`` from it, so the run itself is fixed by its step count.
