@@ -1,4 +1,4 @@
-"""Trains the stdlib-tiny checkpoint on this Python's standard library sources.
+r"""Trains the stdlib-tiny checkpoint on this Python's standard library sources.
 
     .venv/bin/python scripts/train_tiny.py --device cuda --batch-size 256 --warmup-steps 50 \
         --steps 575 --out checkpoints/stdlib-tiny
