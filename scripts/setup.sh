@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Sets up a development machine from a fresh clone: .venv with every dependency, the tiny
-# checkpoint in .tiny/, then one short generation on it. Safe to run again.
+# Sets up a development machine from a fresh clone: .venv with every dependency, the random tiny
+# checkpoint in .tiny/ (tests and benchmarks), then one generation from the trained
+# checkpoints/stdlib-tiny on a local Ray (pp 2). Safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -21,4 +22,4 @@ fi
 python -m pip install -q -e ".[test,$extra]"
 
 [ -f .tiny/config.json ] || dsv4ray make-tiny --out .tiny
-dsv4ray generate --pp 2 "Hello from dsv4ray:"
+dsv4ray generate --pp 2 --model checkpoints/stdlib-tiny --max-tokens 96 "def fibonacci(n):"
