@@ -130,7 +130,7 @@ def _pad_tokens(arrays: dict, padding: Padding) -> dict:
     n, total = len(arrays["positions"]), padding.num_tokens
     if n > total:
         raise ValueError(f"{n} tokens do not fit a padded batch of {total}")
-    fill = {"state_slots": padding.scratch_slot, "req_rows": None, "positions": 0,
+    fill = {"state_slots": padding.scratch_slot, "req_rows": 0, "positions": 0,
             "seq_start": 0, "token_ids": 0, "c4_bound": 0}  # fmt: skip
     out = {}
     for name, a in arrays.items():

@@ -63,6 +63,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self.stage = HostStage()
         self.pool = None
+        self.replays: dict[tuple[int, int], int] = {}  # bucket -> steps it ran
 
     def capture_all(self) -> None:
         """Every bucket, largest batch first (later captures reuse its memory pool)."""
@@ -116,4 +117,5 @@ class DecodeGraphs:
         flat, layout = pack(arrays, sample_idx)
         self.stage.upload(flat, self.device, out=g.static)
         g.graph.replay()
+        self.replays[key] = self.replays.get(key, 0) + 1
         return g.out, meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True)
