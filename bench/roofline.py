@@ -20,14 +20,15 @@ def ceilings(size_bytes: int = 2 << 30, n: int = 8192) -> dict:
     """{"copy": device copy B/s (read + write), "matmul": bf16 FLOP/s}, medians of 10 runs."""
     a = torch.randn(size_bytes // 4, device="cuda")
     b = torch.empty_like(a)
-    copy_s = _median_s(lambda: b.copy_(a))
+    copy_s = median_s(lambda: b.copy_(a))
     x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    mm_s = _median_s(lambda: x @ y)
+    mm_s = median_s(lambda: x @ y)
     return {"copy": 2 * size_bytes / copy_s, "matmul": 2 * n**3 / mm_s}
 
 
-def _median_s(fn, reps: int = 10) -> float:
+def median_s(fn, reps: int = 10) -> float:
+    """Median seconds of fn on the device (events), after one untimed call."""
     fn()
     times = []
     for _ in range(reps):
