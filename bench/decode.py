@@ -217,9 +217,11 @@ def main() -> None:
               max_running_requests=max(args.batches + [8]), max_num_batched_tokens=8192,
               cuda_graphs=not args.eager, max_model_len=max(args.contexts + [4096]))  # fmt: skip
     rows, raw = decode_rows(args, cfg, peaks, llm, hf)
-    more, more_raw = replay_rows(args, cfg, peaks, llm)
-    rows, raw = rows + more, {**raw, **more_raw}
-    for fn in (lambda: context_rows(args, llm), lambda: prefill_rows(args, cfg, peaks, llm)):
+    for fn in (
+        lambda: context_rows(args, llm),
+        lambda: replay_rows(args, cfg, peaks, llm),  # after the steps that fill its graphs
+        lambda: prefill_rows(args, cfg, peaks, llm),
+    ):
         more, more_raw = fn()
         rows, raw = rows + more, {**raw, **more_raw}
     if args.profile:
