@@ -37,6 +37,7 @@ class EngineConfig:
     memory_fraction: float = 0.85
     use_ray: str | bool = "auto"
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.cuda_graphs, bool):
+            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         self._check_combinations()

@@ -71,4 +71,10 @@ class StageModel(nn.Module):
         y = hc_head(
             x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
         )
-        return F.linear(self.norm(y).float(), self.head.weight.float())
+        h, w = self.norm(y), self.head.weight
+        if h.is_cuda and w.dtype in (torch.bfloat16, torch.float16) and h.dtype == w.dtype:
+            # 16-bit operands, fp32 accumulation and output: no per-step fp32 copy of the head
+            return torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out_dtype=torch.float32).view(
+                *h.shape[:-1], w.shape[0]
+            )
+        return F.linear(h.float(), w.float())

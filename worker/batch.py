@@ -1,4 +1,4 @@
-"""Batch tensors of one step, built once from the worker's request tables and shared by layers.
+"""Batch tensors of one step, built once on the host from the worker's request tables.
 
 Per token t (tokens of a request are contiguous, positions consecutive):
     positions [T], seq_start [T] (first position of t's request in this batch), state_slots [T],
@@ -7,17 +7,28 @@ Per token t (tokens of a request are contiguous, positions consecutive):
     (compressed slot written when t completes a block, else -1), c4_bound [T] = (p+1)//4,
     c128_slots [T, K] (every visible C128 entry, -1 padded).
 Per request row r: page_table [R, P] full page ids (-1 padded) and sample_idx (its last token).
+
+Every index is computed in numpy and the whole set travels to the device as one int64 buffer
+(pinned and non-blocking on CUDA), so building a batch never waits for the device. A `Padding`
+fixes T, P and K (CUDA graphs replay over fixed shapes): padded tokens read nothing (-1 slots,
+bound 0) and write only into the scratch state slot.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
+from dsv4ray.worker.rope_tables import RopeTables
 
 PAGE, WINDOW = 256, 128
+INT_FIELDS = (
+    "token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store", "c4_out",
+    "c128_out", "c4_bound",
+)  # fmt: skip
 
 
 @dataclass
@@ -27,6 +38,17 @@ class ReqTable:
     state_slot: int
     page_ids: list[int]
     window_page_ids: list[int]
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Fixed shapes of a captured step: tokens (= rows), page-table columns, C128 columns; pad
+    tokens use `scratch_slot` as their compressor state slot."""
+
+    num_tokens: int
+    page_cols: int
+    c128_cols: int
+    scratch_slot: int
 
 
 @dataclass
@@ -45,7 +67,9 @@ class BatchMeta:
     c128_slots: torch.Tensor
     sample_idx: torch.Tensor  # [R_sample] token index of each sampling request's last token
     sample_req_ids: list[str]
-    rope_cache: dict = field(default_factory=dict)
+    ropes: RopeTables
+    rope_len: int  # rope tables cover positions [0, rope_len)
+    static: bool = False  # shapes fixed for a CUDA graph: only sync-free paths may run
 
     @property
     def num_tokens(self) -> int:
@@ -53,66 +77,155 @@ class BatchMeta:
 
     def c4_slots(self, topk_positions: torch.Tensor) -> torch.Tensor:
         """Logical C4 positions [T, k] (-1 = none) -> physical C4 slots [T, k]."""
-        return _entry_slots(self.page_table, self.req_rows, topk_positions, PAGE // 4)
+        return _entry_slots_t(self.page_table, self.req_rows, topk_positions, PAGE // 4)
 
 
-def build_batch(plan: StepPlan, tables: dict[str, ReqTable], device) -> BatchMeta:
-    positions, seq_start, slots, rows = [], [], [], []
-    for row, entry in enumerate(plan.batch):
-        rng = range(entry.start_pos, entry.start_pos + entry.num_tokens)
-        positions.extend(rng)
-        seq_start.extend([entry.start_pos] * entry.num_tokens)
-        slots.extend([tables[entry.req_id].state_slot] * entry.num_tokens)
-        rows.extend([row] * entry.num_tokens)
-
-    def long(values) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.long, device=device)
-
-    pos, req_rows = long(positions), long(rows)
-    reqs = [tables[e.req_id] for e in plan.batch]
-    page_table = _pad([r.page_ids for r in reqs], device)
-    window_table = _pad([r.window_page_ids for r in reqs], device)
-    window_slots = _window_slots(window_table, req_rows, pos)
-    ends = torch.cumsum(long([e.num_tokens for e in plan.batch]), 0) - 1
-    sampling = [i for i, e in enumerate(plan.batch) if e.sample]
-    return BatchMeta(
-        token_ids=long(plan.token_ids),
-        positions=pos,
-        seq_start=long(seq_start),
-        state_slots=long(slots),
-        req_rows=req_rows,
-        page_table=page_table,
-        window_store=window_slots[:, -1].contiguous(),
-        window_slots=window_slots,
-        c4_out=_out_loc(page_table, req_rows, pos, 4),
-        c128_out=_out_loc(page_table, req_rows, pos, 128),
-        c4_bound=(pos + 1) // 4,
-        c128_slots=_c128_slots(page_table, req_rows, pos),
-        sample_idx=ends[long(sampling)] if sampling else long([]),
-        sample_req_ids=[plan.batch[i].req_id for i in sampling],
-    )
+def build_batch(
+    plan: StepPlan, tables: dict[str, ReqTable], device, ropes: RopeTables, stage=None
+) -> BatchMeta:
+    """The step's index tensors on `device` (`stage`: a reusable HostStage for the upload)."""
+    arrays, sample_idx = host_arrays(plan, tables)
+    flat, layout = pack(arrays, sample_idx)
+    dev = (stage or HostStage()).upload(flat, device)
+    max_pos = int(arrays["positions"].max()) + 1 if len(arrays["positions"]) else 1
+    return meta_from(dev, layout, plan, ropes, ropes.ensure(max_pos))
 
 
-def _pad(lists: list[list[int]], device) -> torch.Tensor:
-    width = max((len(x) for x in lists), default=0)
-    out = torch.full((len(lists), max(width, 1)), -1, dtype=torch.long)
+def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | None = None):
+    """numpy int64 arrays of every BatchMeta index field, and the sample indices."""
+    entries = plan.batch
+    counts = np.array([e.num_tokens for e in entries], dtype=np.int64)
+    starts = np.array([e.start_pos for e in entries], dtype=np.int64)
+    rows = np.repeat(np.arange(len(entries), dtype=np.int64), counts)
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)  # token index of each request's first
+    pos = starts[rows] + np.arange(int(counts.sum()), dtype=np.int64) - firsts
+    reqs = [tables[e.req_id] for e in entries]
+    page_table = _pad([r.page_ids for r in reqs], padding.page_cols if padding else None)
+    window_table = _pad([r.window_page_ids for r in reqs], None)
+    window_slots = _window_slots(window_table, rows, pos)
+    visible = (pos + 1) // 128
+    c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
+    out = {
+        "token_ids": np.asarray(plan.token_ids, dtype=np.int64),
+        "positions": pos,
+        "seq_start": starts[rows],
+        "state_slots": np.array([r.state_slot for r in reqs], dtype=np.int64)[rows],
+        "req_rows": rows,
+        "window_store": window_slots[:, -1].copy(),
+        "c4_out": _out_loc(page_table, rows, pos, 4),
+        "c128_out": _out_loc(page_table, rows, pos, 128),
+        "c4_bound": (pos + 1) // 4,
+        "page_table": page_table,
+        "window_slots": window_slots,
+        "c128_slots": _c128_slots(page_table, rows, visible, c128_cols),
+    }
+    sample_idx = np.cumsum(counts)[[i for i, e in enumerate(entries) if e.sample]] - 1
+    if padding is not None:
+        out = _pad_tokens(out, padding)
+    return out, sample_idx.astype(np.int64)
+
+
+def _pad_tokens(arrays: dict, padding: Padding) -> dict:
+    """Rows num_tokens.. of every array: pad tokens that read nothing and write only scratch."""
+    n, total = len(arrays["positions"]), padding.num_tokens
+    if n > total:
+        raise ValueError(f"{n} tokens do not fit a padded batch of {total}")
+    fill = {"state_slots": padding.scratch_slot, "req_rows": 0, "positions": 0,
+            "seq_start": 0, "token_ids": 0, "c4_bound": 0}  # fmt: skip
+    out = {}
+    for name, a in arrays.items():
+        pad = np.full((total - a.shape[0], *a.shape[1:]), fill.get(name, -1), dtype=np.int64)
+        if name == "req_rows":
+            pad = np.arange(n, total, dtype=np.int64)
+        out[name] = np.concatenate([a, pad])
+    return out
+
+
+def pack(arrays: dict, sample_idx: np.ndarray):
+    """One flat int64 buffer and the (name, offset, shape) of each field inside it."""
+    parts, layout, offset = [], [], 0
+    for name in (*INT_FIELDS, "page_table", "window_slots", "c128_slots"):
+        a = np.ascontiguousarray(arrays[name], dtype=np.int64)
+        parts.append(a.ravel())
+        layout.append((name, offset, a.shape))
+        offset += a.size
+    parts.append(sample_idx)
+    layout.append(("sample_idx", offset, sample_idx.shape))
+    return np.concatenate(parts), layout
+
+
+def unpack(dev: torch.Tensor, layout) -> dict:
+    """Views of the device buffer, one per field."""
+    return {name: dev[off : off + int(np.prod(shape))].view(shape) for name, off, shape in layout}
+
+
+def meta_from(dev, layout, plan: StepPlan, ropes, rope_len: int, static: bool = False):
+    fields = unpack(dev, layout)
+    sample_ids = [e.req_id for e in plan.batch if e.sample]
+    return BatchMeta(**fields, sample_req_ids=sample_ids, ropes=ropes, rope_len=rope_len,
+                     static=static)  # fmt: skip
+
+
+class HostStage:
+    """Two pinned staging buffers used in turn: the copy of step n is long done when step n + 2
+    fills its buffer again (each step ends with the sampled ids read back), and an event says so."""
+
+    def __init__(self) -> None:
+        self._bufs: list[torch.Tensor | None] = [None, None]
+        self._events: list = [None, None]
+        self._turn = 0
+
+    def upload(self, flat: np.ndarray, device, out: torch.Tensor | None = None) -> torch.Tensor:
+        """flat -> device int64 tensor (into `out` when given), without waiting for the device."""
+        host = torch.from_numpy(flat)
+        device = torch.device(device)
+        if device.type != "cuda":
+            return out.copy_(host) if out is not None else host
+        turn, self._turn = self._turn, 1 - self._turn
+        buf = self._bufs[turn]
+        if buf is None or buf.numel() < flat.size:
+            buf = self._bufs[turn] = torch.empty(max(flat.size, 1 << 16), dtype=torch.int64,
+                                                 pin_memory=True)  # fmt: skip
+        elif self._events[turn] is not None:
+            self._events[turn].synchronize()
+        buf[: flat.size].copy_(host)
+        if out is None:
+            out = torch.empty(flat.size, dtype=torch.int64, device=device)
+        out[: flat.size].copy_(buf[: flat.size], non_blocking=True)
+        self._events[turn] = torch.cuda.Event()
+        self._events[turn].record()
+        return out
+
+
+def _pad(lists: list[list[int]], width: int | None) -> np.ndarray:
+    longest = max((len(x) for x in lists), default=0)
+    if width is not None and longest > width:
+        raise ValueError(f"{longest} pages do not fit a padded page table of {width} columns")
+    out = np.full((len(lists), max(width or longest, 1)), -1, dtype=np.int64)
     for i, ids in enumerate(lists):
-        out[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return out.to(device)
+        out[i, : len(ids)] = ids
+    return out
 
 
-def _window_slots(window_table: torch.Tensor, req_rows: torch.Tensor, pos: torch.Tensor):
+def _window_slots(window_table: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
     """[T, 128] window slots of positions p-127..p; a missing resident page is a bookkeeping bug."""
-    q = pos[:, None] + torch.arange(-WINDOW + 1, 1, device=pos.device)[None, :]
-    idx = (q.clamp(min=0) // WINDOW).clamp(max=window_table.shape[1] - 1)
-    page = window_table[req_rows[:, None], idx]
-    if bool(((q >= 0) & (page < 0)).any()):
+    q = pos[:, None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)[None, :]
+    idx = np.minimum(np.maximum(q, 0) // WINDOW, window_table.shape[1] - 1)
+    page = window_table[rows[:, None], idx]
+    if ((q >= 0) & (page < 0)).any():
         raise RuntimeError("a window page of the last 128 positions is not resident")
-    return torch.where(q >= 0, page * WINDOW + q % WINDOW, torch.full_like(q, -1))
+    return np.where(q >= 0, page * WINDOW + q % WINDOW, -1)
 
 
-def _entry_slots(page_table, req_rows, entries, per_page: int) -> torch.Tensor:
+def _entry_slots(page_table: np.ndarray, rows, entries, per_page: int) -> np.ndarray:
     """Entry indices [T, k] of each token's request (-1 = none) -> physical slots [T, k]."""
+    safe = np.maximum(entries, 0)
+    page = page_table[rows[:, None], np.minimum(safe // per_page, page_table.shape[1] - 1)]
+    return np.where(entries >= 0, page * per_page + safe % per_page, -1)
+
+
+def _entry_slots_t(page_table, req_rows, entries, per_page: int) -> torch.Tensor:
+    """The device twin of _entry_slots for indices computed on the device (top-k)."""
     safe = entries.clamp(min=0)
     page = page_table[req_rows[:, None], (safe // per_page).clamp(max=page_table.shape[1] - 1)]
     return torch.where(
@@ -120,16 +233,16 @@ def _entry_slots(page_table, req_rows, entries, per_page: int) -> torch.Tensor:
     )
 
 
-def _out_loc(page_table, req_rows, pos, ratio: int) -> torch.Tensor:
+def _out_loc(page_table, rows, pos, ratio: int) -> np.ndarray:
     """Slot of the entry a block-completing token writes (full_loc // ratio), else -1."""
     done = (pos + 1) % ratio == 0
-    slot = _entry_slots(page_table, req_rows, (pos // ratio)[:, None], PAGE // ratio)[:, 0]
-    return torch.where(done, slot, torch.full_like(pos, -1))
+    slot = _entry_slots(page_table, rows, (pos // ratio)[:, None], PAGE // ratio)[:, 0]
+    return np.where(done, slot, -1)
 
 
-def _c128_slots(page_table, req_rows, pos) -> torch.Tensor:
-    visible = (pos + 1) // 128
-    width = int(visible.max()) if visible.numel() else 0
-    entries = torch.arange(max(width, 1), device=pos.device)[None, :].expand(pos.shape[0], -1)
-    entries = torch.where(entries < visible[:, None], entries, torch.full_like(entries, -1))
-    return _entry_slots(page_table, req_rows, entries, PAGE // 128)
+def _c128_slots(page_table, rows, visible, width: int) -> np.ndarray:
+    if len(visible) and int(visible.max()) > width:
+        raise ValueError(f"{int(visible.max())} C128 entries do not fit {width} columns")
+    entries = np.broadcast_to(np.arange(width, dtype=np.int64)[None, :], (len(rows), width))
+    entries = np.where(entries < visible[:, None], entries, -1)
+    return _entry_slots(page_table, rows, entries, PAGE // 128)

@@ -56,14 +56,17 @@ class LocalPipeline:
     def _build(self) -> None:
         ec, cfg = self.config, self.cfg
         self.workers = [
-            StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg)
+            StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg, ec.cuda_graphs)
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.capacity = size_pipeline(
             cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
         )
+        max_len = ec.max_model_len or cfg.max_position_embeddings
+        max_len = min(max_len, self.capacity.num_full_tokens)
         for w in self.workers:
             w.allocate(pool_sizes(self.capacity))
+            w.capture_graphs(ec.max_running_requests, max_len)
 
     def submit(self, plan: StepPlan) -> StageResult:
         result = None

@@ -19,7 +19,7 @@ from dsv4ray.model.layers.attention import Attention
 from dsv4ray.model.layers.common import unweighted_rms_norm
 from dsv4ray.model.layers.compressor import Compressor
 from dsv4ray.model.layers.mhc import hc_post
-from dsv4ray.model.layers.rope import apply_rope, cos_sin, rope_tables
+from dsv4ray.model.layers.rope import apply_rope
 from dsv4ray.worker.batch import BatchMeta
 
 
@@ -34,19 +34,15 @@ def paged_block(
     )
     x = hc_post(x, out, post, comb)
     post, comb, collapsed = block._pre(x, "ffn")
-    x = hc_post(x, block.ffn(block.ffn_norm(collapsed), meta.token_ids), post, comb)
+    ffn = block.ffn.forward_static if meta.static else block.ffn
+    x = hc_post(x, ffn(block.ffn_norm(collapsed), meta.token_ids), post, comb)
     return x, (layer_topk if layer_topk is not None else topk)
 
 
 def _rope(meta: BatchMeta, rope: RopeSpec):
-    """Per-token (cos, sin) [T, R/2] and per-position tables [P, R/2], cached for the step."""
-    if rope not in meta.rope_cache:
-        max_pos = int(meta.positions.max()) + 1 if meta.num_tokens else 1
-        meta.rope_cache[rope] = (
-            *cos_sin(rope, meta.positions),
-            *rope_tables(rope, max_pos, meta.positions.device),
-        )
-    return meta.rope_cache[rope]
+    """Per-token (cos, sin) [T, R/2] (rows of the tables) and the tables [P, R/2]."""
+    cos_t, sin_t = meta.ropes.get(rope)
+    return cos_t[meta.positions], sin_t[meta.positions], cos_t, sin_t
 
 
 def paged_attention(

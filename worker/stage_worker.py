@@ -9,6 +9,7 @@ the step's tokens and, on the last stage, samples. Between stages travel the res
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -18,9 +19,11 @@ from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
-from dsv4ray.worker.batch import BatchMeta, ReqTable, build_batch
+from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
+from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
+from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.sampler import RequestSampler, token_logprobs
 
 log = logging.getLogger("dsv4ray.worker")
@@ -40,6 +43,7 @@ class StageWorker:
         dtype: torch.dtype | str | None = None,
         device: str | torch.device = "cpu",
         cfg: ModelConfig | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         self.cfg = cfg or ModelConfig.from_hf(model_path)
         self.kv_cache_dtype = kv_cache_dtype
@@ -51,6 +55,13 @@ class StageWorker:
         self.host_io = None
         self.tables: dict[str, ReqTable] = {}
         self.samplers: dict[str, RequestSampler] = {}
+        specs = [self.cfg.layers[i].rope for i in range(start, end)]
+        self.ropes = RopeTables(specs, self.device)
+        self.stage = HostStage()
+        # graphs capture the whole model: one stage, on CUDA
+        on_cuda = self.device.type == "cuda"
+        self.use_graphs = cuda_graphs and on_cuda and self.is_first and self.is_last
+        self.graphs: DecodeGraphs | None = None
 
     def available_bytes(self, memory_fraction: float) -> float | None:
         """Free device memory for pools after the weights (None on CPU: size by tokens)."""
@@ -60,6 +71,8 @@ class StageWorker:
         return free * memory_fraction
 
     def allocate(self, sizes: PoolSizes) -> int:
+        if self.use_graphs:  # one more state slot: the scratch ring of a graph's pad rows
+            sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
         )
@@ -71,6 +84,19 @@ class StageWorker:
             self.kv_cache_dtype,
         )
         return self.pools.nbytes()
+
+    def capture_graphs(self, max_batch: int, max_len: int) -> None:
+        """Captures the decode graphs (after allocate; a no-op unless graphs are on)."""
+        if not self.use_graphs:
+            return
+        scratch = self.pools.sizes.num_state_slots - 1
+        self.graphs = DecodeGraphs(
+            self._forward_static, self.ropes, scratch, max_batch, max_len, self.device
+        )
+        self.graphs.capture_all()
+
+    def _forward_static(self, meta: BatchMeta) -> torch.Tensor:
+        return self._run(meta, None, LayerEvents())[0]
 
     @property
     def is_first(self) -> bool:
@@ -124,8 +150,12 @@ class StageWorker:
         if not plan.batch:
             self._snapshots(plan)
             return
-        meta = build_batch(plan, self.tables, self.device)
-        x, topk = self._run(meta, inputs, events)
+        key = self.graphs.pick(plan, self.tables) if self.graphs is not None else None
+        if key is not None:
+            (x, meta), topk = self.graphs.run(plan, self.tables, key), None
+        else:
+            meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
+            x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
             self._sample(plan, meta, x, result)

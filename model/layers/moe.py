@@ -79,3 +79,15 @@ class MoE(nn.Module):
             out = self.experts[e](flat[rows]) * weights[rows, slot, None].to(flat.dtype)
             routed.index_add_(0, rows, out)
         return (routed + self.shared_experts(flat)).view_as(x)
+
+    def forward_static(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        """forward() without a device-to-host sync (CUDA graphs): every expert runs on every row
+        with a [N, E] weight that is zero where the row did not route to it."""
+        flat = x.reshape(-1, x.shape[-1])
+        weights, ids = self.gate(flat, token_ids.reshape(-1))
+        dense = torch.zeros(flat.shape[0], len(self.experts), device=flat.device)
+        dense = dense.scatter_add(1, ids, weights).to(flat.dtype)  # [N, E]
+        routed = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            routed = routed + expert(flat) * dense[:, e, None]
+        return (routed + self.shared_experts(flat)).view_as(x)

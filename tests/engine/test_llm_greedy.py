@@ -107,6 +107,7 @@ def test_bad_input_raises_and_engine_keeps_serving(fp32_llm, tiny_model, bad, ma
         (dict(bogus_option=1), "bogus_option"),
         (dict(max_num_batched_tokens=16), "max_num_batched_tokens"),
         (dict(max_total_tokens=-5), "max_total_tokens"),
+        (dict(cuda_graphs="yes"), "cuda_graphs"),
     ],
 )
 def test_unknown_or_bad_options_are_named(tiny_ckpt, kw, name):

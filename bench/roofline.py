@@ -1,0 +1,90 @@
+"""Ceilings measured on the GPU and the bytes and FLOPs a decode or prefill step must move.
+
+Weight bytes of a decode step at batch B: every non-expert matrix of the layers, the lm head and
+the hc head once, B embedding rows, and per MoE layer the routed experts that B tokens touch on
+average under uniform routing, E * (1 - (1 - k/E)^B), plus the shared expert. KV bytes of one
+request at context L per layer: the 128-entry window, then for C4 layers min(topk, L/4) entries
+(and L/4 indexer keys where the layer runs the indexer), for C128 layers L/128 entries.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4ray.cache.layout import layout_for
+from dsv4ray.config import ModelConfig
+from dsv4ray.model.stage import StageModel
+
+
+def ceilings(size_bytes: int = 2 << 30, n: int = 8192) -> dict:
+    """{"copy": device copy B/s (read + write), "matmul": bf16 FLOP/s}, medians of 10 runs."""
+    a = torch.randn(size_bytes // 4, device="cuda")
+    b = torch.empty_like(a)
+    copy_s = median_s(lambda: b.copy_(a))
+    x = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    y = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    mm_s = median_s(lambda: x @ y)
+    return {"copy": 2 * size_bytes / copy_s, "matmul": 2 * n**3 / mm_s}
+
+
+def median_s(fn, reps: int = 10) -> float:
+    """Median seconds of fn on the device (events), after one untimed call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[reps // 2]
+
+
+def _param_groups(cfg: ModelConfig) -> dict:
+    """Parameter counts of the model by group."""
+    with torch.device("meta"):
+        model = StageModel(cfg)
+    groups = {"embed": 0, "head": 0, "expert": 0, "other": 0}
+    for name, p in model.named_parameters():
+        size = p.numel()
+        if name.startswith("embed."):
+            groups["embed"] += size
+        elif name.startswith("head."):
+            groups["head"] += size
+        elif ".ffn.experts." in name:
+            groups["expert"] += size
+        else:
+            groups["other"] += size
+    return groups
+
+
+def weight_bytes_per_step(cfg: ModelConfig, batch: int) -> float:
+    g = _param_groups(cfg)
+    e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
+    touched = e * (1 - (1 - k / e) ** batch)
+    embed_rows = batch * cfg.hidden_size * 2
+    return 2 * (g["other"] + g["head"] + g["expert"] * touched / e) + embed_rows  # bf16
+
+
+def kv_bytes_per_step(cfg: ModelConfig, context: int, kv_dtype: str) -> float:
+    """KV bytes one request reads per decode step at `context` tokens."""
+    entry = {kind: layout_for(kind, kv_dtype).bytes_per_entry
+             for kind in ("window", "c4", "c128", "indexer")}  # fmt: skip
+    total = 0.0
+    for spec in cfg.layers[: cfg.num_hidden_layers]:
+        total += min(128, context) * entry["window"]
+        if spec.compress_ratio == 4:
+            total += min(cfg.index_topk, context // 4) * entry["c4"]
+            if not spec.skip_topk:
+                total += (context // 4) * entry["indexer"]
+        elif spec.compress_ratio == 128:
+            total += (context // 128) * entry["c128"]
+    return total
+
+
+def active_params(cfg: ModelConfig) -> float:
+    """Parameters one token multiplies by, without the embedding and the lm head."""
+    g = _param_groups(cfg)
+    routed = g["expert"] * cfg.num_experts_per_tok / cfg.n_routed_experts
+    return g["other"] + routed

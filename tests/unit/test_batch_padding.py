@@ -1,0 +1,55 @@
+"""A batch padded to a CUDA graph's fixed shapes: real rows unchanged, pad rows inert."""
+
+import random
+
+import numpy as np
+import pytest
+
+from dsv4ray.engine.plan import BatchEntry, StepPlan
+from dsv4ray.worker.batch import Padding, ReqTable, host_arrays
+
+PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
+             "c4_out", "c128_out", "c4_bound")  # fmt: skip
+
+
+def _decode_plan(rng: random.Random, num: int):
+    tables, entries = {}, []
+    for r in range(num):
+        pos = rng.randint(0, 3000)
+        pages = list(range(100 * r, 100 * r + pos // 256 + 1))
+        windows = [-1] * (pos // 128 + 1)
+        for i in range(max(0, (pos - 127) // 128), len(windows)):
+            windows[i] = 1000 + 40 * r + i
+        tables[f"r{r}"] = ReqTable(r, pages, windows)
+        entries.append(BatchEntry(f"r{r}", pos, 1, True))
+    return StepPlan(step_id=0, batch=entries, token_ids=[7] * num), tables
+
+
+@pytest.mark.parametrize("num", [1, 3, 8])
+def test_padded_rows_match_unpadded_and_pad_rows_touch_nothing(num):
+    plan, tables = _decode_plan(random.Random(num), num)
+    plain, plain_sample = host_arrays(plan, tables)
+    padding = Padding(num_tokens=8, page_cols=16, c128_cols=32, scratch_slot=99)
+    padded, sample = host_arrays(plan, tables, padding)
+    assert np.array_equal(sample, plain_sample)
+    for name in PER_TOKEN:
+        assert np.array_equal(padded[name][:num], plain[name]), name
+    for name, cols in (("page_table", plain["page_table"].shape[1]), ("c128_slots", None)):
+        cols = cols or plain[name].shape[1]
+        assert np.array_equal(padded[name][:num, :cols], plain[name]), name
+        assert (padded[name][:num, cols:] == -1).all(), name
+    assert np.array_equal(padded["window_slots"][:num], plain["window_slots"])
+    pad = slice(num, 8)
+    for name in ("window_store", "c4_out", "c128_out", "window_slots", "c128_slots", "page_table"):
+        assert (padded[name][pad] == -1).all(), name  # no read, no write into a real page
+    assert (padded["c4_bound"][pad] == 0).all()
+    assert (padded["state_slots"][pad] == 99).all()
+    assert np.array_equal(padded["req_rows"][pad], np.arange(num, 8))
+
+
+def test_batch_too_large_for_padding_is_named():
+    plan, tables = _decode_plan(random.Random(0), 3)
+    with pytest.raises(ValueError, match="3 tokens do not fit a padded batch of 2"):
+        host_arrays(plan, tables, Padding(2, 16, 32, 9))
+    with pytest.raises(ValueError, match="pages do not fit a padded page table of 1 columns"):
+        host_arrays(plan, tables, Padding(4, 1, 32, 9))
