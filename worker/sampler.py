@@ -112,15 +112,20 @@ def sample_batch(
 
 
 def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
+    num_rows, vocab_size = logits.shape
     token_ids = logits.argmax(-1)  # [R] greedy
     drawn = [i for i, row in enumerate(rows) if not row.is_greedy]
-    if drawn:
-        params = _upload(drawn, rows, positions, logits.device)
-        idx = params[:, 6].long()
-        filters = any(rows[i].filters(logits.shape[-1]) for i in drawn)
-        token_ids = token_ids.index_copy(
-            0, idx, _draw(logits.index_select(0, idx), params, filters)
-        )
+    filtering = [i for i in drawn if rows[i].filters(vocab_size)]
+    plain = [i for i in drawn if not rows[i].filters(vocab_size)]
+    if drawn:  # one upload; rows that filter (and need the sort) come first
+        params = _upload(filtering + plain, rows, positions, logits.device)
+        for part, filters in ((params[: len(filtering)], True), (params[len(filtering) :], False)):
+            if part.shape[0] == num_rows:  # every row, in order
+                token_ids = _draw(logits, part, filters)
+            elif part.shape[0]:
+                idx = part[:, 6].long()
+                drawn_ids = _draw(logits.index_select(0, idx), part, filters)
+                token_ids = token_ids.index_copy(0, idx, drawn_ids)
     finite = torch.isfinite(logits.amax(-1))  # NaN propagates through amax; all -inf is not finite
     token_ids = token_ids.masked_fill(~finite, -1)
     packed = token_ids.double()[:, None]  # ids < 2**53 are exact in float64
