@@ -12,8 +12,10 @@ softmax(filtered(logits / T))[v]). No generator state lives between steps: a req
 depend only on its own logits, seed and positions, not on its row, on what else shares the
 batch, or on preemption and recompute.
 
-``ReferenceSampler`` and ``reference_logprobs`` are the per-request torch reference the batched
-pass is tested against (the same filtering rules, ``torch.multinomial`` draws).
+On CUDA the noise, the add and the argmax run fused in one Triton pass (``sampler_kernel``);
+``gumbel_noise`` is its torch reference and runs elsewhere. ``ReferenceSampler`` and
+``reference_logprobs`` are the per-request torch reference the batched pass is tested against
+(the same filtering rules, ``torch.multinomial`` draws).
 """
 
 from __future__ import annotations
@@ -155,15 +157,25 @@ def _draw(logits: torch.Tensor, params: torch.Tensor, filters: bool) -> torch.Te
     temperature, top_p = params[:, 0].float(), params[:, 1].float()
     top_k = params[:, 2].long()
     ints = params[:, 3:6].long()
-    key = _mix32(ints[:, 0] ^ _mix32(ints[:, 1] ^ _mix32(ints[:, 2])))  # [S] (seed, position)
+    key = mix32(ints[:, 0] ^ mix32(ints[:, 1] ^ mix32(ints[:, 2])))  # [S] (seed, position)
     scaled = logits / temperature[:, None]
     if not filters:
-        vocab = torch.arange(logits.shape[-1], device=logits.device)
-        return (scaled + _gumbel(key, vocab[None, :])).argmax(-1)
+        return _argmax_noised(scaled, None, key)
     values, order = scaled.sort(dim=-1, descending=True)
     values = _filter_sorted(values, top_k, top_p)
-    pick = (values + _gumbel(key, order)).argmax(-1, keepdim=True)
-    return order.gather(1, pick).squeeze(1)
+    return order.gather(1, _argmax_noised(values, order, key)[:, None]).squeeze(1)
+
+
+def _argmax_noised(values: torch.Tensor, vocab_ids: torch.Tensor | None, key: torch.Tensor):
+    """[S] column of the largest values + G(key, vocab id) per row (vocab id = column when
+    vocab_ids is None): one fused Triton pass on CUDA, this torch reference elsewhere."""
+    if values.is_cuda:
+        from dsv4ray.worker.sampler_kernel import gumbel_argmax
+
+        return gumbel_argmax(values, vocab_ids, key)
+    if vocab_ids is None:
+        vocab_ids = torch.arange(values.shape[-1], device=values.device)[None, :]
+    return (values + gumbel_noise(key, vocab_ids)).argmax(-1)
 
 
 def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
@@ -180,7 +192,7 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return values.masked_fill(drop, float("-inf"))
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
+def mix32(x: torch.Tensor) -> torch.Tensor:
     """A bijective integer hash of int64 values in [0, 2**32) (xor-shift-multiply rounds)."""
     for mult in _MULTIPLIERS:
         x = x ^ (x >> 16)
@@ -188,10 +200,10 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def _gumbel(key: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+def gumbel_noise(key: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
     """key [S] row keys, vocab_ids [S or 1, V] -> [S, V] fp32 Gumbel noise. Uniforms are the
     odd multiples of 2**-24 in (0, 1): exact in fp32, never 0 or 1, so the noise is finite."""
-    bits = _mix32(key[:, None] ^ ((vocab_ids * _GOLDEN) & MASK32)) >> 9  # 23 bits
+    bits = mix32(key[:, None] ^ ((vocab_ids * _GOLDEN) & MASK32)) >> 9  # 23 bits
     uniform = (bits * 2 + 1).float() * 2.0**-24
     return -torch.log(-torch.log(uniform))
 

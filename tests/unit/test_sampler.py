@@ -11,9 +11,12 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.worker.sampler import (
     ReferenceSampler,
     SamplingRow,
+    gumbel_noise,
+    mix32,
     reference_logprobs,
     sample_batch,
 )
+from dsv4ray.worker.sampler_kernel import gumbel_argmax
 
 V = 16
 NUM_DRAWS = 8_000
@@ -149,3 +152,18 @@ def test_parameters_a_plan_could_carry_are_validated_per_request(params, field):
         SamplingRow.from_plan(params, 0)
     with pytest.raises(ValueError, match="seed"):
         SamplingRow.from_plan({}, 2**63)
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_the_fused_kernel_picks_what_the_torch_reference_picks(with_ids):
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the Triton interpreter on CPU
+    g = torch.Generator().manual_seed(8)
+    values = torch.randn(5, 3000, generator=g) * 2  # 3000: a ragged last block
+    values[1, ::3] = float("-inf")
+    values[2] = float("-inf")
+    key = mix32(torch.tensor([0, 1, 2**32 - 1, 12345, 7]))
+    ids = torch.argsort(torch.rand(5, 3000, generator=g), dim=-1) if with_ids else None
+    ref = (values + gumbel_noise(key, ids if with_ids else torch.arange(3000)[None])).argmax(-1)
+    on = {"device": device}
+    got = gumbel_argmax(values.to(**on), ids.to(**on) if with_ids else None, key.to(**on))
+    assert got.cpu().tolist() == ref.tolist()
