@@ -68,10 +68,18 @@ class SamplingRow:
 
     @functools.cached_property
     def columns(self) -> tuple:
-        """The row's first five upload columns: temperature, top_p, top_k (any k >= 2**31
-        keeps every token, and stays exact in float64), seed low and high 32 bits."""
+        """The row's first three upload columns: temperature, top_p, top_k (any k >= 2**31
+        keeps every token, and stays exact in float64)."""
+        return self.temperature, self.top_p, min(self.top_k, 2**31)
+
+    @functools.cached_property
+    def _seed_key(self) -> int:
         seed = self.seed & (2**64 - 1)
-        return self.temperature, self.top_p, min(self.top_k, 2**31), seed & MASK32, seed >> 32
+        return mix32((seed & MASK32) ^ mix32(seed >> 32))
+
+    def key(self, position: int) -> int:
+        """The noise key of the token drawn at this sequence position, in [0, 2**32)."""
+        return mix32(self._seed_key ^ mix32(position & MASK32))
 
     def filters(self, vocab_size: int) -> bool:
         return self.top_p < 1.0 or 0 < self.top_k < vocab_size
@@ -125,7 +133,7 @@ def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
             if part.shape[0] == num_rows:  # every row, in order
                 token_ids = _draw(logits, part, filters)
             elif part.shape[0]:
-                idx = part[:, 6].long()
+                idx = part[:, 4].long()
                 drawn_ids = _draw(logits.index_select(0, idx), part, filters)
                 token_ids = token_ids.index_copy(0, idx, drawn_ids)
     finite = torch.isfinite(logits.amax(-1))  # NaN propagates through amax; all -inf is not finite
@@ -137,9 +145,9 @@ def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
 
 
 def _upload(drawn: list[int], rows: list[SamplingRow], positions: list[int], device):
-    """[S, 7] float64 on the device for the S rows that draw: temperature, top_p, top_k, seed
-    low and high 32 bits, position, row index (all exact in float64), moved in one copy."""
-    table = [(*rows[i].columns, positions[i], i) for i in drawn]
+    """[S, 5] float64 on the device for the S rows that draw: temperature, top_p, top_k, noise
+    key, row index (all exact in float64), moved in one copy."""
+    table = [(*rows[i].columns, rows[i].key(positions[i]), i) for i in drawn]
     return _to_device(table, torch.float64, device)
 
 
@@ -155,9 +163,7 @@ def _draw(logits: torch.Tensor, params: torch.Tensor, filters: bool) -> torch.Te
     """logits [S, V] of rows that draw -> [S] token ids by Gumbel-max over the filtered,
     tempered logits."""
     temperature, top_p = params[:, 0].float(), params[:, 1].float()
-    top_k = params[:, 2].long()
-    ints = params[:, 3:6].long()
-    key = mix32(ints[:, 0] ^ mix32(ints[:, 1] ^ mix32(ints[:, 2])))  # [S] (seed, position)
+    top_k, key = params[:, 2].long(), params[:, 3].long()
     scaled = logits / temperature[:, None]
     if not filters:
         return _argmax_noised(scaled, None, key)
@@ -192,8 +198,9 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     return values.masked_fill(drop, float("-inf"))
 
 
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """A bijective integer hash of int64 values in [0, 2**32) (xor-shift-multiply rounds)."""
+def mix32(x):
+    """A bijective hash of values in [0, 2**32), Python ints or int64 tensors alike
+    (xor-shift-multiply rounds)."""
     for mult in _MULTIPLIERS:
         x = x ^ (x >> 16)
         x = (x * mult) & MASK32
