@@ -123,8 +123,11 @@ def sample_batch(
 
 def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
     num_rows, vocab_size = logits.shape
-    token_ids = logits.argmax(-1)  # [R] greedy
     drawn = [i for i, row in enumerate(rows) if not row.is_greedy]
+    if len(drawn) < num_rows:
+        token_ids = logits.argmax(-1)  # [R] greedy
+    else:  # every row draws: each is written below
+        token_ids = torch.empty(num_rows, dtype=torch.long, device=logits.device)
     filtering = [i for i in drawn if rows[i].filters(vocab_size)]
     plain = [i for i in drawn if not rows[i].filters(vocab_size)]
     if drawn:  # one upload; rows that filter (and need the sort) come first
@@ -136,8 +139,8 @@ def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
                 idx = part[:, 4].long()
                 drawn_ids = _draw(logits.index_select(0, idx), part, filters)
                 token_ids = token_ids.index_copy(0, idx, drawn_ids)
-    finite = torch.isfinite(logits.amax(-1))  # NaN propagates through amax; all -inf is not finite
-    token_ids = token_ids.masked_fill(~finite, -1)
+    row_max = logits.amax(-1)  # NaN propagates; x - x is 0 only where x is finite
+    token_ids = token_ids.masked_fill(row_max - row_max != 0, -1)
     packed = token_ids.double()[:, None]  # ids < 2**53 are exact in float64
     if any(n is not None for n in num_top):
         packed = torch.cat([packed, _logprob_columns(logits, token_ids, num_top)], dim=1)
