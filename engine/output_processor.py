@@ -48,15 +48,20 @@ class OutputProcessor:
         out.token_ids.append(token)
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
+        delta = self.decoders[req_id].push([token])
         before = len(out.text)
-        out.text += self.decoders[req_id].push([token])
-        for stop in sp.stop or ():
-            cut = out.text.find(stop)
-            if cut >= 0:
-                out.text = out.text[:cut]
-                self.stopped_by_string.add(req_id)
-                return out.text[before:], True
-        return out.text[before:], False
+        out.text += delta
+        if not (delta and sp.stop):
+            return delta, False
+        # the text before this delta held no stop string, so one can only start in its last
+        # len(stop) - 1 characters or in the delta: search there, and cut at the earliest
+        start = max(0, before - max(len(stop) for stop in sp.stop) + 1)
+        cuts = [cut for cut in (out.text.find(stop, start) for stop in sp.stop) if cut >= 0]
+        if not cuts:
+            return delta, False
+        out.text = out.text[: min(cuts)]
+        self.stopped_by_string.add(req_id)
+        return out.text[before:], True
 
     def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
         out = self.outputs[finished.req_id]

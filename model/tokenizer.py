@@ -123,23 +123,45 @@ def _token_text(tok) -> str | None:
 
 
 class StreamDecoder:
-    """Turns a growing list of token ids into text deltas, holding back split UTF-8 sequences."""
+    """Turns a growing list of token ids into text deltas in time linear in the output.
+
+    The tokenizers library's ``DecodeStream`` decodes only a short window of recent ids per
+    token and holds back an unfinished UTF-8 sequence (a window ending in U+FFFD). Invariant,
+    for decoders where a byte's text is fixed once its character is complete (byte-level BPE,
+    as DeepSeek's): the deltas ``push`` returns, followed by ``flush()``, concatenate to
+    ``tokenizer.decode(ids)``. A byte-fallback decoder re-decodes a whole run of byte tokens as
+    U+FFFD when the run turns out invalid, which no stream can take back: there ``DecodeStream``
+    may refuse a window, and the stream then decodes all ids per token from that point on
+    (callers take the final text from a whole decode).
+    """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
+        from tokenizers.decoders import DecodeStream
+
         self.tokenizer = tokenizer
         self.ids: list[int] = []
-        self.text = ""
+        self.num_chars = 0  # length of the text handed out so far
+        self._stream = DecodeStream(skip_special_tokens=True)
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
+        if self._stream is not None:
+            try:
+                delta = self._stream.step(self.tokenizer._tok, list(token_ids)) or ""
+            except Exception:  # a window that disagrees with the text handed out: decode it all
+                self._stream = None
+            else:
+                self.num_chars += len(delta)
+                return delta
         full = self.tokenizer.decode(self.ids)
         if full.endswith("\ufffd"):
             return ""
-        delta, self.text = full[len(self.text) :], full
-        return delta
+        return self._rest(full)
 
     def flush(self) -> str:
         """Whatever the stream still holds back (an unfinished UTF-8 sequence, decoded as is)."""
-        full = self.tokenizer.decode(self.ids)
-        delta, self.text = full[len(self.text) :], full
+        return self._rest(self.tokenizer.decode(self.ids))
+
+    def _rest(self, full: str) -> str:
+        delta, self.num_chars = full[self.num_chars :], len(full)
         return delta

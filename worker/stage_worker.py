@@ -24,7 +24,7 @@ from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.sampler import RequestSampler, token_logprobs
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -54,7 +54,7 @@ class StageWorker:
         self.pools: StagePools | None = None
         self.host_io = None
         self.tables: dict[str, ReqTable] = {}
-        self.samplers: dict[str, RequestSampler] = {}
+        self.sampling: dict[str, SamplingRow | str] = {}  # str: why the parameters were refused
         specs = [self.cfg.layers[i].rope for i in range(start, end)]
         self.ropes = RopeTables(specs, self.device)
         self.stage = HostStage()
@@ -186,30 +186,46 @@ class StageWorker:
         if not meta.sample_req_ids:
             return
         logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
-        for row, req_id in enumerate(meta.sample_req_ids):
-            try:
-                token = self.samplers[req_id].sample(logits[row])
-                if req_id in plan.logprobs:
-                    num_top = plan.logprobs[req_id]
-                    result.logprobs[req_id] = token_logprobs(logits[row], token, num_top)
-            except Exception as exc:  # one request's sampling fails alone
-                log.warning("request %s could not sample: %r", req_id, exc)
-                result.errors[req_id] = f"sampling failed: {type(exc).__name__}: {exc}"[:300]
+        req_ids = meta.sample_req_ids
+        # the token drawn follows the entry's last one: its position keys the seeded noise
+        positions = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
+        rows = [self.sampling[req_id] for req_id in req_ids]
+        outcomes = sample_batch(
+            logits,
+            [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
+            [positions[req_id] for req_id in req_ids],
+            [plan.logprobs.get(req_id) for req_id in req_ids],
+        )
+        for req_id, row, outcome in zip(req_ids, rows, outcomes):
+            error = row if isinstance(row, str) else outcome.error
+            if error is not None:  # one request's sampling fails alone
+                log.warning("request %s could not sample: %s", req_id, error)
+                result.errors[req_id] = error
                 continue
-            result.sampled[req_id] = token
+            result.sampled[req_id] = outcome.token_id
+            if outcome.logprobs is not None:
+                result.logprobs[req_id] = outcome.logprobs
 
     def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
-        start = 0
+        """One head pass and one host copy for every scored request's tokens."""
+        spans, start = [], 0
         for entry in plan.batch:
             if entry.req_id in plan.full_logits:
-                rows = x[start : start + entry.num_tokens]
-                result.full_logits[entry.req_id] = self.model.logits(rows).cpu()
+                spans.append((entry.req_id, start, entry.num_tokens))
             start += entry.num_tokens
+        if not spans:
+            return
+        rows = torch.cat([torch.arange(s, s + n) for _, s, n in spans]).to(self.device)
+        logits = self.model.logits(x[rows]).cpu()  # [sum n, V] fp32
+        offset = 0
+        for req_id, _, num_tokens in spans:
+            result.full_logits[req_id] = logits[offset : offset + num_tokens].clone()
+            offset += num_tokens
 
     def _apply(self, plan: StepPlan) -> None:
         for req_id in [*plan.finished_ids, *plan.preempted_ids]:
             self.tables.pop(req_id, None)
-            self.samplers.pop(req_id, None)
+            self.sampling.pop(req_id, None)
         for new in plan.new_requests:
             self._add(new)
         for diff in plan.diffs:
@@ -230,7 +246,10 @@ class StageWorker:
         else:
             self.pools.reset_rings([new.state_slot])
         if self.is_last:
-            self.samplers[new.req_id] = RequestSampler(new.sampling, new.seed)
+            try:
+                self.sampling[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)
+            except ValueError as exc:  # refused here so that it cannot fail the whole batch
+                self.sampling[new.req_id] = f"sampling failed: ValueError: {exc}"[:300]
 
     def _snapshots(self, plan: StepPlan) -> None:
         if plan.snapshots:

@@ -1,0 +1,128 @@
+"""Streaming detokenisation and stop strings against whole-text decoding: the deltas of random
+byte streams (split multi-byte UTF-8, invalid bytes, special tokens) concatenate to
+``tokenizer.decode(ids)``, and a stop string cuts the text where it first appears in the whole
+decoded output, also when it spans token boundaries."""
+
+import random
+
+import pytest
+
+from dsv4ray.engine.output_processor import OutputProcessor
+from dsv4ray.engine.request import FinishedRequest
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.model.tokenizer_files import ROLE_TOKEN_IDS, write_byte_tokenizer
+
+SPECIAL_IDS = [0, 1, *ROLE_TOKEN_IDS.values()]  # bos, eos (skipped), role and think tokens
+TEXT = "ab€ 日本語 ✓ 😀 naïve Ωmega\n"
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tok")
+    write_byte_tokenizer(str(path))
+    return Tokenizer(str(path))
+
+
+def _byte_ids(data: bytes) -> list[int]:
+    return [b + 2 for b in data]  # the tiny tokenizer: byte b is token b + 2
+
+
+def _random_ids(rng: random.Random) -> list[int]:
+    """Valid multi-byte text cut at random byte offsets, random bytes and special tokens."""
+    ids = []
+    for _ in range(rng.randrange(1, 12)):
+        kind = rng.random()
+        if kind < 0.5:
+            text = TEXT.encode()
+            start = rng.randrange(len(text))
+            ids += _byte_ids(text[start : start + rng.randrange(1, 12)])
+        elif kind < 0.8:
+            ids += _byte_ids(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 4))))
+        else:
+            ids.append(rng.choice(SPECIAL_IDS))
+    return ids
+
+
+def _stream(tok, ids: list[int], chunk: int = 1) -> tuple[list[str], str]:
+    decoder = StreamDecoder(tok)
+    deltas = [decoder.push(ids[i : i + chunk]) for i in range(0, len(ids), chunk)]
+    return deltas, decoder.flush()
+
+
+@pytest.mark.parametrize("chunk", [1, 3])
+def test_deltas_concatenate_to_the_whole_decode(tok, chunk):
+    rng = random.Random(chunk)
+    for _ in range(300):
+        ids = _random_ids(rng)
+        deltas, rest = _stream(tok, ids, chunk)
+        assert "".join(deltas) + rest == tok.decode(ids)
+
+
+def test_a_split_character_is_held_back_until_it_is_complete(tok):
+    ids = _byte_ids("x😀".encode())
+    deltas, rest = _stream(tok, ids)
+    assert deltas == ["x", "", "", "", "😀"] and rest == ""
+    deltas, rest = _stream(tok, ids[:3])  # the answer ends inside the character
+    assert "".join(deltas) == "x" and "x" + rest == tok.decode(ids[:3])
+
+
+def _run(tok, ids: list[int], params: SamplingParams) -> tuple[str, str, bool]:
+    """Feeds ids through an OutputProcessor as the engine does: (final text, streamed text,
+    whether a stop string ended it; after that the engine sends no more tokens)."""
+    proc = OutputProcessor(tok)
+    proc.add("r", [0], params)
+    streamed, stopped = "", False
+    for token in ids:
+        delta, stopped = proc.on_token("r", token, None)
+        streamed += delta
+        if stopped:
+            break
+    out = proc.on_finish(FinishedRequest("r", [0], ids, "stop" if stopped else "length", 0))
+    return out.text, streamed, stopped
+
+
+def test_final_text_equals_the_whole_decode_without_stop_strings(tok):
+    rng = random.Random(5)
+    for _ in range(100):
+        ids = _random_ids(rng)
+        text, streamed, stopped = _run(tok, ids, SamplingParams(max_tokens=len(ids)))
+        assert text == tok.decode(ids) and text.startswith(streamed) and not stopped
+
+
+def test_stop_strings_cut_at_their_first_appearance_in_the_whole_text(tok):
+    rng = random.Random(6)
+    stops = ("日本", "✓ 😀", "a", "\n", "Ωm")
+    for _ in range(300):
+        ids = _random_ids(rng)
+        want = tok.decode(ids)
+        cut = min((c for c in (want.find(s) for s in stops) if c >= 0), default=None)
+        text, streamed, stopped = _run(tok, ids, SamplingParams(stop=list(stops)))
+        assert stopped == (cut is not None)
+        assert text == (want if cut is None else want[:cut])
+        # the stream may already hold the start of the stop string: the text ends before it
+        assert streamed.startswith(text) if stopped else text.startswith(streamed)
+
+
+def test_a_stop_string_spanning_many_tokens_is_found(tok):
+    ids = _byte_ids(b"long answer, then STOP HERE and more")
+    text, streamed, stopped = _run(tok, ids, SamplingParams(stop=["xyz", "STOP HERE"]))
+    assert stopped and text == "long answer, then " and streamed.startswith(text)
+
+
+def test_a_byte_fallback_decoder_that_rewrites_earlier_bytes_does_not_break_the_stream(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    pieces = ["[UNK]", "a", "▁", "<0xE2>", "<0xAC>", "<0x41>"]
+    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="[UNK]"))
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path))
+    # "A" streams out, then the invalid run "A A E2 AC" decodes as four U+FFFD: the window the
+    # stream holds no longer starts with what it handed out
+    ids = [pieces.index(p) for p in ["<0x41>", "<0x41>", "<0xE2>", "<0xAC>", "▁", "<0x41>", "a"]]
+    text, streamed, stopped = _run(tok, ids, SamplingParams(max_tokens=len(ids)))
+    assert text == tok.decode(ids) == "\ufffd" * 4 + " Aa" and streamed.endswith(" Aa")
