@@ -29,8 +29,12 @@ def ray_head(tmp_path):
     """
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
-    env = dict(os.environ, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token),
-               PATH=f"{BIN}:{os.environ.get('PATH', '')}")
+    env = dict(
+        os.environ,
+        RAY_AUTH_MODE="token",
+        RAY_AUTH_TOKEN_PATH=str(token),
+        PATH=f"{BIN}:{os.environ.get('PATH', '')}",
+    )
     env.pop("RAY_ADDRESS", None)
     temp_dir = f"/tmp/rj{secrets.token_hex(3)}"
     head, address = _start_head(env, temp_dir)
@@ -49,15 +53,31 @@ def _start_head(env: dict, temp_dir: str, attempts: int = 2):
     """Starts the head; one retry, as a loaded machine can make its GCS start time out."""
     for attempt in range(attempts):
         dash = _free_port()
-        cmd = [f"{BIN}/ray", "start", "--head", "--block", f"--port={_free_port()}",
-               "--num-cpus=2", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-               # every port of its own: a Ray already running here holds the defaults
-               *(f"--{name}={_free_port()}" for name in (
-                   "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
-                   "metrics-export-port", "runtime-env-agent-port", "ray-client-server-port")),
-               f"--temp-dir={temp_dir}", "--include-dashboard=true", "--disable-usage-stats"]
-        head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)
+        cmd = [
+            f"{BIN}/ray",
+            "start",
+            "--head",
+            "--block",
+            f"--port={_free_port()}",
+            "--num-cpus=2",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            # every port of its own: a Ray already running here holds the defaults
+            *(
+                f"--{name}={_free_port()}"
+                for name in (
+                    "dashboard-agent-listen-port",
+                    "dashboard-agent-grpc-port",
+                    "metrics-export-port",
+                    "runtime-env-agent-port",
+                    "ray-client-server-port",
+                )
+            ),
+            f"--temp-dir={temp_dir}",
+            "--include-dashboard=true",
+            "--disable-usage-stats",
+        ]
+        head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         address = f"http://127.0.0.1:{dash}"
         try:
             _wait_for_dashboard(address, env, head)
@@ -74,8 +94,12 @@ def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None
     while time.monotonic() < deadline:
         if head.poll() is not None:
             raise RuntimeError(f"ray start --head exited with {head.returncode}")
-        probe = subprocess.run([f"{BIN}/ray", "job", "list", "--address", address], env=env,
-                               capture_output=True, timeout=60)
+        probe = subprocess.run(
+            [f"{BIN}/ray", "job", "list", "--address", address],
+            env=env,
+            capture_output=True,
+            timeout=60,
+        )
         if probe.returncode == 0:
             return
         time.sleep(1)
