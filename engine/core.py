@@ -138,8 +138,12 @@ class EngineCore:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestUpdate]:
         """Submits plans up to the pipeline depth, then commits the oldest one in flight."""
-        if self.needs_rebuild and not self._rebuild():
-            return self.abort_all("the pipeline could not be restarted after a stage failed")
+        if self.needs_rebuild:
+            refused = self._rebuild()
+            if refused is None:
+                return self.abort_all("the pipeline could not be restarted after a stage failed")
+            if refused:
+                return refused
         while len(self.in_flight) < self.pipeline.depth:
             plan = self.scheduler.schedule()
             if plan is None:
@@ -218,17 +222,18 @@ class EngineCore:
         self.needs_rebuild = True
         return self.abort_all("a pipeline stage failed while the request ran")
 
-    def _rebuild(self) -> bool:
+    def _rebuild(self) -> list[RequestUpdate] | None:
         """Fresh stage actors and pools. With a host tier the prefix index keeps what the host
         holds, so restarted stages load cached prefixes back instead of recomputing them.
-        False when the rebuild failed (logged; the next step tries again)."""
+        Returns the waiting requests the restarted pipeline cannot take (smaller pools), ended;
+        None when the rebuild failed (logged; the next step tries again)."""
         self.num_rebuilds += 1
         old_capacity = self.pipeline.capacity
         try:
             self.pipeline.rebuild()
         except Exception:  # a stage died again, or the cluster cannot start one now
             log.exception("pipeline rebuild failed")
-            return False
+            return None
         self.needs_rebuild = False
         waiting = self._take_waiting()
         if self.pipeline.host_lost and self.scheduler.uses_host_tier:
@@ -239,13 +244,21 @@ class EngineCore:
             log.info("prefix index kept its host-tier pages across the restart")
         else:
             self.scheduler = self._new_scheduler()
+        self.scoring &= set(waiting)
+        return self._queue_again(waiting)
+
+    def _queue_again(self, waiting: list[str]) -> list[RequestUpdate]:
+        refused = []
         for req_id in waiting:  # same order: first come, first served
             out, params = self.outputs.outputs[req_id], self.outputs.params[req_id]
-            self.scheduler.add_request(
-                req_id, out.prompt_token_ids, params, use_prefix_cache=req_id not in self.scoring
-            )
-        self.scoring &= set(waiting)
-        return True
+            try:
+                self.scheduler.add_request(
+                    req_id, out.prompt_token_ids, params, req_id not in self.scoring
+                )
+            except ValueError as exc:  # too long for the restarted pipeline's pools
+                out = self._end(req_id, f"the restarted pipeline cannot take it: {exc}")
+                refused.append(RequestUpdate(req_id, output=out))
+        return refused
 
     def _take_waiting(self) -> list[str]:
         """Unfinished requests (added after the failure, so none has run) leave the scheduler
