@@ -12,6 +12,7 @@ actors live on, exited, or were killed.
 from __future__ import annotations
 
 import logging
+import threading
 
 import ray
 from ray.dag import InputNode
@@ -24,6 +25,8 @@ from dsv4ray.cluster.channel_files import (
 )
 
 log = logging.getLogger("dsv4ray.pipeline")
+
+TEARDOWN_TIMEOUT_S = 20.0
 
 
 class StageGraph:
@@ -68,14 +71,35 @@ class StageGraph:
         return self.dag.execute(data)
 
     def teardown(self) -> None:
+        """Stops the graph and removes its channel files. Ray's teardown can wait without end
+        for a live actor's loop once another actor of the graph died (the live one never
+        sees the dead one's channels close); after TEARDOWN_TIMEOUT_S the actors are killed,
+        which ends that wait."""
         if self.dag is not None:
-            try:
-                self.dag.teardown()
-            except Exception as exc:  # a graph with a dead actor may not tear down cleanly
-                log.warning("compiled graph teardown: %s", describe(exc))
+            waiter = threading.Thread(target=self._teardown_dag, daemon=True)
+            waiter.start()
+            waiter.join(TEARDOWN_TIMEOUT_S)
+            if waiter.is_alive():
+                log.warning("graph teardown stuck %.0f s: killing its actors", TEARDOWN_TIMEOUT_S)
+                kill_actors(self.actors)
+                waiter.join(TEARDOWN_TIMEOUT_S)
             self.dag = None
         remove_channel_files(self.channel_files)
         self.channel_files = []
+
+    def _teardown_dag(self) -> None:
+        try:
+            self.dag.teardown()
+        except Exception as exc:  # a graph with a dead actor may not tear down cleanly
+            log.warning("compiled graph teardown: %s", describe(exc))
+
+
+def kill_actors(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # already gone
+            log.debug("kill: %s", describe(exc))
 
 
 def describe(exc: BaseException) -> str:
