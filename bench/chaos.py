@@ -49,12 +49,16 @@ from dsv4ray.entrypoints.async_engine import AsyncEngine  # noqa: E402
 from dsv4ray.model import load_reference  # noqa: E402
 
 MAX_NEW_TOKENS = 16  # short requests: more of them, and more faults, per minute of CPU
-POISON = {
+POISON = {  # ignore_eos: served ones are compared with the reference's greedy tokens
     "stop lone surrogate": lambda: SamplingParams(max_tokens=8, stop=["\ud800"]),
-    "temperature 1e-38": lambda: SamplingParams(max_tokens=8, temperature=1e-38),
-    "temperature 5e-324": lambda: SamplingParams(max_tokens=8, temperature=5e-324),
-    "top_p 5e-324": lambda: SamplingParams(max_tokens=8, temperature=1.0, top_p=5e-324, seed=1),
-    "top_p 1e-300": lambda: SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=1),
+    "temperature 1e-38": lambda: SamplingParams(max_tokens=8, temperature=1e-38, ignore_eos=True),
+    "temperature 5e-324": lambda: SamplingParams(max_tokens=8, temperature=5e-324, ignore_eos=True),
+    "top_p 5e-324": lambda: SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=5e-324, seed=1, ignore_eos=True
+    ),
+    "top_p 1e-300": lambda: SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True
+    ),
 }
 FAULT_WEIGHTS = {"poison": 0.72, "kill_stage": 0.2, "kill_host_tier": 0.08}
 

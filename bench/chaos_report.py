@@ -178,6 +178,8 @@ def write_records(chaos, path: str) -> None:
                 "outcome": r.outcome,
                 "num_tokens": len(r.tokens),
                 "max_tokens": r.max_tokens,
+                "tokens": r.tokens,
+                "reference": chaos.refs[r.prompt][: r.max_tokens],
                 "error": r.error,
             }
             f.write(json.dumps(row) + "\n")
