@@ -9,12 +9,14 @@ killed, used to leave them behind (12 files per pp 2 graph). Host tier regions a
 test's pipelines are counted: other Ray instances on the machine may come and go meanwhile.
 """
 
+import threading
 import time
 
 import ray
 
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.cluster import pipeline as ray_pipeline
+from dsv4ray.cluster import stage_graph
 from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
 from dsv4ray.cluster.stage_graph import StageGraph
 
@@ -70,6 +72,34 @@ def test_twenty_graph_builds_and_teardowns_leave_no_files(ray_session):
             assert shm.now() - baseline == set(), cycle
     finally:
         ray.wait([a.__ray_terminate__.remote() for a in actors], num_returns=2, timeout=30)
+    assert shm.settle(0, baseline) == set()
+
+
+def test_a_teardown_waiting_on_a_live_stage_ends_and_leaves_no_files(ray_session, monkeypatch):
+    # Ray's teardown of a graph with a dead stage has been seen to wait for the live one's
+    # loop until that stage died too (minutes later, at the next kill); here it does so always
+    shm = ShmFiles()
+    baseline = shm.now()
+    actors = [_Stage.remote(), _Stage.remote()]
+    graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)
+    ray.kill(actors[0], no_restart=True)
+    raw_teardown, ended = graph.dag.teardown, threading.Event()
+
+    def teardown_until_the_live_stage_dies():
+        while True:
+            try:
+                ray.get(actors[1].__ray_ready__.remote(), timeout=30)
+            except Exception:  # dead: Ray's wait would end now
+                raw_teardown()
+                ended.set()
+                return
+            time.sleep(0.1)
+
+    monkeypatch.setattr(graph.dag, "teardown", teardown_until_the_live_stage_dies)
+    monkeypatch.setattr(stage_graph, "TEARDOWN_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    graph.teardown()
+    assert ended.is_set() and time.monotonic() - start < 10
     assert shm.settle(0, baseline) == set()
 
 
