@@ -26,7 +26,7 @@ from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cluster.placement import ensure_ray, stage_bundle
-from dsv4ray.cluster.stage_graph import StageGraph, describe, kill_actors
+from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.pipeline import PipelineFailure
@@ -159,9 +159,10 @@ class RayPipeline:
             raise PipelineFailure(describe(exc)) from exc
 
     def rebuild(self) -> None:
-        """After a stage died: the survivors are killed first (they cannot serve without it,
-        and a graph whose actors are all gone tears down at once), then fresh actors start."""
-        kill_actors(self.actors)
+        """After a stage died: the survivors exit first (a clean exit removes every channel
+        file they used; a graph whose actors are all gone tears down at once, while Ray's
+        teardown can wait on a live one without end), then fresh actors start."""
+        _stop_actors(self.actors)
         self._teardown()
         self._build()
 
