@@ -48,15 +48,19 @@ from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid  # noqa: E4
 from dsv4ray.entrypoints.async_engine import AsyncEngine  # noqa: E402
 from dsv4ray.model import load_reference  # noqa: E402
 
-MAX_NEW_TOKENS = 24
-POISON = {
+MAX_NEW_TOKENS = 16  # short requests: more of them, and more faults, per minute of CPU
+POISON = {  # ignore_eos: served ones are compared with the reference's greedy tokens
     "stop lone surrogate": lambda: SamplingParams(max_tokens=8, stop=["\ud800"]),
-    "temperature 1e-38": lambda: SamplingParams(max_tokens=8, temperature=1e-38),
-    "temperature 5e-324": lambda: SamplingParams(max_tokens=8, temperature=5e-324),
-    "top_p 5e-324": lambda: SamplingParams(max_tokens=8, temperature=1.0, top_p=5e-324, seed=1),
-    "top_p 1e-300": lambda: SamplingParams(max_tokens=8, temperature=1.0, top_p=1e-300, seed=1),
+    "temperature 1e-38": lambda: SamplingParams(max_tokens=8, temperature=1e-38, ignore_eos=True),
+    "temperature 5e-324": lambda: SamplingParams(max_tokens=8, temperature=5e-324, ignore_eos=True),
+    "top_p 5e-324": lambda: SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=5e-324, seed=1, ignore_eos=True
+    ),
+    "top_p 1e-300": lambda: SamplingParams(
+        max_tokens=8, temperature=1.0, top_p=1e-300, seed=1, ignore_eos=True
+    ),
 }
-FAULT_WEIGHTS = {"poison": 0.6, "kill_stage": 0.3, "kill_host_tier": 0.1}
+FAULT_WEIGHTS = {"poison": 0.72, "kill_stage": 0.2, "kill_host_tier": 0.08}
 
 
 @dataclass
@@ -159,8 +163,11 @@ class Chaos:
     def kill_host_tier(self) -> None:
         import ray
 
+        tiers = self.engine.core.pipeline.tiers
+        if not tiers:  # a rebuild or a drop of the tier took it meanwhile
+            return
         self.host_kills.append(time.monotonic())
-        ray.kill(self.engine.core.pipeline.tiers[0], no_restart=True)
+        ray.kill(tiers[0], no_restart=True)
 
     def poison(self) -> None:
         name = self.rng.choice(list(POISON))

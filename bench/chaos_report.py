@@ -1,8 +1,9 @@
 """bench/chaos.py's verdicts: its request records and fault times turned into result rows.
 
 An abort is allowed when its request was unfinished at a stage kill, or was submitted after the
-kill but before the engine noticed it (the first abort after the kill marks that moment: the
-engine aborts every unfinished request at once). Any other abort is a bystander's.
+kill but before the engine served again (the engine aborts every unfinished request when it
+notices the dead stage, and the requests waiting on a rebuild that fails): the first request
+started after the kill that finishes marks the recovery. Any other abort is a bystander's.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ WRONG = "finished greedy requests whose tokens differ from the reference's greed
 
 
 def _detections(chaos) -> list[tuple[float, float]]:
-    """(kill time, time the engine aborted what ran) per stage kill."""
-    aborts = sorted(r.end for r in chaos.records if r.outcome == "abort")
+    """(kill time, time the engine served again) per stage kill."""
     windows = []
     for t_kill in chaos.stage_kills:
-        later = [t for t in aborts if t >= t_kill]
-        windows.append((t_kill, later[0] if later else t_kill))
+        served = [r.end for r in chaos.records if r.outcome == "done" and r.start >= t_kill]
+        windows.append((t_kill, min(served, default=float("inf"))))
     return windows
 
 
@@ -178,6 +178,8 @@ def write_records(chaos, path: str) -> None:
                 "outcome": r.outcome,
                 "num_tokens": len(r.tokens),
                 "max_tokens": r.max_tokens,
+                "tokens": r.tokens,
+                "reference": chaos.refs[r.prompt][: r.max_tokens],
                 "error": r.error,
             }
             f.write(json.dumps(row) + "\n")

@@ -3,11 +3,11 @@
 Ray 2.60 gives every shared-memory channel two POSIX semaphores, files
 ``/dev/shm/sem.{obj,hdr}<raylet pid>-<ns>``. It never frees them while a graph runs or after
 ``teardown()``: each process that used a channel unlinks them only when its core worker is
-destroyed, on a clean exit. An actor killed with ``ray.kill`` (or one that crashed) never gets
-there, so its channels' files stay behind for as long as the node runs. RayPipeline therefore
-(1) asks its stage actors to exit cleanly, which removes every channel file they or the driver
-use, and (2) for a stage that died on its own records, when the graph is built, the channel files
-this (driver) process maps, and removes exactly those after the actors are gone.
+destroyed, on a clean exit.
+An actor killed with ``ray.kill`` (or one that crashed) never gets there, and a live actor keeps
+the files of every graph it ever ran until it exits. A StageGraph (cluster/stage_graph.py)
+therefore records, once built, the channel files that this (driver) process and each of its
+actors map, and removes exactly those when it is torn down.
 ``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py).
 """
 
@@ -22,7 +22,7 @@ log = logging.getLogger("dsv4ray.pipeline")
 SEM_PREFIX = "/dev/shm/sem."
 
 # Held from just before a graph is compiled until its channels are mapped (one warm-up step),
-# so no other pipeline in this process maps new channel files in between: the difference of
+# so no other graph in this process maps new channel files in between: the difference of
 # two ``mapped_channel_files()`` calls then belongs to that graph alone.
 BUILD_LOCK = threading.Lock()
 
@@ -93,3 +93,23 @@ def node_shm_files(raylet_pid: int, pipeline_keys: list[str]) -> set[str]:
     except FileNotFoundError:
         return set()
     return {name for name in names if name.startswith(prefixes)}
+
+
+def actor_channel_files(actors: list, timeout_s: float = 10.0) -> set[str]:
+    """The channel files the given actors' processes map; dead or unresponsive actors are
+    left out (their channels are mapped by the other end as well)."""
+    import ray
+
+    refs = [actor.__ray_call__.remote(_mapped_in_actor) for actor in actors]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    files: set[str] = set()
+    for ref in ready:
+        try:
+            files |= ray.get(ref)
+        except Exception as exc:  # a dead actor surfaces in several exception types
+            log.debug("channel files of an actor: %s", exc)
+    return files
+
+
+def _mapped_in_actor(_instance) -> set[str]:
+    return mapped_channel_files()

@@ -5,9 +5,9 @@ actor). The compiled graph sends each plan (msgpack bytes) to every stage and pa
 StageResult (residual stack [T, hc * hidden], running top-k) to the next: shared-memory channels
 on CPU, NCCL on GPUs. Up to pp_size plans are in flight. A dead or stuck stage raises
 PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in the same bundles.
-Teardown lets the stage actors exit cleanly (killing only those that do not) and then removes the
-channel files a dead stage left in /dev/shm (see cluster/channel_files.py): builds and rebuilds
-leave no files behind.
+Teardown removes the graph's channel files from /dev/shm (cluster/stage_graph.py) and lets the
+stage actors exit cleanly, killing only those that do not: builds, failed builds and rebuilds
+leave no files behind, whichever stages died.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 import uuid
 
 import ray
-from ray.dag import InputNode
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -26,12 +25,8 @@ from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cluster.channel_files import (
-    BUILD_LOCK,
-    mapped_channel_files,
-    remove_channel_files,
-)
 from dsv4ray.cluster.placement import ensure_ray, stage_bundle
+from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.pipeline import PipelineFailure
@@ -60,8 +55,8 @@ class RayPipeline:
             [stage_bundle(self.use_gpu) for _ in self.ranges], strategy="PACK"
         )
         ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
-        self.actors, self.dag = [], None
-        self.channel_files: list[str] = []  # this graph's channel files the driver maps
+        self.actors: list = []
+        self.dag: StageGraph | None = None
         self.host_args: dict | None = None  # host tier regions (HiCache), once attached
         self.tiers, self.regions = [], []
         self.host_lost = False  # a rebuild found the host tier's regions empty
@@ -69,27 +64,36 @@ class RayPipeline:
         self._build()
 
     def _build(self) -> None:
+        """Starts the stage actors, sizes and allocates their pools, maps the host tier and
+        compiles the graph. Every wait is bounded; a failure leaves what was started for
+        ``_teardown`` (the next ``rebuild`` or ``shutdown``)."""
         ec = self.config
         self.actors = [self._actor(i, start, end) for i, (start, end) in enumerate(self.ranges)]
-        infos = self.infos = ray.get([a.ready.remote() for a in self.actors])
-        available = ray.get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
+        infos = self.infos = self._get([a.ready.remote() for a in self.actors])
+        available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available)
         sizes = dataclasses.asdict(pool_sizes(self.capacity))
-        ray.get([a.allocate.remote(sizes) for a in self.actors])
+        self._get([a.allocate.remote(sizes) for a in self.actors])
         if self.host_args is not None:
             self._attach_regions()
-        with BUILD_LOCK:
-            before = mapped_channel_files()
-            self.dag = self._compile()
-            try:  # channels register on first use: one empty step maps the driver's side
-                self.collect(self.submit(StepPlan(step_id=-1)))
-            finally:  # a stage that died meanwhile leaves them to this process to remove
-                self.channel_files = sorted(mapped_channel_files() - before)
+        try:
+            self.dag = StageGraph(
+                self.actors,
+                self.depth,
+                ec.execution_timeout_s,
+                warmup=encode(StepPlan(step_id=-1)),
+                nccl=self.use_gpu,
+            )
+        except Exception as exc:  # a stage died while the graph was compiled or warmed up
+            raise PipelineFailure(describe(exc)) from exc
         log.info(
             "pipeline: %d stage actors %s, compiled graph ready",
             len(self.actors),
             [(i["start"], i["end"], i["pid"]) for i in infos],
         )
+
+    def _get(self, refs):
+        return ray.get(refs, timeout=self.config.execution_timeout_s)
 
     def _actor(self, idx: int, start: int, end: int):
         ec = self.config
@@ -104,18 +108,6 @@ class RayPipeline:
             ec.device,
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
-        )
-
-    def _compile(self):
-        with InputNode() as plan:
-            out = self.actors[0].first.bind(plan)
-            for actor in self.actors[1:]:
-                if self.use_gpu:
-                    out = out.with_tensor_transport(transport="nccl")
-                out = actor.next.bind(plan, out)
-        return out.experimental_compile(
-            _max_inflight_executions=self.depth,
-            _submit_timeout=self.config.execution_timeout_s,
         )
 
     # ------------------------------------------------------------------ host tier
@@ -133,8 +125,8 @@ class RayPipeline:
             start, end = self.ranges[i]
             layout = HostLayout(self.cfg, start, end, self.config.kv_cache_dtype, **self.host_args)
             tier = host_tier_for_node(info["node"])
-            region = ray.get(tier.create_region.remote(f"{self.key}-s{i}", layout.nbytes))
-            ray.get(actor.attach_host.remote(self.host_args, region["path"]))
+            region = self._get(tier.create_region.remote(f"{self.key}-s{i}", layout.nbytes))
+            self._get(actor.attach_host.remote(self.host_args, region["path"]))
             self.tiers.append(tier)
             self.regions.append(region)
         self.host_lost = not first and any(r["created"] for r in self.regions)
@@ -144,7 +136,7 @@ class RayPipeline:
             ray.get([t.ping.remote() for t in self.tiers], timeout=10)
             return True
         except Exception as exc:  # a dead actor surfaces in several exception types
-            log.error("host tier unreachable: %s", _describe(exc))
+            log.error("host tier unreachable: %s", describe(exc))
             return False
 
     def drop_host(self) -> None:
@@ -158,29 +150,28 @@ class RayPipeline:
         try:
             return self.dag.execute(data)
         except Exception as exc:  # the compiled graph reports a dead actor in many types
-            raise PipelineFailure(_describe(exc)) from exc
+            raise PipelineFailure(describe(exc)) from exc
 
     def collect(self, ref) -> StageResult:
         try:
             return ray.get(ref, timeout=self.config.execution_timeout_s)
         except Exception as exc:
-            raise PipelineFailure(_describe(exc)) from exc
+            raise PipelineFailure(describe(exc)) from exc
 
     def rebuild(self) -> None:
+        """After a stage died: the survivors exit first (a clean exit removes every channel
+        file they used; a graph whose actors are all gone tears down at once, while Ray's
+        teardown can wait on a live one without end), then fresh actors start."""
+        _stop_actors(self.actors)
         self._teardown()
         self._build()
 
     def _teardown(self) -> None:
         if self.dag is not None:
-            try:
-                self.dag.teardown()
-            except Exception as exc:  # a graph with a dead actor may not tear down cleanly
-                log.warning("compiled graph teardown: %s", _describe(exc))
+            self.dag.teardown()
             self.dag = None
         _stop_actors(self.actors)
         self.actors = []
-        remove_channel_files(self.channel_files)
-        self.channel_files = []
 
     def shutdown(self) -> None:
         self._teardown()
@@ -188,7 +179,7 @@ class RayPipeline:
             try:
                 ray.get(tier.release_region.remote(region["key"]), timeout=10)
             except Exception as exc:  # the tier died: nobody else removes its files
-                log.warning("host region %s not released: %s", region["key"], _describe(exc))
+                log.warning("host region %s not released: %s", region["key"], describe(exc))
                 _unlink(region["path"])
         self.tiers, self.regions = [], []
         if self.own_pg:
@@ -196,9 +187,8 @@ class RayPipeline:
 
 
 def _stop_actors(actors: list) -> None:
-    """Asks every actor to exit and waits for it. A clean exit runs Ray's channel cleanup in the
-    actor's process, which unlinks the graph's semaphore files; ``ray.kill`` skips it and leaves
-    them in /dev/shm. Actors still there after EXIT_TIMEOUT_S (a stuck stage) are killed."""
+    """Asks every actor to exit and waits for it (a clean exit frees its resources at once).
+    Actors still there after EXIT_TIMEOUT_S (a stuck stage) are killed."""
     if not actors:
         return
     refs = [actor.__ray_terminate__.remote() for actor in actors]
@@ -216,8 +206,3 @@ def _unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -4,8 +4,10 @@ It owns the scheduler and a pipeline (in-process stages or Ray stage actors) and
 of ``step()`` into a list of per-request updates (new tokens, text deltas, finished outputs).
 Up to ``pipeline.depth`` plans are in flight (micro-batches); the scheduler never schedules a
 request that is in flight, and stages apply plans in order. If a stage dies, every unfinished
-request ends with finish_reason "abort" and an error saying so, the pipeline is rebuilt with
-fresh pools, and the engine keeps serving.
+request ends with finish_reason "abort" and an error saying so, in the step that saw the failure;
+the next step rebuilds the pipeline with fresh pools before it schedules anything, and the engine
+keeps serving. A rebuild that fails ends the requests then waiting with an error (no caller waits
+on a pipeline that is not there) and is tried again at the next step.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ class EngineCore:
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
-        self.undelivered: list[RequestUpdate] = []  # aborts a failed rebuild did not hand out
+        self.needs_rebuild = False  # a stage died: rebuild before the next plan
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
@@ -131,14 +133,17 @@ class EngineCore:
         return self.outputs.on_finish(finished, error)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self.in_flight or self.undelivered)
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestUpdate]:
         """Submits plans up to the pipeline depth, then commits the oldest one in flight."""
-        if self.undelivered:
-            updates, self.undelivered = self.undelivered, []
-            return updates
+        if self.needs_rebuild:
+            refused = self._rebuild()
+            if refused is None:
+                return self.abort_all("the pipeline could not be restarted after a stage failed")
+            if refused:
+                return refused
         while len(self.in_flight) < self.pipeline.depth:
             plan = self.scheduler.schedule()
             if plan is None:
@@ -211,15 +216,26 @@ class EngineCore:
         return out
 
     def _recover(self, exc: PipelineFailure) -> list[RequestUpdate]:
-        """A stage died: abort every unfinished request with the reason, rebuild, keep serving.
-        With a host tier the prefix index keeps what the host holds, so restarted stages load
-        cached prefixes back instead of recomputing them."""
+        """A stage died: every unfinished request ends now, with the reason; the next step
+        rebuilds the pipeline (seconds to minutes), so no caller waits for it to learn."""
         log.error("pipeline stage failed: %s; rebuilding the pipeline", exc)
-        # queued first: if the rebuild fails too, the next step still delivers these aborts
-        self.undelivered += self.abort_all("a pipeline stage failed while the request ran")
+        self.needs_rebuild = True
+        return self.abort_all("a pipeline stage failed while the request ran")
+
+    def _rebuild(self) -> list[RequestUpdate] | None:
+        """Fresh stage actors and pools. With a host tier the prefix index keeps what the host
+        holds, so restarted stages load cached prefixes back instead of recomputing them.
+        Returns the waiting requests the restarted pipeline cannot take (smaller pools), ended;
+        None when the rebuild failed (logged; the next step tries again)."""
         self.num_rebuilds += 1
         old_capacity = self.pipeline.capacity
-        self.pipeline.rebuild()
+        try:
+            self.pipeline.rebuild()
+        except Exception:  # a stage died again, or the cluster cannot start one now
+            log.exception("pipeline rebuild failed")
+            return None
+        self.needs_rebuild = False
+        waiting = self._take_waiting()
         if self.pipeline.host_lost and self.scheduler.uses_host_tier:
             log.error("the host tier came back empty: its cached prefixes are forgotten")
             self.scheduler.drop_host_residency()
@@ -228,9 +244,29 @@ class EngineCore:
             log.info("prefix index kept its host-tier pages across the restart")
         else:
             self.scheduler = self._new_scheduler()
-        self.scoring.clear()
-        updates, self.undelivered = self.undelivered, []
-        return updates
+        self.scoring &= set(waiting)
+        return self._queue_again(waiting)
+
+    def _queue_again(self, waiting: list[str]) -> list[RequestUpdate]:
+        refused = []
+        for req_id in waiting:  # same order: first come, first served
+            out, params = self.outputs.outputs[req_id], self.outputs.params[req_id]
+            try:
+                self.scheduler.add_request(
+                    req_id, out.prompt_token_ids, params, req_id not in self.scoring
+                )
+            except ValueError as exc:  # too long for the restarted pipeline's pools
+                out = self._end(req_id, f"the restarted pipeline cannot take it: {exc}")
+                refused.append(RequestUpdate(req_id, output=out))
+        return refused
+
+    def _take_waiting(self) -> list[str]:
+        """Unfinished requests (added after the failure, so none has run) leave the scheduler
+        quietly; ``_rebuild`` queues them again on the restarted pipeline."""
+        waiting = self.outputs.unfinished()
+        for req_id in waiting:
+            self.scheduler.abort(req_id)
+        return waiting
 
     def _host_tier_lost(self) -> None:
         log.error("host tier lost: dropping host residency, serving from device pools only")

@@ -110,7 +110,8 @@ def _add_job(sub) -> None:
         "aborted ones.",
         epilog="exit codes: 0 every request finished; 1 a bad input line or an aborted "
         "request; 2 usage error (no input file or checkpoint, bad option); "
-        "130 interrupted (Ctrl-C): the requests left are done by a rerun",
+        "130 interrupted (Ctrl-C), 143 stopped by SIGTERM (ray job stop): the requests left "
+        "are done by a rerun",
     )
     job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")

@@ -10,12 +10,13 @@ the last line of an id wins. A rerun with the same output skips ids whose last l
 ("length" or "stop") and retries the others (last line with finish_reason "abort" or an
 "error", or a line cut short), appending their new lines.
 
-SIGINT (Ctrl-C) stops submitting, aborts the requests that run (they get no output line, so a
-rerun does them), prints the summary with the number of requests left and shuts the engine down.
+SIGINT (Ctrl-C) and SIGTERM (what ``ray job stop`` sends first) stop submitting, abort the
+requests that run (they get no output line, so a rerun does them), print the summary with the
+number of requests left and shut the engine down.
 
 Exit codes: 0 every request finished; 1 some input line was bad or some request was aborted;
 2 usage error (no input file or checkpoint, no folder for the output, an invalid option);
-130 interrupted by SIGINT.
+130 interrupted by SIGINT; 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from dsv4ray.model.tokenizer import Tokenizer
 
 log = logging.getLogger("dsv4ray.job")
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 
 PARAM_KEYS = (
     "max_tokens",
@@ -62,6 +63,7 @@ class JobStats:
     retried: int = 0  # ids whose last output line was aborted, run again
     left: int | None = None  # requests not finished when interrupted (None: input not read)
     interrupted: bool = False
+    terminated: bool = False  # the interrupt was SIGTERM
     tokens: int = 0
     ttfts: list[float] = field(default_factory=list)
 
@@ -194,25 +196,28 @@ def run_job(
         return usage_error(str(exc))
     stats, work, core = JobStats(), None, None
     start = time.perf_counter()
+    previous = _raise_on_sigterm()
     try:
         prior = last_results(output_path)
         todo = read_requests(input_path, prior, Tokenizer(model), stats, default_max_tokens)
         work = _Work(deque(todo))
         core = build_engine_core(config)
+        _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
         _run(core, work, output_path, stats, 2 * config.max_running_requests)
     except ValueError as exc:
         if core is not None:
             raise  # only the engine's construction reports bad options this way
         return usage_error(str(exc))
-    except KeyboardInterrupt:
-        stats.interrupted = True
+    except (KeyboardInterrupt, Terminated) as exc:
+        stats.interrupted, stats.terminated = True, isinstance(exc, Terminated)
         stats.left = work.left if work is not None else None
     finally:
         if core is not None:
             _stop(core, stats.interrupted)
+        _restore_sigterm(previous)
     _summary(stats, time.perf_counter() - start)
     if stats.interrupted:
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if stats.terminated else EXIT_INTERRUPTED
     return EXIT_FAILED if stats.failed or stats.bad_lines else EXIT_OK
 
 
@@ -262,8 +267,8 @@ def _submit(core: EngineCore, req_id: str, ids: list[int], params, stats: JobSta
 
 def _stop(core: EngineCore, interrupted: bool) -> None:
     """Aborts what still runs (after an interrupt) and shuts the engine down; a second
-    Ctrl-C meanwhile is ignored, as it would leave the stage actors behind."""
-    with _sigint_ignored():
+    SIGINT or SIGTERM meanwhile is ignored, as it would leave the stage actors behind."""
+    with _signals_ignored():
         if interrupted:
             try:
                 core.abort_all("the job was interrupted")
@@ -272,16 +277,39 @@ def _stop(core: EngineCore, interrupted: bool) -> None:
         core.shutdown()
 
 
+class Terminated(BaseException):
+    """SIGTERM arrived: the job stops as on SIGINT (a BaseException, like KeyboardInterrupt,
+    so that no ``except Exception`` on the way takes it for a failure)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated
+
+
+def _raise_on_sigterm():
+    """Installs the SIGTERM handler; returns the one it replaced (None off the main thread,
+    where handlers cannot be set)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _restore_sigterm(previous) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGTERM, previous)
+
+
 @contextlib.contextmanager
-def _sigint_ignored():
+def _signals_ignored():
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may change signal handlers
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _write(out, result, stats: JobStats) -> None:
@@ -309,10 +337,11 @@ def _summary(stats: JobStats, seconds: float) -> None:
         return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
 
     head = "dsv4ray job: "
+    how = "stopped by SIGTERM" if stats.terminated else "interrupted"
     if stats.interrupted and stats.left is None:
-        head += "interrupted while reading the input; "
+        head += f"{how} while reading the input; "
     elif stats.interrupted:
-        head += f"interrupted, {stats.left} requests left (a rerun does them); "
+        head += f"{how}, {stats.left} requests left (a rerun does them); "
     print(
         f"{head}{stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad lines, "
         f"{stats.skipped} already done, {stats.retried} retried), "

@@ -9,6 +9,7 @@ error path no request is running and every page is free or cached.
 
 import asyncio
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -133,33 +134,77 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
     _assert_nothing_held(llm)
 
 
-def test_aborts_reach_their_streams_even_when_a_rebuild_fails(tiny_ckpt, tiny_model):
+def _faulty(engine, faults: dict, release: threading.Event | None = None):
+    """Stage failures on the local pipeline: the first ``faults["submit"]`` plans that carry a
+    request raise PipelineFailure, the first ``faults["rebuild"]`` rebuilds raise; a rebuild
+    waits for ``release`` (a restart takes seconds to minutes on a real cluster)."""
     from dsv4ray.engine.pipeline import PipelineFailure
-    from dsv4ray.entrypoints.async_engine import AsyncEngine
 
-    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32")
-    pipeline, faults = engine.core.pipeline, {"submit": 1, "rebuild": 1}
+    pipeline = engine.core.pipeline
     submit, rebuild = pipeline.submit, pipeline.rebuild
 
-    def failing(name, call):
-        def run(*args):
-            if faults[name] and (name == "rebuild" or len(engine.core.outputs.outputs)):
-                faults[name] -= 1
-                raise PipelineFailure("stage gone") if name == "submit" else RuntimeError("again")
-            return call(*args)
+    def failing_submit(plan):
+        if faults.get("submit") and plan.batch:
+            faults["submit"] -= 1
+            raise PipelineFailure("stage gone")
+        return submit(plan)
 
-        return run
+    def failing_rebuild():
+        assert release is None or release.wait(timeout=60)
+        if faults.get("rebuild"):
+            faults["rebuild"] -= 1
+            raise RuntimeError("the cluster cannot start a stage now")
+        rebuild()
 
-    pipeline.submit, pipeline.rebuild = failing("submit", submit), failing("rebuild", rebuild)
+    pipeline.submit, pipeline.rebuild = failing_submit, failing_rebuild
 
-    async def last(prompt):
-        updates = [u async for u in engine.generate(prompt, SamplingParams(max_tokens=3))]
-        return updates[-1].output
+
+async def _last(engine, prompt, max_tokens: int = 3):
+    updates = [u async for u in engine.generate(prompt, SamplingParams(max_tokens=max_tokens))]
+    return updates[-1].output
+
+
+def test_aborts_reach_their_streams_before_the_rebuild_and_new_requests_wait_for_it(
+    tiny_ckpt, tiny_model
+):
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine, release = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32"), threading.Event()
+    _faulty(engine, {"submit": 1}, release)
+
+    async def scenario():
+        lost = await _last(engine, PROMPTS[0])  # while the rebuild has not even started
+        assert lost.finish_reason == "abort" and "stage" in lost.error
+        waiting = asyncio.ensure_future(_last(engine, PROMPTS[1]))
+        await asyncio.sleep(0.5)
+        assert not waiting.done()  # it waits for the pipeline, it is not aborted
+        release.set()
+        return await waiting, await engine.stats()
 
     try:
-        lost = asyncio.run(asyncio.wait_for(last(PROMPTS[0]), timeout=120))
+        again, stats = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+        assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
+        assert stats["num_pipeline_rebuilds"] == 1 and stats["num_running"] == 0
+    finally:
+        release.set()
+        engine.shutdown()
+
+
+def test_a_failed_rebuild_ends_the_waiting_requests_and_the_next_one_is_served(
+    tiny_ckpt, tiny_model
+):
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine, faults = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32"), {"submit": 1, "rebuild": 1}
+    _faulty(engine, faults)
+
+    async def scenario():
+        return [await _last(engine, prompt) for prompt in (PROMPTS[0], PROMPTS[1], PROMPTS[1])]
+
+    try:
+        lost, refused, again = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
         assert lost.finish_reason == "abort" and "stage" in lost.error
-        again = asyncio.run(asyncio.wait_for(last(PROMPTS[1]), timeout=120))
+        assert refused.finish_reason == "abort" and "could not be restarted" in refused.error
         assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
         assert faults == {"submit": 0, "rebuild": 0}
     finally:

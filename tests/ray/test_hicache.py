@@ -108,8 +108,8 @@ def test_a_rebuild_that_finds_a_new_host_tier_forgets_the_old_host_copies(
         ray.kill(llm.core.pipeline.actors[1], no_restart=True)
         with caplog.at_level("ERROR", logger="dsv4ray.engine"):
             lost = llm.generate([[5] * 40], GREEDY)[0]  # no prefix hit: no host copy to load
+            again = llm.generate([a + [1]], GREEDY)[0]  # its first step rebuilds
         assert lost.finish_reason == "abort" and "came back empty" in caplog.text
-        again = llm.generate([a + [1]], GREEDY)[0]
         llm.core.check_integrity()
     finally:
         llm.shutdown()

@@ -1,5 +1,6 @@
-"""`dsv4ray job`: a rerun retries the ids whose last output line aborted, SIGINT ends the job
-with a summary and exit code 130, and usage errors exit with 2 before Ray starts."""
+"""`dsv4ray job`: a rerun retries the ids whose last output line aborted, SIGINT and SIGTERM
+(`ray job stop`) end the job with a summary and exit codes 130 and 143, and usage errors exit
+with 2 before Ray starts."""
 
 import json
 import os
@@ -73,7 +74,13 @@ class _Stderr:
             time.sleep(0.2)
 
 
-def test_sigint_ends_the_job_with_a_summary_and_exit_130(ray_session, tiny_ckpt, tmp_path):
+@pytest.mark.parametrize(
+    ("sig", "code", "how"),
+    [(signal.SIGINT, 130, "interrupted"), (signal.SIGTERM, 143, "stopped by SIGTERM")],
+)
+def test_a_signal_ends_the_job_with_a_summary_and_its_exit_code(
+    ray_session, tiny_ckpt, tmp_path, sig, code, how
+):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     long = {"max_tokens": 1000, "ignore_eos": True}  # minutes of decoding on CPU
     src.write_text("".join(json.dumps({"id": i, "prompt": "Hi", **long}) + "\n" for i in range(3)))
@@ -87,13 +94,13 @@ def test_sigint_ends_the_job_with_a_summary_and_exit_130(ray_session, tiny_ckpt,
     try:
         err.wait_for("requests:", proc, timeout_s=240)  # the progress bar: decoding started
         time.sleep(1)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=120) == 130, err.text()
+        proc.send_signal(sig)
+        assert proc.wait(timeout=120) == code, err.text()
     finally:
         proc.kill()
     err.thread.join(timeout=10)
     text = err.text()
-    assert "dsv4ray job: interrupted, 3 requests left (a rerun does them)" in text, text
+    assert f"dsv4ray job: {how}, 3 requests left (a rerun does them)" in text, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert dst.read_text() == ""  # interrupted requests get no line, so a rerun does them
 

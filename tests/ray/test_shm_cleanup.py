@@ -1,22 +1,38 @@
-"""Pipeline builds, rebuilds, a dead stage and shutdowns leave no files in /dev/shm.
+"""Graph builds and teardowns, pipeline rebuilds, stages killed while running or while a
+rebuild runs, and shutdowns leave no files in /dev/shm.
 
 Each compiled graph's shared-memory channel has two semaphore files,
 ``/dev/shm/sem.{obj,hdr}<raylet pid>-<ns>``; Ray removes them only when a process that used
-the channel exits cleanly, so stage actors killed at teardown used to leave them behind
-(12 files per build while the driver lived, 4 of them for good). Host tier regions are
+the channel exits cleanly, so graphs torn down while their actors lived on, and stage actors
+killed, used to leave them behind (12 files per pp 2 graph). Host tier regions are
 ``/dev/shm/dsv4ray-<pipeline key>-s<stage>``. Only files of this session's Ray node and of this
 test's pipelines are counted: other Ray instances on the machine may come and go meanwhile.
 """
 
+import threading
 import time
 
 import ray
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.cluster import pipeline as ray_pipeline
+from dsv4ray.cluster import stage_graph
 from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
+from dsv4ray.cluster.stage_graph import StageGraph
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
-NUM_REBUILDS = 2  # each starts fresh actors (seconds); a single build used to leak 12 files
+NUM_CYCLES = 20
+
+
+@ray.remote(num_cpus=0.5)
+class _Stage:
+    """A stage with a pipeline stage's graph methods and no model: builds cost no weights."""
+
+    def first(self, x: int) -> int:
+        return x + 1
+
+    def next(self, x: int, prev: int) -> int:
+        return prev + 1
 
 
 class ShmFiles:
@@ -43,24 +59,78 @@ class ShmFiles:
             time.sleep(0.2)
 
 
-def test_rebuilds_a_dead_stage_and_shutdown_leave_no_files(ray_session, tiny_ckpt):
+def test_twenty_graph_builds_and_teardowns_leave_no_files(ray_session):
+    shm = ShmFiles()
+    baseline = shm.now()
+    actors = [_Stage.remote(), _Stage.remote()]  # pp 2; they outlive every graph
+    try:
+        for cycle in range(NUM_CYCLES):
+            graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)
+            assert ray.get(graph.execute(cycle)) == cycle + 2
+            assert len(graph.channel_files) >= 8  # both stages' channels and the driver's
+            graph.teardown()
+            assert shm.now() - baseline == set(), cycle
+    finally:
+        ray.wait([a.__ray_terminate__.remote() for a in actors], num_returns=2, timeout=30)
+    assert shm.settle(0, baseline) == set()
+
+
+def test_a_teardown_waiting_on_a_live_stage_ends_and_leaves_no_files(ray_session, monkeypatch):
+    # Ray's teardown of a graph with a dead stage has been seen to wait for the live one's
+    # loop until that stage died too (minutes later, at the next kill); here it does so always
+    shm = ShmFiles()
+    baseline = shm.now()
+    actors = [_Stage.remote(), _Stage.remote()]
+    graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)
+    ray.kill(actors[0], no_restart=True)
+    raw_teardown, ended = graph.dag.teardown, threading.Event()
+
+    def teardown_until_the_live_stage_dies():
+        while True:
+            try:
+                ray.get(actors[1].__ray_ready__.remote(), timeout=30)
+            except Exception:  # dead: Ray's wait would end now
+                raw_teardown()
+                ended.set()
+                return
+            time.sleep(0.1)
+
+    monkeypatch.setattr(graph.dag, "teardown", teardown_until_the_live_stage_dies)
+    monkeypatch.setattr(stage_graph, "TEARDOWN_TIMEOUT_S", 1.0)
+    start = time.monotonic()
+    graph.teardown()
+    assert ended.is_set() and time.monotonic() - start < 10
+    assert shm.settle(0, baseline) == set()
+
+
+def test_stages_killed_while_serving_and_while_rebuilding_leave_no_files(
+    ray_session, tiny_ckpt, monkeypatch
+):
     shm = ShmFiles()
     baseline = shm.now()
     llm = LLM(
         tiny_ckpt, pp_size=2, kv_cache_dtype="fp32", enable_hicache=True, max_total_tokens=1024
     )
     shm.track(llm)
+    kills = []
+
+    def graph_of_a_stage_killed_meanwhile(actors, *args, **kwargs):
+        if not kills:  # the first rebuild: a stage dies between its start and its graph
+            kills.append(actors[1])
+            ray.kill(actors[1], no_restart=True)
+        return StageGraph(actors, *args, **kwargs)
+
     try:
         llm.generate([[5, 6, 7]], GREEDY)
         live = shm.now() - baseline
         num_sems = sum(name.startswith("sem.") for name in live)
         assert num_sems >= 4 and len(live) == num_sems + 2, live  # channels + 2 stage regions
-        for _ in range(NUM_REBUILDS):
-            llm.core.pipeline.rebuild()
-            assert len(shm.settle(len(live), baseline)) == len(live)
+        monkeypatch.setattr(ray_pipeline, "StageGraph", graph_of_a_stage_killed_meanwhile)
         ray.kill(llm.core.pipeline.actors[-1], no_restart=True)  # it cannot clean up after itself
         assert llm.generate([[5, 6, 7]], GREEDY)[0].finish_reason == "abort"
-        assert llm.generate([[5, 6, 8]], GREEDY)[0].finish_reason == "length"
+        refused = llm.generate([[5, 6, 8]], GREEDY)[0]
+        assert kills and "could not be restarted" in refused.error
+        assert llm.generate([[5, 6, 9]], GREEDY)[0].finish_reason == "length"
         assert len(shm.settle(len(live), baseline)) == len(live)
     finally:
         llm.shutdown()

@@ -1,0 +1,108 @@
+"""StageGraph: one Ray compiled graph over a chain of stage actors, and its /dev/shm files.
+
+The graph sends each input to every actor and passes each actor's result to the next:
+``actors[0].first(x)``, then ``actors[i].next(x, prev)``; the last result is the output. On CPU
+every channel is shared memory with two semaphore files in /dev/shm that Ray removes only when a
+process that used the channel exits cleanly (see channel_files.py). The graph therefore records,
+once it has run one warm-up input, every channel file that the driver or any of its actors maps,
+and ``teardown`` removes them: no process opens a torn-down graph's channels again, whether its
+actors live on, exited, or were killed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import ray
+from ray.dag import InputNode
+
+from dsv4ray.cluster.channel_files import (
+    BUILD_LOCK,
+    actor_channel_files,
+    mapped_channel_files,
+    remove_channel_files,
+)
+
+log = logging.getLogger("dsv4ray.pipeline")
+
+TEARDOWN_TIMEOUT_S = 20.0
+
+
+class StageGraph:
+    def __init__(
+        self, actors: list, depth: int, timeout_s: float, warmup, nccl: bool = False
+    ) -> None:
+        """depth: inputs in flight at most; timeout_s: bound on a submit and on the warm-up;
+        warmup: an input every actor accepts. Raises whatever compiling or the warm-up raised
+        (a dead actor), after removing the channel files made so far."""
+        self.actors, self.timeout_s = actors, timeout_s
+        self.dag, self.channel_files = None, []
+        with BUILD_LOCK:  # no other graph of this process maps channel files meanwhile
+            before = mapped_channel_files()
+            try:
+                self.dag = self._compile(depth, nccl)
+                ray.get(self.dag.execute(warmup), timeout=timeout_s)  # channels map on first use
+            except BaseException:
+                self.channel_files = self._channel_files(before)
+                self.teardown()
+                raise
+            self.channel_files = self._channel_files(before)
+        log.debug("compiled graph: %d channel files", len(self.channel_files))
+
+    def _compile(self, depth: int, nccl: bool):
+        with InputNode() as data:
+            out = self.actors[0].first.bind(data)
+            for actor in self.actors[1:]:
+                if nccl:
+                    out = out.with_tensor_transport(transport="nccl")
+                out = actor.next.bind(data, out)
+        return out.experimental_compile(
+            _max_inflight_executions=depth, _submit_timeout=self.timeout_s
+        )
+
+    def _channel_files(self, before: set[str]) -> list[str]:
+        """The driver's new channel files and those every live actor maps (a dead actor's
+        channels are mapped by its neighbours or the driver as well)."""
+        files = (mapped_channel_files() - before) | actor_channel_files(self.actors)
+        return sorted(files)
+
+    def execute(self, data):
+        return self.dag.execute(data)
+
+    def teardown(self) -> None:
+        """Stops the graph and removes its channel files. Ray's teardown can wait without end
+        for a live actor's loop once another actor of the graph died (the live one never
+        sees the dead one's channels close); after TEARDOWN_TIMEOUT_S the actors are killed,
+        which ends that wait."""
+        if self.dag is not None:
+            waiter = threading.Thread(target=self._teardown_dag, daemon=True)
+            waiter.start()
+            waiter.join(TEARDOWN_TIMEOUT_S)
+            if waiter.is_alive():
+                log.warning("graph teardown stuck %.0f s: killing its actors", TEARDOWN_TIMEOUT_S)
+                kill_actors(self.actors)
+                waiter.join(TEARDOWN_TIMEOUT_S)
+            self.dag = None
+        remove_channel_files(self.channel_files)
+        self.channel_files = []
+
+    def _teardown_dag(self) -> None:
+        try:
+            self.dag.teardown()
+        except Exception as exc:  # a graph with a dead actor may not tear down cleanly
+            log.warning("compiled graph teardown: %s", describe(exc))
+
+
+def kill_actors(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # already gone
+            log.debug("kill: %s", describe(exc))
+
+
+def describe(exc: BaseException) -> str:
+    """The exception's type and first line, short enough for a log line or an error reply."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
