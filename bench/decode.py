@@ -8,8 +8,10 @@ the bf16 matmul peak, then in the same run: decode tokens/s of the engine and of
 (bf16, greedy, the same 512-token prompts) at each batch; the engine's decode step against the
 roofline (weight bytes read per step + KV bytes read, over the copy ceiling); decode step time at
 batch 8 over growing contexts; prefill tokens/s at 8k-token prompts against the matmul peak.
-Decode time = generate(n + 1 tokens) - generate(1 token) on fresh prompts of the same length,
-so prefill is not counted. Writes bench/results/decode-<device>.json (PERF.md's format).
+The engine's decode step is the median wall time of its pure-decode steps at the full batch
+(host work, forward, sampling and detokenisation included; see StepClock); transformers' is
+generate(n + 1 tokens) - generate(1 token) over n. Writes bench/results/decode-<device>.json
+(PERF.md's format).
 """
 
 from __future__ import annotations
@@ -44,18 +46,53 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
+class StepClock:
+    """Wall time of each pure-decode step the engine commits, by batch size.
+
+    The interval between two consecutive scheduler commits is one whole engine step at pipeline
+    depth 1 (schedule, upload, forward, sampling, the host copy, commit and detokenisation);
+    steps whose plan holds a prefill chunk are not counted, so prefill time never leaks in.
+    """
+
+    def __init__(self, llm: LLM) -> None:
+        self.scheduler, self.commit = llm.core.scheduler, llm.core.scheduler.commit
+        self.last: float | None = None
+        self.steps: dict[int, list[float]] = {}
+        self.scheduler.commit = self._commit
+
+    def _commit(self, plan, sampled):
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if self.last is not None and plan.batch and all(e.num_tokens == 1 for e in plan.batch):
+            self.steps.setdefault(len(plan.batch), []).append(now - self.last)
+        self.last = now
+        return self.commit(plan, sampled)
+
+    def run(self, fn) -> dict[int, list[float]]:
+        self.last, self.steps = None, {}
+        fn()
+        return self.steps
+
+
 def engine_decode_s(llm: LLM, batch: int, prompt_len: int, new: int, seed: int) -> float:
-    """Seconds of `new` decode steps at `batch` (prefill subtracted)."""
-    params = [
-        SamplingParams(max_tokens=1, ignore_eos=True),
-        SamplingParams(max_tokens=new + 1, ignore_eos=True),
-    ]
-    # the same run once untimed: every shape it reaches (mixed prefill + decode steps too) is
-    # compiled before the timed runs
-    llm.generate(random_prompts(batch, prompt_len, seed + 2), params[1])
-    one = _timed(lambda: llm.generate(random_prompts(batch, prompt_len, seed), params[0]))
-    full = _timed(lambda: llm.generate(random_prompts(batch, prompt_len, seed + 1), params[1]))
-    return full - one
+    """Seconds of `new` decode steps at `batch`: the median pure-decode step of the full batch.
+
+    The prompts are prefilled once first (their pages stay in the prefix cache, and every shape
+    the run reaches is compiled), so the timed run prefills at most a page per request and then
+    decodes the whole batch together.
+    """
+    prompts = random_prompts(batch, prompt_len, seed)
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    clock = StepClock(llm)
+    try:
+        params = SamplingParams(max_tokens=new + 1, ignore_eos=True)
+        steps = clock.run(lambda: llm.generate(prompts, params))
+    finally:
+        llm.core.scheduler.commit = clock.commit
+    full = sorted(steps.get(batch, []))
+    if len(full) < new // 2:
+        raise RuntimeError(f"only {len(full)} of {new} decode steps ran the whole batch {batch}")
+    return new * full[len(full) // 2]
 
 
 def hf_decode_s(model, batch: int, prompt_len: int, new: int, seed: int) -> float:
