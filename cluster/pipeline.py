@@ -139,6 +139,10 @@ class RayPipeline:
             log.error("host tier unreachable: %s", describe(exc))
             return False
 
+    def placement(self) -> dict:
+        """Where the stages run: the placement group that holds their bundles."""
+        return {"stage_placement_group_id": self.pg.id.hex()}
+
     def drop_host(self) -> None:
         """The host tier is gone: stop using it and remove its files on this node."""
         for region in self.regions:

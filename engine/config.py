@@ -169,4 +169,3 @@ def _int_at_least(cfg, name: str, low: int) -> None:
     value = getattr(cfg, name)
     if not is_int(value) or value < low:
         raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-

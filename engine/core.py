@@ -281,6 +281,13 @@ class EngineCore:
             "num_pipeline_rebuilds": self.num_rebuilds,
         }
 
+    def describe(self) -> dict:
+        """Where the stages run and how many tokens their pools hold."""
+        return {
+            **self.pipeline.placement(),
+            "capacity_tokens": self.pipeline.capacity.num_full_tokens,
+        }
+
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 

@@ -31,9 +31,7 @@ def check_text(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(
-            f"{name} is not valid text: {exc.reason} at index {exc.start}"
-        ) from None
+        raise ValueError(f"{name} is not valid text: {exc.reason} at index {exc.start}") from None
 
 
 @dataclass(frozen=True)

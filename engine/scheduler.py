@@ -40,6 +40,7 @@ from dsv4ray.engine.sampling import SamplingParams
 
 __all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig", "StepOutcome"]
 
+
 @dataclass(frozen=True)
 class StepOutcome:
     """What a committed step did. applied: the requests whose entries of the step count

@@ -50,6 +50,10 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
+    def describe(self) -> dict:
+        """Where the stages run and how many tokens their pools hold (fixed once built)."""
+        return self.core.describe()
+
     # ------------------------------------------------------------------ caller side
     async def generate(
         self, prompt, params: SamplingParams | None = None, request_id: str | None = None

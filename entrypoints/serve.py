@@ -154,13 +154,12 @@ class OpenAIDeployment:
         config = self.engine.config
         return {
             "placement_group_id": ray.util.get_current_placement_group().id.hex(),
-            "stage_placement_group_id": self.engine.core.pipeline.pg.id.hex(),
+            **self.engine.describe(),
             "model": config.model,
             "served_model_name": self.settings.served_model_name,
             "pp_size": config.pp_size,
             "kv_cache_dtype": config.kv_cache_dtype,
             "device": config.device,
-            "capacity_tokens": self.engine.core.pipeline.capacity.num_full_tokens,
             "max_model_len": self.engine.max_model_len,
         }
 

@@ -39,14 +39,15 @@ class Block(nn.Module):
         prev_topk: torch.Tensor | None,
     ):
         """x [B, t, hc, hidden] -> (x, top-k of this layer or the one passed through)."""
-        post, comb, collapsed = self._pre(x, "attn")
+        post, comb, collapsed = self.pre_mix(x, "attn")
         out, topk = self.attn(self.attn_norm(collapsed), positions, state, prev_topk)
         x = hc_post(x, out, post, comb)
-        post, comb, collapsed = self._pre(x, "ffn")
+        post, comb, collapsed = self.pre_mix(x, "ffn")
         x = hc_post(x, self.ffn(self.ffn_norm(collapsed), token_ids), post, comb)
         return x, (topk if topk is not None else prev_topk)
 
-    def _pre(self, x: torch.Tensor, site: str):
+    def pre_mix(self, x: torch.Tensor, site: str):
+        """mHC before a sublayer (site "attn" or "ffn"): (post, comb, the collapsed input)."""
         c = self.cfg
         return hc_pre(
             x,

@@ -89,5 +89,9 @@ class LocalPipeline:
     def drop_host(self) -> None:
         """No host tier is ever attached in process."""
 
+    def placement(self) -> dict:
+        """Where the stages run: this process."""
+        return {"stage_placement_group_id": None}
+
     def shutdown(self) -> None:
         self.workers = []

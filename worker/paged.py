@@ -28,12 +28,12 @@ def paged_block(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, hc, hidden] -> (x, running top-k [T, k] of logical C4 positions or None)."""
     info = pools.info(block.spec.layer_id)
-    post, comb, collapsed = block._pre(x, "attn")
+    post, comb, collapsed = block.pre_mix(x, "attn")
     out, layer_topk = paged_attention(
         block.attn, block.attn_norm(collapsed), meta, pools, info, topk
     )
     x = hc_post(x, out, post, comb)
-    post, comb, collapsed = block._pre(x, "ffn")
+    post, comb, collapsed = block.pre_mix(x, "ffn")
     ffn = block.ffn.forward_static if meta.static else block.ffn
     x = hc_post(x, ffn(block.ffn_norm(collapsed), meta.token_ids), post, comb)
     return x, (layer_topk if layer_topk is not None else topk)
@@ -113,7 +113,7 @@ def paged_attention(
         comp_layout,
     )
     o = apply_rope(o.to(x.dtype), cos[:, None], -sin[:, None])
-    return attn._project(o.unsqueeze(0)).squeeze(0), (topk if ratio == 4 else None)
+    return attn.project_out(o.unsqueeze(0)).squeeze(0), (topk if ratio == 4 else None)
 
 
 def _compress(comp: Compressor, x, meta: BatchMeta, state, pages, layout, out_loc, cos_t, sin_t):

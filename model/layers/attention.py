@@ -86,7 +86,7 @@ class Attention(nn.Module):
             bias = torch.cat([bias, entry_bias], dim=-1)
         o = attend(q, keys, bias, self.attn_sink, self.dim**-0.5)
         o = apply_rope(o, cos[:, None], -sin[:, None])
-        return self._project(o), topk
+        return self.project_out(o), topk
 
     def _window_keys(self, kv, positions, state):
         """Window keys [B, w + t, D] and their additive mask [t, w + t]."""
@@ -120,7 +120,7 @@ class Attention(nn.Module):
         chosen.scatter_(-1, torch.where(topk >= 0, topk, num_entries), True)
         return _bias(chosen[..., :num_entries] & causal)
 
-    def _project(self, o: torch.Tensor) -> torch.Tensor:
+    def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: o [B, t, H, D] -> [B, t, hidden]."""
         groups = self.cfg.o_groups
         grouped = o.flatten(-2).unflatten(-1, (groups, -1))  # [B, t, G, H*D/G]
