@@ -238,3 +238,39 @@ def random_release_tensors(shapes: dict, quant, seed: int = 0) -> dict:
                 torch.float32 if fmt == "fp32" else torch.bfloat16
             )
     return out
+
+
+def sampling_row(seed: int = 7, **params):
+    """A validated sampling row of the batched sampler, as the last stage builds it."""
+    from dsv4ray import SamplingParams
+    from dsv4ray.worker.sampler import SamplingRow
+
+    return SamplingRow.from_plan(SamplingParams(**params).to_dict(), seed)
+
+
+def sampled_tokens(logits, rows, positions) -> list[int]:
+    """Token ids of one batched sampling pass over logits [R, V] (every row must succeed)."""
+    from dsv4ray.worker.sampler import sample_batch
+
+    out = sample_batch(logits, rows, positions, [None] * len(rows))
+    assert all(o.error is None for o in out)
+    return [o.token_id for o in out]
+
+
+def seeded_alone_and_in_a_crowd(llm) -> tuple[list[int], list[int]]:
+    """A seeded sampled request's tokens alone, then in a batch beside two other requests."""
+    from dsv4ray import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
+    )
+    alone = llm.generate(["Sampling alone"], params)[0].token_ids
+    crowd = llm.generate(
+        ["other prompt", "Sampling alone", "third one"],
+        [
+            SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True),
+            params,
+            SamplingParams(max_tokens=3),
+        ],
+    )[1].token_ids
+    return alone, crowd

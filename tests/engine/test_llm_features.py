@@ -6,7 +6,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from tests.oracle import reference_greedy
+from tests.oracle import reference_greedy, seeded_alone_and_in_a_crowd
 
 
 @pytest.mark.parametrize(
@@ -44,18 +44,7 @@ def llm(tiny_ckpt):
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
-    params = SamplingParams(
-        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=1234, ignore_eos=True
-    )
-    alone = llm.generate(["Sampling alone"], params)[0].token_ids
-    crowd = llm.generate(
-        ["other prompt", "Sampling alone", "third one"],
-        [
-            SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True),
-            params,
-            SamplingParams(max_tokens=3),
-        ],
-    )[1].token_ids
+    alone, crowd = seeded_alone_and_in_a_crowd(llm)
     assert alone == crowd
     other = llm.generate(
         ["Sampling alone"], SamplingParams(max_tokens=12, temperature=1.0, seed=99, ignore_eos=True)

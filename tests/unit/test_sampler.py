@@ -7,7 +7,6 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.worker.sampler import (
     ReferenceSampler,
     SamplingRow,
@@ -17,6 +16,7 @@ from dsv4ray.worker.sampler import (
     sample_batch,
 )
 from dsv4ray.worker.sampler_kernel import gumbel_argmax
+from tests.oracle import sampled_tokens, sampling_row
 
 V = 16
 NUM_DRAWS = 8_000
@@ -26,16 +26,6 @@ NUM_DRAWS = 8_000
 TV_TOLERANCE = 0.03
 
 
-def _row(seed: int = 7, **kw) -> SamplingRow:
-    return SamplingRow.from_plan(SamplingParams(**kw).to_dict(), seed)
-
-
-def _tokens(logits, rows, positions) -> list[int]:
-    out = sample_batch(logits, rows, positions, [None] * len(rows))
-    assert all(o.error is None for o in out)
-    return [o.token_id for o in out]
-
-
 def _logits(seed: int, rows: int = 1, vocab: int = V, scale: float = 1.5) -> torch.Tensor:
     return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * scale
 
@@ -43,9 +33,9 @@ def _logits(seed: int, rows: int = 1, vocab: int = V, scale: float = 1.5) -> tor
 def test_greedy_rows_equal_the_reference_exactly():
     logits = _logits(0, rows=24, vocab=300, scale=4.0)
     logits[3, 10] = logits[3, 11] = logits[3].max() + 1  # a tie: the first index wins
-    rows = [_row(temperature=t) for t in (0.0, 1e-38, 5e-324)] * 8
+    rows = [sampling_row(temperature=t) for t in (0.0, 1e-38, 5e-324)] * 8
     ref = [ReferenceSampler(asdict(r), 0).sample(x) for r, x in zip(rows, logits)]
-    assert _tokens(logits, rows, list(range(24))) == ref
+    assert sampled_tokens(logits, rows, list(range(24))) == ref
 
 
 @pytest.mark.parametrize(
@@ -54,9 +44,9 @@ def test_greedy_rows_equal_the_reference_exactly():
 )
 def test_sampled_distribution_matches_the_reference(temperature, top_k, top_p):
     logits = _logits(1)
-    row = _row(seed=3, temperature=temperature, top_k=top_k, top_p=top_p)
+    row = sampling_row(seed=3, temperature=temperature, top_k=top_k, top_p=top_p)
     batch = logits.expand(NUM_DRAWS, V).contiguous()
-    drawn = torch.tensor(_tokens(batch, [row] * NUM_DRAWS, list(range(NUM_DRAWS))))
+    drawn = torch.tensor(sampled_tokens(batch, [row] * NUM_DRAWS, list(range(NUM_DRAWS))))
     freq = torch.bincount(drawn, minlength=V).double() / NUM_DRAWS
     expected = ReferenceSampler(asdict(row), 0).probs(logits[0]).double()
     assert set(drawn.unique().tolist()) <= set(expected.nonzero().flatten().tolist())
@@ -65,37 +55,42 @@ def test_sampled_distribution_matches_the_reference(temperature, top_k, top_p):
 
 def test_seeded_draws_do_not_depend_on_the_batch_or_the_row():
     logits = _logits(2, rows=2, vocab=64, scale=1.0)
-    mine = _row(seed=1234, temperature=1.0, top_p=0.9, top_k=50)
+    mine = sampling_row(seed=1234, temperature=1.0, top_p=0.9, top_k=50)
     positions = list(range(30, 42))
-    alone = [_tokens(logits[:1], [mine], [pos])[0] for pos in positions]
-    others = [_row(seed=s, temperature=0.7, top_k=3) for s in range(6)] + [_row()] * 6
+    alone = [sampled_tokens(logits[:1], [mine], [pos])[0] for pos in positions]
+    others = [sampling_row(seed=s, temperature=0.7, top_k=3) for s in range(6)] + [
+        sampling_row()
+    ] * 6
     for order_seed in (0, 1):  # mine at shuffled rows among others with other settings
         order = torch.randperm(24, generator=torch.Generator().manual_seed(order_seed)).tolist()
         rows = [mine] * 12 + others
         batch = torch.cat([logits[:1].expand(12, 64), logits[1:].expand(12, 64)])
-        shuffled = _tokens(
+        shuffled = sampled_tokens(
             batch[order], [rows[i] for i in order], [(positions * 2)[i] for i in order]
         )
         crowd = [token for token, i in zip(shuffled, order) if i < 12]
         assert crowd == [alone[i] for i in order if i < 12]
-    other_seed = _row(seed=99, temperature=1.0, top_p=0.9, top_k=50)
-    assert _tokens(logits[:1].expand(12, 64), [other_seed] * 12, positions) != alone
+    other_seed = sampling_row(seed=99, temperature=1.0, top_p=0.9, top_k=50)
+    assert sampled_tokens(logits[:1].expand(12, 64), [other_seed] * 12, positions) != alone
 
 
 def test_top_k_at_or_past_the_vocab_keeps_every_token_even_beside_filtering_rows():
     logits = _logits(3, rows=2, vocab=V)
-    plain, wide = _row(seed=5, temperature=1.0), _row(seed=5, temperature=1.0, top_k=V + 10)
-    filtering = _row(seed=1, temperature=1.0, top_k=2)  # sends the batch through the sort
-    unsorted = _tokens(logits[:1].expand(40, V), [plain] * 40, list(range(40)))
+    plain, wide = (
+        sampling_row(seed=5, temperature=1.0),
+        sampling_row(seed=5, temperature=1.0, top_k=V + 10),
+    )
+    filtering = sampling_row(seed=1, temperature=1.0, top_k=2)  # sends the batch through the sort
+    unsorted = sampled_tokens(logits[:1].expand(40, V), [plain] * 40, list(range(40)))
     batch = torch.cat([logits[:1].expand(40, V), logits[1:]])
-    assert _tokens(batch, [wide] * 40 + [filtering], list(range(41)))[:40] == unsorted
+    assert sampled_tokens(batch, [wide] * 40 + [filtering], list(range(41)))[:40] == unsorted
 
 
 @pytest.mark.parametrize("top_p", [5e-324, 1e-300, 1e-9])
 def test_a_top_p_that_leaves_no_token_keeps_the_top_one(top_p):
     logits = _logits(4, vocab=64)
-    row = _row(temperature=1.0, top_p=top_p)
-    drawn = _tokens(logits.expand(50, 64), [row] * 50, list(range(50)))
+    row = sampling_row(temperature=1.0, top_p=top_p)
+    drawn = sampled_tokens(logits.expand(50, 64), [row] * 50, list(range(50)))
     assert set(drawn) == {int(logits.argmax())}
 
 
@@ -104,7 +99,7 @@ def test_minus_inf_logits_are_never_drawn_and_a_broken_row_fails_alone():
     logits[0, ::2] = float("-inf")
     logits[1] = float("-inf")
     logits[2, 3] = float("nan")
-    rows = [_row(temperature=2.0)] * 3 + [_row(temperature=0.0)]
+    rows = [sampling_row(temperature=2.0)] * 3 + [sampling_row(temperature=0.0)]
     for pos in range(10):
         out = sample_batch(logits, rows, [pos] * 4, [None, None, None, 2])
         assert out[0].token_id % 2 == 1 and out[0].error is None
@@ -114,8 +109,8 @@ def test_minus_inf_logits_are_never_drawn_and_a_broken_row_fails_alone():
 
 def test_a_row_that_escaped_validation_fails_alone():
     logits = _logits(6, rows=3, vocab=V)
-    rows = [_row(seed=s, temperature=1.0) for s in range(3)]
-    good = _tokens(logits, rows, [5, 6, 7])
+    rows = [sampling_row(seed=s, temperature=1.0) for s in range(3)]
+    good = sampled_tokens(logits, rows, [5, 6, 7])
     out = sample_batch(logits, rows, [5, None, 7], [None, None, 1])
     assert out[1].error is not None and "sampling failed" in out[1].error
     assert [out[0].token_id, out[2].token_id] == [good[0], good[2]]
@@ -125,7 +120,11 @@ def test_a_row_that_escaped_validation_fails_alone():
 @pytest.mark.parametrize("num_top", [0, 1, 5])
 def test_logprobs_match_the_reference(num_top):
     logits = _logits(7, rows=3, vocab=300, scale=3.0)
-    rows = [_row(temperature=0.0), _row(temperature=1.0), _row(temperature=0.5, top_k=4)]
+    rows = [
+        sampling_row(temperature=0.0),
+        sampling_row(temperature=1.0),
+        sampling_row(temperature=0.5, top_k=4),
+    ]
     out = sample_batch(logits, rows, [10, 11, 12], [num_top, None, num_top])
     assert out[1].logprobs is None
     for i in (0, 2):
