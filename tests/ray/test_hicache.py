@@ -115,3 +115,26 @@ def test_a_rebuild_that_finds_a_new_host_tier_forgets_the_old_host_copies(
         llm.shutdown()
     assert again.metrics.num_host_cached_tokens == 0
     assert again.token_ids == reference_greedy(tiny_model, a + [1], 4)
+
+
+def test_a_request_half_from_the_host_tier_beside_preemptions_at_pp2_is_exact(
+    ray_session, tiny_ckpt, tiny_model
+):
+    """Ten 530-token prompts over a 4096-token device pool at pp 2, two micro-batches in flight:
+    in the second call the last request reloads a prefix from the host tier while the scheduler
+    preempts others mid-step. Its tokens (and its neighbour's) equal the reference's."""
+    rows = [[0] + [(7 * i + j) % 500 + 2 for j in range(529)] for i in range(4)]
+    fills = [[0] + [(11 * i + 3 * j) % 500 + 2 for j in range(529)] for i in range(4, 10)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    llm = LLM(tiny_ckpt, pp_size=2, kv_cache_dtype="fp32", enable_hicache=True,
+              max_total_tokens=4096, host_cache_tokens=16384)  # fmt: skip
+    try:
+        llm.generate(fills, params)
+        prompts = rows + fills[:2]
+        outs = llm.generate(prompts, params)
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    assert outs[-1].metrics.num_host_cached_tokens > 0
+    for prompt, out in zip(prompts[-2:], outs[-2:]):
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 8)
