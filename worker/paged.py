@@ -12,14 +12,11 @@ import torch
 
 from dsv4ray.cache.layer_mapping import LayerInfo
 from dsv4ray.cache.pools import StagePools
-from dsv4ray.config import RopeSpec
 from dsv4ray.kernels import dispatch
 from dsv4ray.model.block import Block
 from dsv4ray.model.layers.attention import Attention
-from dsv4ray.model.layers.common import unweighted_rms_norm
 from dsv4ray.model.layers.compressor import Compressor
-from dsv4ray.model.layers.mhc import hc_post
-from dsv4ray.model.layers.rope import apply_rope
+from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta
 
 
@@ -28,21 +25,14 @@ def paged_block(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """x [T, hc, hidden] -> (x, running top-k [T, k] of logical C4 positions or None)."""
     info = pools.info(block.spec.layer_id)
-    post, comb, collapsed = block.pre_mix(x, "attn")
-    out, layer_topk = paged_attention(
-        block.attn, block.attn_norm(collapsed), meta, pools, info, topk
-    )
-    x = hc_post(x, out, post, comb)
-    post, comb, collapsed = block.pre_mix(x, "ffn")
-    ffn = block.ffn.forward_static if meta.static else block.ffn
-    x = hc_post(x, ffn(block.ffn_norm(collapsed), meta.token_ids), post, comb)
+    post, comb, collapsed = ops.pre_mix(block, x, "attn")
+    attn_in = ops.rms_norm(collapsed, block.attn_norm)
+    out, layer_topk = paged_attention(block.attn, attn_in, meta, pools, info, topk)
+    x = ops.post_mix(x, out, post, comb)
+    post, comb, collapsed = ops.pre_mix(block, x, "ffn")
+    ffn_in = ops.rms_norm(collapsed, block.ffn_norm)
+    x = ops.post_mix(x, ops.moe(block.ffn, ffn_in, meta.token_ids, meta.static), post, comb)
     return x, (layer_topk if layer_topk is not None else topk)
-
-
-def _rope(meta: BatchMeta, rope: RopeSpec):
-    """Per-token (cos, sin) [T, R/2] (rows of the tables) and the tables [P, R/2]."""
-    cos_t, sin_t = meta.ropes.get(rope)
-    return cos_t[meta.positions], sin_t[meta.positions], cos_t, sin_t
 
 
 def paged_attention(
@@ -55,13 +45,21 @@ def paged_attention(
 ):
     """x [T, hidden] -> (out [T, hidden], this layer's top-k or None)."""
     spec, cfg = attn.spec, attn.cfg
-    cos, sin, cos_t, sin_t = _rope(meta, spec.rope)
-    qr = attn.q_norm(attn.wq_a(x))
+    tables = meta.ropes.get(spec.rope)  # (cos, sin) [P, R/2]
+    cos_t, sin_t = tables
+    qr = ops.rms_norm(attn.wq_a(x), attn.q_norm)
     q = attn.wq_b(qr).unflatten(-1, (attn.heads, attn.dim))
-    q = apply_rope(unweighted_rms_norm(q, cfg.rms_norm_eps), cos[:, None], sin[:, None])
-    kv = apply_rope(attn.kv_norm(attn.wkv(x)), cos, sin)
+    q = ops.norm_rope(q, tables, meta.positions, eps=cfg.rms_norm_eps)  # [T, H, 512]
+    kv = ops.norm_rope(
+        attn.wkv(x).unsqueeze(1),
+        tables,
+        meta.positions,
+        attn.kv_norm.eps,
+        attn.kv_norm.weight,
+        out_dtype=torch.float32,
+    )  # [T, 1, 512]
     window = pools.window[info.local_id]
-    dispatch.store_kv(kv.float().contiguous(), window, meta.window_store, pools.layouts["window"])
+    dispatch.store_kv(kv.squeeze(1), window, meta.window_store, pools.layouts["window"])
     comp_pages = comp_slots = comp_layout = topk = None
     ratio = spec.compress_ratio
     if ratio == 4:
@@ -79,7 +77,7 @@ def paged_attention(
             sin_t,
         )
         topk = (
-            _indexer(attn, x, qr, meta, pools, info, cos, sin, cos_t, sin_t)
+            _indexer(attn, x, qr, meta, pools, info, tables)
             if info.indexer_layer_id is not None
             else prev_topk
         )
@@ -102,7 +100,7 @@ def paged_attention(
         )
         comp_slots, comp_layout = meta.c128_slots, pools.layouts["c128"]
     o = dispatch.sparse_mqa(
-        q.float().contiguous(),
+        q,
         window,
         meta.window_slots,
         comp_pages,
@@ -112,7 +110,7 @@ def paged_attention(
         pools.layouts["window"],
         comp_layout,
     )
-    o = apply_rope(o.to(x.dtype), cos[:, None], -sin[:, None])
+    o = ops.norm_rope(o, tables, meta.positions, conjugate=True, out_dtype=x.dtype)
     return attn.project_out(o.unsqueeze(0)).squeeze(0), (topk if ratio == 4 else None)
 
 
@@ -145,13 +143,11 @@ def _indexer(
     meta: BatchMeta,
     pools: StagePools,
     info: LayerInfo,
-    cos,
-    sin,
-    cos_t,
-    sin_t,
+    tables,
 ) -> torch.Tensor:
     """The lightning indexer over the paged indexer keys -> logical C4 positions [T, topk]."""
     idx = attn.indexer
+    cos_t, sin_t = tables
     pages, layout = pools.indexer[info.indexer_layer_id], pools.layouts["indexer"]
     _compress(
         idx.compressor,
@@ -164,12 +160,11 @@ def _indexer(
         cos_t,
         sin_t,
     )
-    q = apply_rope(
-        idx.wq_b(qr).unflatten(-1, (idx.heads, idx.head_dim)), cos[:, None], sin[:, None]
-    )
+    q = idx.wq_b(qr).unflatten(-1, (idx.heads, idx.head_dim))
+    q = ops.norm_rope(q, tables, meta.positions, out_dtype=torch.float32)  # [T, heads, 128]
     weights = idx.weights_proj(x).float() * (idx.heads**-0.5 * idx.head_dim**-0.5)
     return dispatch.indexer_topk(
-        q.float().contiguous(),
+        q,
         weights.contiguous(),
         pages,
         meta.page_table,

@@ -19,6 +19,7 @@ from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
+from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.host_io import HostIO, LayerEvents
@@ -51,6 +52,7 @@ class StageWorker:
         self.model = load_stage(
             model_path, start, end, dtype or self.cfg.torch_dtype, device, self.cfg
         )
+        ops.prepare(self.model.block(i) for i in range(start, end))
         self.pools: StagePools | None = None
         self.host_io = None
         self.tables: dict[str, ReqTable] = {}

@@ -68,6 +68,30 @@ class MoE(nn.Module):
             Expert(hidden, inter, limit) for _ in range(cfg.n_routed_experts)
         )
         self.shared_experts = Expert(hidden, inter * cfg.n_shared_experts, limit)
+        self.limit = limit
+        self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def shared_in_stack(self) -> bool:
+        """The shared expert has the routed experts' width, so it stacks as one more expert."""
+        return self.shared_experts.w1.weight.shape == self.experts[0].w1.weight.shape
+
+    @torch.no_grad()
+    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 [E', 2 * inter, hidden]: each expert's w1 rows then its w3 rows, w2 [E', hidden,
+        inter]) with E' = E + 1 when the shared expert stacks last. The experts' parameters become
+        views of these tensors, so the weights are held once. Idempotent."""
+        if self.stacked is None:
+            experts = list(self.experts) + ([self.shared_experts] if self.shared_in_stack else [])
+            w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts])
+            w2 = torch.stack([e.w2.weight for e in experts])
+            inter = experts[0].w1.weight.shape[0]
+            for i, e in enumerate(experts):
+                e.w1.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
+                e.w3.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
+                e.w2.weight = nn.Parameter(w2[i], requires_grad=False)
+            self.stacked = (w13, w2)
+        return self.stacked
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
         """x [..., hidden], token_ids [...] -> [..., hidden]."""

@@ -1,0 +1,83 @@
+"""Grouped-GEMM experts against the model's MoE (a loop over experts), and the pair alignment."""
+
+import pytest
+import torch
+
+from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.moe import align, fused_moe
+from dsv4ray.kernels.testing import assert_close
+from dsv4ray.model.layers.moe import MoE
+from dsv4ray.model.tiny import tiny_config
+
+
+def _moe(device, dtype, hashed: bool, **overrides) -> MoE:
+    cfg = tiny_config("tiny", hidden_size=64, moe_intermediate_size=32, **overrides)
+    moe = MoE(cfg, hashed).to(device)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+        if hashed:
+            moe.gate.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, moe.gate.tid2eid.shape))
+    return moe.to(dtype)
+
+
+def _routed(moe: MoE, x, token_ids):
+    """The MoE's routing with the shared expert as one more slot (weight 1), as the engine runs."""
+    weights, ids = moe.gate(x, token_ids)
+    shared = torch.full_like(ids[:, :1], len(moe.experts))
+    return torch.cat([ids, shared], 1), torch.cat([weights, torch.ones_like(weights[:, :1])], 1)
+
+
+DTYPES = [torch.float32] if interpreting() else [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_tokens", [1, 5, 70])
+@pytest.mark.parametrize("hashed", [False, True])
+def test_fused_moe_matches_the_expert_loop(num_tokens, hashed, dtype, device):
+    moe = _moe(device, dtype, hashed)
+    x = torch.randn(num_tokens, 64, device=device).to(dtype)
+    token_ids = torch.randint(0, 512, (num_tokens,), device=device)
+    ids, weights = _routed(moe, x, token_ids)
+    w13, w2 = moe.stack_experts()
+    out = fused_moe(x, ids, weights, w13, w2, moe.limit)
+    tol = (1e-5, 1e-4) if dtype == torch.float32 else (3e-2, 2**-6)
+    assert_close("moe", out, moe(x, token_ids), *tol)
+
+
+def test_stacked_experts_are_the_module_weights(device):
+    """Stacking leaves one copy: the experts' parameters are views of the stacked tensors."""
+    moe = _moe(device, torch.float32, hashed=False)
+    before = [e.w3.weight.clone() for e in moe.experts]
+    w13, w2 = moe.stack_experts()
+    assert w13.shape[0] == len(moe.experts) + 1  # the shared expert has the experts' width
+    for i, e in enumerate(moe.experts):
+        assert torch.equal(e.w3.weight, before[i])
+        assert e.w3.weight.data_ptr() == w13[i, 32:].data_ptr()
+    assert moe.stack_experts()[0] is w13
+
+
+def test_align_covers_every_pair_once_by_expert(device):
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 3]], device=device)
+    order, blocks = align(ids, num_experts=5, block_m=2)
+    flat = ids.reshape(-1)
+    seen = []
+    for expert, first, end in blocks.tolist():
+        if expert < 0:
+            assert first == end == 0
+            continue
+        assert 0 < end - first <= 2
+        pairs = order[first:end].tolist()
+        assert all(flat[p].item() == expert for p in pairs)
+        seen += pairs
+    assert sorted(seen) == list(range(flat.numel()))
+    assert blocks.shape[0] == -(-flat.numel() // 2) + 5  # fixed by the shapes alone
+
+
+def test_fused_moe_of_no_tokens_is_empty(device):
+    moe = _moe(device, torch.float32, hashed=False)
+    w13, w2 = moe.stack_experts()
+    x = torch.zeros(0, 64, device=device)
+    ids = torch.zeros(0, 3, dtype=torch.int64, device=device)
+    out = fused_moe(x, ids, torch.zeros(0, 3, device=device), w13, w2, moe.limit)
+    assert out.shape == (0, 64)
