@@ -55,6 +55,33 @@ class EngineCore:
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
         self.needs_rebuild = False  # a stage died: rebuild before the next plan
+        if config.device == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Runs, before the engine serves, prompts whose steps reach every kernel variant a
+        request can (the chunk sizes that pick the indexer's and the experts' tile shapes, a
+        decode step, greedy and filtered sampling with logprobs), so that no kernel compiles
+        while serving. Then the scheduler starts afresh: nothing of the warm-up stays cached."""
+        budget = self.config.max_num_batched_tokens
+        top = min(budget, self.max_model_len - 3)
+        lengths = sorted({n for n in (1, 256, 768, 1280, 2048, top) if n <= top})
+        vocab = self.model_config.vocab_size
+        drawn = SamplingParams(max_tokens=2, temperature=1.0, top_k=50, top_p=0.9, logprobs=2,
+                               seed=0, ignore_eos=True)  # fmt: skip
+        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
+        req_ids = [f"warm-up-{i}" for i in range(len(lengths))]
+        for i, (req_id, n) in enumerate(zip(req_ids, lengths)):
+            prompt = [(7919 * (i * 4096 + j)) % vocab for j in range(n)]
+            self.add_request(req_id, prompt, drawn if i % 2 else greedy)
+        while self.has_unfinished():
+            self.step()
+        while (plan := self.scheduler.schedule()) is not None:  # the stages drop finished ids
+            self._commit(plan, self.pipeline.collect(self.pipeline.submit(plan)))
+        for req_id in req_ids:
+            self.outputs.pop(req_id)
+        self.scheduler = self._new_scheduler()
+        log.info("warm-up: %d prompts of %s tokens", len(lengths), lengths)
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""

@@ -74,7 +74,7 @@ def _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, rope_pos, eps, D: tl.constexpr):
     return tl.reshape(tl.join(y_even, y_odd), (D,))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _completions_kernel(pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens,
                         RATIO: tl.constexpr, BLOCK: tl.constexpr):
     # program = BLOCK tokens: appends the block-completing ones with out_loc >= 0 to list (in any
@@ -87,7 +87,7 @@ def _completions_kernel(pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens,
     tl.store(list_ptr + base + tl.cumsum(done.to(tl.int32), axis=0) - 1, t, mask=done)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, state_kv_ptr,
                      state_score_ptr, ape_ptr, norm_w_ptr, cos_ptr, sin_ptr, out_loc_ptr, pages_ptr,
                      list_ptr, count_ptr, eps, ring, num_tokens, COMPACT: tl.constexpr,
@@ -117,7 +117,7 @@ def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, 
                         SCALE_BYTES, INDEXER)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _state_write_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr,
                         ape_ptr, num_tokens, ring, RATIO: tl.constexpr, CD: tl.constexpr,
                         BLOCK_T: tl.constexpr):

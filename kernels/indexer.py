@@ -45,7 +45,7 @@ def _score_page(q_t, w, pages_ptr, page, valid, TC: tl.constexpr, FMT: tl.conste
     return tl.where(valid, ordered_int32(score), MASKED_SCORE_C)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_pt", "num_page_cols"])
 def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bound_ptr, out_ptr,
                            num_heads, stride_qt, stride_qh, stride_wt, stride_pt, num_page_cols,
                            BLOCK_H: tl.constexpr, PAGES_PER_PROG: tl.constexpr, TC: tl.constexpr,

@@ -105,7 +105,7 @@ def _store_rows(ptr, rows, mask, x, C0: tl.constexpr, W: tl.constexpr):
     tl.store(ptr + rows[:, None] + C0 + tl.arange(0, W)[None, :], x, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_w", "num_c", "split_len"])
 def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages_ptr, w_slots_ptr,
                        c_pages_ptr, c_slots_ptr, num_heads, num_w, num_c, split_len, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh,
@@ -156,7 +156,7 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
     _store_rows(out_ptr, rows, q_mask, ar * scale[:, None], 448, 64)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_kernel(o_ptr, part_ptr, part_stats_ptr, sink_ptr, num_heads, num_splits, stride_ot,
                     stride_oh, BLOCK_H: tl.constexpr, D: tl.constexpr):
     # program (token t, head block): o = sum_k 2^(m_k - M) acc_k / (sum_k 2^(m_k - M) den_k +

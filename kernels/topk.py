@@ -74,7 +74,7 @@ def _radix_select(row_ptr, num_cols, need, CHUNK: tl.constexpr, RADIX_BITS: tl.c
     return prefix, need
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_cols", "topk"])
 def _topk_rows_kernel(scores_ptr, out_ptr, buf_ptr, num_cols, topk, K_POW2: tl.constexpr,
                       CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
     # program = one row; buf [rows, K_POW2] int64 scratch for the selected keys
@@ -113,7 +113,8 @@ def topk_rows(scores: torch.Tensor, topk: int) -> torch.Tensor:
     out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=scores.device)
     if num_rows == 0 or num_cols == 0 or topk == 0:
         return out
-    k_pow2 = max(16, triton.next_power_of_2(min(topk, num_cols)))  # holds the `need` picks
+    # holds the `need` picks; a function of topk alone, so short contexts compile nothing new
+    k_pow2 = max(16, triton.next_power_of_2(topk))
     buf = torch.empty(num_rows, k_pow2, dtype=torch.int64, device=scores.device)
     chunk, num_warps = _config()
     _topk_rows_kernel[(num_rows,)](scores, out, buf, num_cols, topk, K_POW2=k_pow2, CHUNK=chunk,

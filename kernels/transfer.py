@@ -24,7 +24,7 @@ from dsv4ray.kernels.bits import interpreting
 # layouts). The hints must sit in the kernel body: Triton drops them across a helper call.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_entries"])
 def _transfer_entries_kernel(src_ptrs, dst_ptrs, src_idx_ptr, dst_idx_ptr, num_entries,
                              EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
                              SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr,

@@ -27,7 +27,7 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["V", "stride_vs", "stride_is"])
 def _gumbel_argmax_kernel(
     values_ptr,
     ids_ptr,
