@@ -13,7 +13,9 @@ squares per K split, so a decode batch still spreads over the SMs) and `_pre_ker
 the partials in split order, turns them into pre/post/comb (sigmoids, softmax and the Sinkhorn
 rounds on [rows, hc, hc] tiles) and collapses the streams. The split count depends on the
 projection width alone, never on N: a token's result does not depend on what shares its batch.
-Everything computes in fp32; bf16 results are rounded to nearest even as bits (kernels/bits.py).
+Everything computes in fp32 (the projection's products on GPUs as three tf32 tensor-core products,
+"tf32x3", whose error is fp32's); bf16 results are rounded to nearest even as bits
+(kernels/bits.py).
 """
 
 import torch
@@ -22,11 +24,11 @@ import triton.language as tl
 
 from dsv4ray.kernels.bits import f32_to_bf16_bits, interpreting
 
-SPLIT_K = 1024  # projection columns per split
+SPLIT_K = 512  # projection columns per split
 BLOCK_M = 16  # rows per projection program (tl.dot needs >= 16)
 BLOCK_K = 128
 PRE_ROWS = 2  # rows per pre-mix program (the interpreter, paying per op, takes 16)
-BLOCK_D = 256  # hidden columns per step of the collapse and the post-mix
+BLOCK_D = 256  # hidden columns per program of the collapse and the post-mix
 
 
 @triton.jit
@@ -39,7 +41,8 @@ def _store(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
 
 @triton.jit(do_not_specialize=["n"])
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
-                MIX_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                MIX_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                PRECISION: tl.constexpr):
     # program (row block, split s): part[s, rows, :] = x[rows, K_s] @ fn[:, K_s]^T and
     # sq[s, rows] = sum x[rows, K_s]^2, with K_s = [s * split_len, (s + 1) * split_len)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -57,7 +60,7 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
         fk = tl.load(fn_ptr + mix[:, None] * width + k[None, :],
                      mask=mix_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         sq += tl.sum(xk * xk, axis=1)
-        acc += tl.dot(xk, tl.trans(fk), input_precision="ieee")
+        acc += tl.dot(xk, tl.trans(fk), input_precision=PRECISION)
     out_rows = split * n + rows
     tl.store(part_ptr + out_rows[:, None] * MIX_PAD + mix[None, :], acc, mask=row_ok[:, None])
     tl.store(sq_ptr + out_rows, sq, mask=row_ok)
@@ -97,17 +100,17 @@ def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
     for _ in range(ITERS - 1):
         comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok2)
-    tl.store(comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC + i[None, None, :],
-             comb, mask=ok3)
+    if tl.program_id(1) == 0:  # every column block derives the weights; one stores them
+        tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok2)
+        tl.store(comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC
+                 + i[None, None, :], comb, mask=ok3)
     x_rows = rows[:, None, None].to(tl.int64) * HC * hidden + i[None, :, None] * hidden
-    for d0 in range(0, hidden, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        xt = tl.load(x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :],
-                     other=0.0).to(tl.float32)
-        collapsed = tl.sum(pre[:, :, None] * xt, axis=1)  # [ROWS, BLOCK_D]
-        _store(out_ptr, rows[:, None].to(tl.int64) * hidden + d[None, :], collapsed,
-               ok2 & (d < hidden)[None, :], OUT_BF16)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    xt = tl.load(x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :],
+                 other=0.0).to(tl.float32)
+    collapsed = tl.sum(pre[:, :, None] * xt, axis=1)  # [ROWS, BLOCK_D]
+    _store(out_ptr, rows[:, None].to(tl.int64) * hidden + d[None, :], collapsed,
+           ok2 & (d < hidden)[None, :], OUT_BF16)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -164,12 +167,13 @@ def mhc_pre(x, fn, base, scale, hc_eps: float, norm_eps: float, iters: int):
     sq = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     _mix_kernel[(triton.cdiv(n, BLOCK_M), splits)](
         x, fn, part, sq, n, width, num_mix, SPLIT_K, MIX_PAD=mix_pad, BLOCK_M=BLOCK_M,
-        BLOCK_K=BLOCK_K)
+        BLOCK_K=BLOCK_K, PRECISION="ieee" if interpreting() else "tf32x3")
     rows = 16 if interpreting() else PRE_ROWS
-    _pre_kernel[(triton.cdiv(n, rows),)](
+    block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
+    _pre_kernel[(triton.cdiv(n, rows), triton.cdiv(hidden, block_d))](
         x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, collapsed,
         n, hidden, splits, hc_eps, norm_eps, ITERS=iters, HC=hc, MIX_PAD=mix_pad, ROWS=rows,
-        BLOCK_D=min(BLOCK_D, triton.next_power_of_2(hidden)),
+        BLOCK_D=block_d,
         OUT_BF16=x.dtype == torch.bfloat16)
     return post, comb, collapsed
 
