@@ -86,6 +86,10 @@ class KVCacheManager:
         """Give the request the pages its next num_tokens tokens touch (all or nothing)."""
         start = req.num_computed_tokens
         num_new_pages = cdiv(start + num_tokens, self.page_size) - len(req.page_ids)
+        if num_new_pages <= 0 and num_tokens == 1:  # a decode token: the step's usual case
+            first = max(0, start - self.window_size + 1) // self.window_size
+            if first in req.window_pages and start // self.window_size in req.window_pages:
+                return True  # inside its page, and the window pages it reads are resident
         window_idxs = self._missing_windows(req, start, num_tokens)
         if not self.ensure_free(num_new_pages, len(window_idxs)):
             return False

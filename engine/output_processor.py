@@ -49,10 +49,10 @@ class OutputProcessor:
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
         delta = self.decoders[req_id].push([token])
+        if not (delta and sp.stop):  # the text is whole-decoded at the finish
+            return delta, False
         before = len(out.text)
         out.text += delta
-        if not (delta and sp.stop):
-            return delta, False
         # the text before this delta held no stop string, so one can only start in its last
         # len(stop) - 1 characters or in the delta: search there, and cut at the earliest
         start = max(0, before - max(len(stop) for stop in sp.stop) + 1)
