@@ -74,10 +74,12 @@ class EngineCore:
         for i, (req_id, n) in enumerate(zip(req_ids, lengths)):
             prompt = [(7919 * (i * 4096 + j)) % vocab for j in range(n)]
             self.add_request(req_id, prompt, drawn if i % 2 else greedy)
-        while self.has_unfinished():
-            self.step()
-        while (plan := self.scheduler.schedule()) is not None:  # the stages drop finished ids
+        # one plan at a time, eagerly: the decode graphs compiled their kernels when captured
+        while (plan := self.scheduler.schedule()) is not None:  # ends with the finished ids
+            plan.eager = True
             self._commit(plan, self.pipeline.collect(self.pipeline.submit(plan)))
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("the warm-up prompts did not finish: the pools are too small")
         for req_id in req_ids:
             self.outputs.pop(req_id)
         self.scheduler = self._new_scheduler()

@@ -74,7 +74,8 @@ class StepPlan:
     """One engine step. token_ids holds the batch's tokens flattened in batch order.
     logprobs: req_id -> number of top logprobs wanted, for sampling entries that asked.
     full_logits: requests whose every scheduled token's logits the last stage returns (scoring
-    prompts, e.g. teacher-forced comparisons; filled by the engine, not the scheduler)."""
+    prompts, e.g. teacher-forced comparisons; filled by the engine, not the scheduler).
+    eager: run without captured CUDA graphs (the startup warm-up compiles the eager kernels)."""
 
     step_id: int
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -86,6 +87,7 @@ class StepPlan:
     snapshots: list[tuple[str, int]] = field(default_factory=list)
     logprobs: dict[str, int] = field(default_factory=dict)
     full_logits: list[str] = field(default_factory=list)
+    eager: bool = False
     # host tier copies, run before the step in this order (cache/hicache.py)
     host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
     host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
@@ -157,6 +159,7 @@ def decode(data: bytes) -> StepPlan:
         snapshots=[tuple(pair) for pair in raw["snapshots"]],
         logprobs=raw["logprobs"],
         full_logits=raw["full_logits"],
+        eager=raw["eager"],
         **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},
     )
 

@@ -100,7 +100,7 @@ class DecodeGraphs:
 
     def pick(self, plan: StepPlan, tables) -> tuple[int, int] | None:
         """The bucket that runs this step, or None when it must run eagerly."""
-        if not self.graphs or not plan.batch or plan.full_logits or plan.has_host_ops:
+        if not self.graphs or not plan.batch or plan.full_logits or plan.has_host_ops or plan.eager:
             return None
         if any(e.num_tokens != 1 for e in plan.batch):
             return None
