@@ -142,16 +142,23 @@ def _pad_tokens(arrays: dict, padding: Padding) -> dict:
 
 
 def pack(arrays: dict, sample_idx: np.ndarray):
-    """One flat int64 buffer and the (name, offset, shape) of each field inside it."""
+    """One flat int64 buffer and the (name, offset, shape) of each field inside it. Every field
+    starts 16-byte aligned, as a tensor of its own would: kernels specialise on the alignment of
+    their pointers, so an alignment that changed with the batch would compile new variants."""
     parts, layout, offset = [], [], 0
-    for name in (*INT_FIELDS, "page_table", "window_slots", "c128_slots"):
-        a = np.ascontiguousarray(arrays[name], dtype=np.int64)
+    names = (*INT_FIELDS, "page_table", "window_slots", "c128_slots", "sample_idx")
+    for name in names:
+        a = np.ascontiguousarray(sample_idx if name == "sample_idx" else arrays[name], np.int64)
         parts.append(a.ravel())
         layout.append((name, offset, a.shape))
         offset += a.size
-    parts.append(sample_idx)
-    layout.append(("sample_idx", offset, sample_idx.shape))
+        if offset % 2:
+            parts.append(_ALIGN_PAD)
+            offset += 1
     return np.concatenate(parts), layout
+
+
+_ALIGN_PAD = np.zeros(1, dtype=np.int64)
 
 
 def unpack(dev: torch.Tensor, layout) -> dict:
