@@ -26,7 +26,7 @@ it) must survive them, hence MAX_DRAFT_STEPS.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsv4ray.config_error import is_int
@@ -57,17 +57,24 @@ class SpecConfig:
     def enabled(self) -> bool:
         return self.num_steps > 0
 
-    def check_draft_layer(self, mtp_ratio: int | None, has_mtp_tensors: bool) -> None:
-        """ValueError unless the checkpoint's draft layer can serve this config: the MTP
-        tensors exist, the layer is window-only (ratio 0) or DSA-style (ratio 4), and drafting
-        is a chain (a DSA-style draft reuses the target's top-k across draft steps, which is
-        valid only when every step extends the same row)."""
+    def check_draft_layer(self, mtp_ratio: int | None, missing_tensors: Sequence[str]) -> None:
+        """ValueError unless the checkpoint's draft layer can serve this config: it exists with
+        all its tensors (missing_tensors names those the checkpoint lacks), is window-only
+        (ratio 0) or DSA-style (ratio 4), and drafting is a chain (a DSA-style draft reuses the
+        target's top-k across draft steps, valid only when every step extends the same row)."""
         if not self.enabled:
             return
-        if mtp_ratio is None or not has_mtp_tensors:
+        if mtp_ratio is None:
             raise ValueError(
-                f"speculative_num_steps={self.num_steps} needs the checkpoint's MTP layer "
-                "(num_nextn_predict_layers >= 1 and mtp.0.* tensors)"
+                f"speculative_num_steps={self.num_steps} needs an MTP layer; the checkpoint's "
+                "config has none (num_nextn_predict_layers = 0)"
+            )
+        if missing_tensors:
+            shown = ", ".join(missing_tensors[:4])
+            more = f" and {len(missing_tensors) - 4} more" if len(missing_tensors) > 4 else ""
+            raise ValueError(
+                f"speculative_num_steps={self.num_steps} needs the MTP layer's tensors; the "
+                f"checkpoint lacks {shown}{more}"
             )
         if mtp_ratio not in (0, 4):
             raise ValueError(
@@ -134,3 +141,45 @@ def resume_point(req: Request) -> Resume | None:
     if req.num_output_tokens == 0:
         return None
     return Resume(list(req.token_ids), req.sampling.max_tokens - req.num_output_tokens, req.seed)
+
+
+def resume_points(scheduler, req_ids) -> dict[str, Resume]:
+    """Resume points of the scheduler's requests among req_ids that generated something."""
+    points = {}
+    for req_id in req_ids:
+        point = resume_point(scheduler.get_request(req_id))
+        if point is not None:
+            points[req_id] = point
+    return points
+
+
+# Engine counters (EngineCore.stats): drafts verified and accepted, and the draft worker's own
+# (passes run, tokens proposed, chain-step rows that reused step 0's top-k).
+STAT_NAMES = (
+    "num_verify_steps",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+    "num_draft_passes",
+    "num_drafted_tokens",
+    "num_topk_reuse_rows",
+)
+
+
+def describe(num_steps: int) -> str:
+    return f"MTP drafts on ({num_steps} per step)" if num_steps else "no drafts"
+
+
+def count_drafts(plan, outcome, result, outputs, stats: dict[str, int]) -> None:
+    """Adds a committed step's drafts to each request's metrics (outputs: req_id ->
+    RequestOutput) and to the engine's counters, with the draft worker's step counters."""
+    for entry in plan.batch:
+        if entry.num_drafts and entry.req_id in outcome.applied:
+            accepted = outcome.accepted_drafts.get(entry.req_id, 0)
+            metrics = outputs[entry.req_id].metrics
+            metrics.num_draft_tokens += entry.num_drafts
+            metrics.num_accepted_draft_tokens += accepted
+            stats["num_verify_steps"] += 1
+            stats["num_draft_tokens"] += entry.num_drafts
+            stats["num_accepted_draft_tokens"] += accepted
+    for name, value in result.draft_stats.items():
+        stats[name] = stats.get(name, 0) + value

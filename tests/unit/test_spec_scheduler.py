@@ -188,10 +188,12 @@ def test_config_limits_and_tree_drafting_with_reuse_are_refused():
     with pytest.raises(ValueError, match="speculative_eagle_topk"):
         SpecConfig(2, 0)
     with pytest.raises(ValueError, match="DSA-style.*chain drafting"):
-        SpecConfig(2, 2).check_draft_layer(4, True)
+        SpecConfig(2, 2).check_draft_layer(4, [])
     with pytest.raises(ValueError, match="tree drafting is not supported"):
-        SpecConfig(2, 2).check_draft_layer(0, True)
-    with pytest.raises(ValueError, match="mtp.0"):
-        SpecConfig(2).check_draft_layer(0, False)
-    SpecConfig(3).check_draft_layer(4, True)
-    SpecConfig(0, 5).check_draft_layer(None, False)  # off: nothing to check
+        SpecConfig(2, 2).check_draft_layer(0, [])
+    with pytest.raises(ValueError, match="lacks mtp.0.a, mtp.0.b, mtp.0.c, mtp.0.d and 1 more"):
+        SpecConfig(2).check_draft_layer(0, [f"mtp.0.{c}" for c in "abcde"])
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        SpecConfig(2).check_draft_layer(None, [])
+    SpecConfig(3).check_draft_layer(4, [])
+    SpecConfig(0, 5).check_draft_layer(None, ["mtp.0.a"])  # off: nothing to check
