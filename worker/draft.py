@@ -144,12 +144,12 @@ class DraftWorker:
             return
         rows = meta.sample_idx
         topk = inputs.topk.index_select(0, rows) if self.reuses_topk else None
-        drafts = self._chain(sampled, x.index_select(0, rows), topk)
+        drafts, num_reused = self._chain(sampled, x.index_select(0, rows), topk)
         out.drafts = {s.req_id: d for s, d in zip(sampled, drafts, strict=True)}
         step_stats = {
             "num_draft_passes": 1,
             "num_drafted_tokens": len(sampled) * self.num_steps,
-            "num_topk_reuse_rows": len(sampled) * (self.num_steps - 1) if self.reuses_topk else 0,
+            "num_topk_reuse_rows": num_reused,
         }
         for name, value in step_stats.items():
             self.stats[name] += value
@@ -169,20 +169,21 @@ class DraftWorker:
         x, _ = paged_block(self.block, x, meta, self.pools, inputs.topk)
         return x, meta
 
-    def _chain(self, spans: list[DraftSpan], x: torch.Tensor, topk) -> list[list[int]]:
-        """x [R, hc, hidden]: the block's output at each span's last position -> k drafts per
-        span, top-1 at every step."""
+    def _chain(self, spans: list[DraftSpan], x: torch.Tensor, topk):
+        """x [R, hc, hidden]: the block's output at each span's last position -> (k drafts per
+        span, top-1 at every step; the rows whose attention read the reused top-k)."""
         head = self.model.head.weight
         tokens = self.block.head_logits(x, head).argmax(-1)  # [R]
-        drafts = [tokens]
+        drafts, num_reused = [tokens], 0
         last = np.array([s.start_pos + len(s.next_tokens) - 1 for s in spans], dtype=np.int64)
         for step in range(1, self.num_steps):
             meta = self._chain_meta(spans, last + step, last)
             x = self.block.mix(x, self.model.embed(tokens))
             x, _ = paged_block(self.block, x, meta, self.pools, topk)
+            num_reused += topk.shape[0] if topk is not None else 0
             tokens = self.block.head_logits(x, head).argmax(-1)
             drafts.append(tokens)
-        return torch.stack(drafts, dim=1).cpu().tolist()
+        return torch.stack(drafts, dim=1).cpu().tolist(), num_reused
 
     def _chain_meta(self, spans, positions: np.ndarray, last: np.ndarray):
         """Index tensors of one chain step: one token per span at `positions`; window keys up to

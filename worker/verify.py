@@ -71,25 +71,49 @@ def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk) -> Non
 
 
 def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, result) -> None:
-    """Samples every sampling entry of a step that verifies drafts: one batched pass over the
-    d + 1 positions of each entry (one for entries without drafts), then the accepted prefix."""
-    rows, positions, owners, first = [], [], [], 0
-    for e in plan.batch:
-        if e.sample:
-            n = e.num_drafts + 1
-            row0 = first + e.num_tokens - n
-            owners.append((e, first, len(rows)))
-            rows += range(row0, row0 + n)
-            positions += range(e.start_pos + e.num_tokens - n + 1, e.start_pos + e.num_tokens + 1)
-        first += e.num_tokens
-    params = [sampling[e.req_id] for e, _, _ in owners for _ in range(e.num_drafts + 1)]
-    num_top = [plan.logprobs.get(e.req_id) for e, _, _ in owners for _ in range(e.num_drafts + 1)]
+    """Samples every sampling entry of a step that verifies drafts: one head pass and one
+    batched sampling pass over the d + 1 positions of each entry (one for entries without
+    drafts), then the accepted prefix (``verify``)."""
+    rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
     logits = model.logits(x[torch.tensor(rows, dtype=torch.long, device=x.device)])  # [R, V]
+    verify(plan, logits, sampling, result)
+
+
+def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:
+    """logits [R, V] fp32 of the scored rows (per sampling entry in batch order, its last
+    num_drafts + 1 positions); sampling: req_id -> SamplingRow (or why it was refused). Fills
+    result.sampled / accepted / logprobs / accepted_logprobs / errors."""
+    entries = [e for e, _ in _sampling_entries(plan)]
+    params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
+    num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
+    # the token drawn at row j follows position start + j: its position keys the seeded noise
+    positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
     outcomes = sample_batch(logits, usable, positions, num_top)
-    for e, first, at in owners:
-        _accept(e, plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens],
-                outcomes[at : at + e.num_drafts + 1], sampling[e.req_id], result)  # fmt: skip
+    at = 0
+    for e, first in _sampling_entries(plan):
+        drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
+        _accept(e, drafts, outcomes[at : at + e.num_drafts + 1], sampling[e.req_id], result)
+        at += e.num_drafts + 1
+
+
+def _sampling_entries(plan: StepPlan):
+    """(entry, its first token's row in the batch) of every sampling entry, in batch order."""
+    first = 0
+    for e in plan.batch:
+        if e.sample:
+            yield e, first
+        first += e.num_tokens
+
+
+def _rows(entry, first: int) -> range:
+    """Batch rows of the entry's scored positions: its last num_drafts + 1 tokens."""
+    return range(first + entry.num_tokens - entry.num_drafts - 1, first + entry.num_tokens)
+
+
+def _positions(entry) -> range:
+    end = entry.start_pos + entry.num_tokens
+    return range(end - entry.num_drafts - 1, end)
 
 
 def _accept(entry, drafts: list[int], outcomes, row, result: StageResult) -> None:
