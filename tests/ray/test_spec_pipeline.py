@@ -1,7 +1,9 @@
 """The MTP draft actor as the last node of a two-stage compiled graph: greedy tokens equal the
 reference's with window-only and DSA-style draft layers, and killing the draft actor mid-run
-leaves every request exactly right (they resume on the rebuilt pipeline)."""
+leaves every request exactly right (they resume on the rebuilt pipeline); `dsv4ray job` takes
+--speculative-num-steps and reports each request's drafts."""
 
+import json
 import os
 
 import pytest
@@ -11,6 +13,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
+from dsv4ray.model.tokenizer import Tokenizer
 from tests.oracle import reference_greedy, sampled_tokens, sampling_row
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
@@ -78,3 +81,23 @@ def test_killing_the_draft_actor_mid_run_leaves_every_request_right(ray_session)
         logits = ref.step(torch.tensor([tokens[-1:]]), state)[0, -1]
     assert outs[1].token_ids == tokens
     assert stats["num_pipeline_rebuilds"] == 1 and stats["num_accepted_draft_tokens"] > 0
+
+
+def test_job_with_drafts_from_the_command_line(ray_session, tmp_path, capsys):
+    from dsv4ray.__main__ import main
+
+    ref = load_reference(TRAINED, torch.float32)
+    prompts = {"a": "def fibonacci(n):\n", "b": "import os\n\n\ndef main("}
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    rows = [
+        {"id": i, "prompt": p, "max_tokens": 12, "ignore_eos": True} for i, p in prompts.items()
+    ]
+    src.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    argv = ["job", "--model", TRAINED, "--input", str(src), "--output", str(dst)]
+    assert main([*argv, "--kv-cache-dtype", "fp32", "--speculative-num-steps", "2"]) == 0
+    assert "MTP drafts on (2 per step)" in capsys.readouterr().err
+    tok = Tokenizer(TRAINED)
+    for line in dst.read_text().splitlines():
+        out = json.loads(line)
+        assert out["token_ids"] == ref.greedy(tok.encode(prompts[out["id"]]), 12)
+        assert out["metrics"]["num_draft_tokens"] >= out["metrics"]["num_accepted_draft_tokens"] > 0
