@@ -93,7 +93,8 @@ class LocalPipeline:
         sizes = pool_sizes(self.capacity, self.draft is not None)
         for w in self.workers:
             w.allocate(sizes)
-            w.capture_graphs(ec.max_running_requests, max_len)
+            if self.draft is None:  # steps with a draft worker run eagerly (stage_worker.py)
+                w.capture_graphs(ec.max_running_requests, max_len)
         if self.draft is not None:
             self.draft.allocate(sizes)
 
