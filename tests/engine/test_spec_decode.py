@@ -62,7 +62,7 @@ def _run_checking_drafts(llm, ref, prompts, max_tokens, k):
     while core.has_unfinished():
         core.step()
         for req_id in ids:
-            if req_id in core.scheduler._requests:
+            if not core.outputs.outputs[req_id].finished:
                 req = core.scheduler.get_request(req_id)
                 if req.draft_token_ids:
                     assert req.draft_token_ids == reference_drafts(ref, req.token_ids, k)
@@ -176,3 +176,18 @@ def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tiny_ckpt, tmp_path
         LLM(tiny_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
     with pytest.raises(ValueError, match="speculative_num_steps"):
         LLM(tiny_ckpt, speculative_num_steps=-1)
+
+
+def test_logprobs_of_accepted_drafts_are_the_targets(trained_llm, trained_ref):
+    prompt = trained_llm.tokenizer.encode(CODE[0])
+    out = trained_llm.generate([prompt], SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True))
+    out = out[0]
+    assert out.metrics.num_accepted_draft_tokens > 0
+    logits = trained_ref(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits, dim=-1)
+    assert len(out.logprobs) == 12
+    for pos, (token, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+        top = logp[pos].topk(2).indices.tolist()
+        assert set(lps) == {token, *top}
+        for tok, lp in lps.items():
+            assert lp == pytest.approx(float(logp[pos, tok]), abs=1e-4)

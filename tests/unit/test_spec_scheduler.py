@@ -94,7 +94,8 @@ def drive_spec(sched, stage, depth=1, max_steps=3000):
         for done in outcome.finished:
             finished[done.req_id] = done
         sched.check_integrity()
-        for req in sched._running:  # at rest no request holds a page past its tokens
+        for req_id in set(sampled) - set(finished):  # no page past the tokens at rest
+            req = sched.get_request(req_id)
             if req.in_flight_step is None:
                 assert len(req.page_ids) <= -(-req.num_tokens // sched.config.page_size)
     raise AssertionError("requests did not finish")
