@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import sys
 import time
 
@@ -109,7 +110,8 @@ def main() -> None:
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     note = (
         f"{os.path.basename(os.path.normpath(args.model))}, k={args.k}, greedy, batch 1, "
-        f"{len(args.prompts_ids)} held-out stdlib prompts of {args.prompt_len} tokens, "
+        f"{len(args.prompts_ids)} held-out prompts of {args.prompt_len} tokens from Python "
+        f"{platform.python_version()}'s stdlib, "
         f"{args.max_tokens} new tokens each, {args.kv_cache_dtype} pages, "
         f"{'Ray actors' if args.use_ray else 'in process'}; {accepted} of "
         f"{stats['num_draft_tokens']} drafts accepted ({acceptance:.1%}); "
