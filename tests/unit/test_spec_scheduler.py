@@ -25,11 +25,12 @@ class VerifyingStage(FakeStage):
     def __init__(self, config, num_steps, p_wrong=0.35):
         super().__init__(config)
         self.num_steps, self.p_wrong, self.rng = num_steps, p_wrong, random.Random(0)
-        self.rollbacks, self.num_cuts = [], 0
+        self.rollbacks, self.num_cuts, self.num_preempted = [], 0, 0
 
     def run(self, plan):
         """-> (sampled, accepted, drafts) as the draft worker's result carries them."""
         self._roll_back(plan.diffs)
+        self.num_preempted += len(plan.preempted_ids)
         batch, snapshots = plan.batch, plan.snapshots
         super().run(dataclasses.replace(plan, batch=[], token_ids=[], snapshots=[]))
         sampled, accepted, drafts, offset = {}, {}, {}, 0
@@ -132,6 +133,20 @@ def test_outputs_equal_plain_decoding_with_rejections(num_steps, depth):
     assert stage.rollbacks, "no draft was ever rejected: the rollback path went untested"
     assert stage.num_cuts or num_steps == 1, "no page was cut"  # one draft never needs a cut
     assert sched.kv.pages.num_in_use == 0 and sched.kv.state_slots.num_in_use == 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_preemption_under_drafts_keeps_outputs_right(depth):
+    config = spec_config(num_pages=8, max_model_len=64, num_cached_state_slots=4)
+    sched, stage = Scheduler(config), VerifyingStage(config, 3)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    prompts = {f"r{i}": [i + 1] * (17 + i) for i in range(3)}  # 150 tokens into 64 slots
+    for name, prompt_ids in prompts.items():
+        sched.add_request(name, prompt_ids, params)
+    finished = drive_spec(sched, stage, depth)
+    for name, prompt_ids in prompts.items():
+        assert finished[name].output_token_ids == reference(prompt_ids, params)[0], name
+    assert stage.num_preempted and stage.rollbacks
 
 
 def test_stops_inside_the_accepted_drafts_end_where_plain_decoding_ends():
