@@ -161,6 +161,24 @@ def test_seeded_sampling_gives_the_tokens_of_plain_sampling(trained_llm, trained
     assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
 
 
+def test_sampled_tokens_follow_the_target_distribution(trained_llm, trained_ref):
+    """Many seeds, temperature 1: the second token (drawn while verifying the first step's
+    drafts), given the commonest first token, follows the reference's next-token probabilities:
+    every frequency within 4 standard errors (fixed seeds, so the test is deterministic)."""
+    prompt = trained_llm.tokenizer.encode("    def __init__(sel")
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(256)]  # fmt: skip
+    outs = trained_llm.generate([prompt] * len(params), params)
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+    firsts = torch.tensor([o.token_ids[0] for o in outs])
+    t1 = int(firsts.mode().values)
+    seconds = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == t1])
+    probs = torch.softmax(trained_ref(torch.tensor([prompt + [t1]]))[0, -1], dim=-1)
+    freq = torch.bincount(seconds, minlength=probs.numel()) / seconds.numel()
+    tol = 4 * torch.sqrt(probs * (1 - probs) / seconds.numel()) + 1e-3
+    assert seconds.numel() >= 200 and torch.all((freq - probs).abs() <= tol)
+
+
 def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tiny_ckpt, tmp_path):
     from safetensors.torch import load_file, save_file
 
@@ -172,7 +190,7 @@ def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tiny_ckpt, tmp_path
               str(tmp_path / "model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match=r"speculative_num_steps=2 .*lacks mtp\.0\."):
         LLM(str(tmp_path), speculative_num_steps=2, use_ray=False)
-    with pytest.raises(ValueError, match="speculative_eagle_topk"):
+    with pytest.raises(ValueError, match="speculative_eagle_topk.*tree drafting"):
         LLM(tiny_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
     with pytest.raises(ValueError, match="speculative_num_steps"):
         LLM(tiny_ckpt, speculative_num_steps=-1)
@@ -191,3 +209,8 @@ def test_logprobs_of_accepted_drafts_are_the_targets(trained_llm, trained_ref):
         assert set(lps) == {token, *top}
         for tok, lp in lps.items():
             assert lp == pytest.approx(float(logp[pos, tok]), abs=1e-4)
+
+
+def test_tree_drafting_with_top_k_reuse_is_refused(dsa_ckpt):
+    with pytest.raises(ValueError, match="DSA-style.*valid only for chain drafting"):
+        LLM(dsa_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
