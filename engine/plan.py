@@ -136,8 +136,10 @@ class StageResult:
     applied the plan's bookkeeping)."""
 
     step_id: int
-    residual: torch.Tensor | None = None  # [T, hc * hidden]
-    topk: torch.Tensor | None = None  # [T, k] logical C4 positions, -1 = none
+    # [T, hc * hidden] and [T, k] logical C4 positions (-1 = none); from the last stage to a
+    # draft worker: the rows of the positions it drafts from (worker/verify.py)
+    residual: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # [logprob, [[id, lp], ...]]
     full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32

@@ -153,16 +153,12 @@ def resume_points(scheduler, req_ids) -> dict[str, Resume]:
     return points
 
 
-# Engine counters (EngineCore.stats): drafts verified and accepted, and the draft worker's own
-# (passes run, tokens proposed, chain-step rows that reused step 0's top-k).
-STAT_NAMES = (
-    "num_verify_steps",
-    "num_draft_tokens",
-    "num_accepted_draft_tokens",
-    "num_draft_passes",
-    "num_drafted_tokens",
-    "num_topk_reuse_rows",
-)
+# The draft worker's counters (StageResult.draft_stats per step): passes run, tokens proposed,
+# chain-step rows whose attention read step 0's reused top-k.
+DRAFT_STAT_NAMES = ("num_draft_passes", "num_drafted_tokens", "num_topk_reuse_rows")
+# Engine counters (EngineCore.stats): drafts verified and accepted, then the draft worker's.
+STAT_NAMES = ("num_verify_steps", "num_draft_tokens", "num_accepted_draft_tokens")
+STAT_NAMES += DRAFT_STAT_NAMES
 
 
 def describe(num_steps: int) -> str:

@@ -34,7 +34,7 @@ from dsv4ray.cache.draft_pools import DraftPools
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
-from dsv4ray.engine.spec import SpecConfig
+from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker.batch import WINDOW, HostStage, ReqTable, build_batch, meta_from, pack
 from dsv4ray.worker.paged import paged_block
@@ -42,8 +42,6 @@ from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.verify import DraftSpan, draft_spans
 
 log = logging.getLogger("dsv4ray.draft")
-
-STAT_NAMES = ("num_draft_passes", "num_drafted_tokens", "num_topk_reuse_rows")
 
 
 class DraftWorker:
@@ -74,7 +72,7 @@ class DraftWorker:
         self.pools: DraftPools | None = None
         self.tables: dict[str, ReqTable] = {}
         self.stage = HostStage()
-        self.stats = dict.fromkeys(STAT_NAMES, 0)
+        self.stats = dict.fromkeys(DRAFT_STAT_NAMES, 0)
 
     def allocate(self, sizes: PoolSizes) -> int:
         self.pools = DraftPools(self.cfg, sizes, self.kv_cache_dtype, self.device)
