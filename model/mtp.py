@@ -65,7 +65,13 @@ class MTPBlock(Block):
         y = hc_head(
             x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
         )
-        return F.linear(self.norm(y).float(), head_weight.float())
+        h = self.norm(y)
+        if h.is_cuda and head_weight.dtype in (torch.bfloat16, torch.float16):
+            # 16-bit operands, fp32 accumulation and output: no fp32 copy of the head per call
+            flat = torch.mm(h.reshape(-1, h.shape[-1]).to(head_weight.dtype), head_weight.t(),
+                            out_dtype=torch.float32)  # fmt: skip
+            return flat.view(*h.shape[:-1], head_weight.shape[0])
+        return F.linear(h.float(), head_weight.float())
 
 
 class DraftModel(nn.Module):
