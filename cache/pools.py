@@ -92,6 +92,13 @@ class StagePools:
             kv[idx] = 0.0
             score[idx] = float("-inf")
 
+    def reset_c128_rows(self, slot: int, positions) -> None:
+        """Empties the C128 ring rows of positions that rejected draft tokens wrote."""
+        for kv, score in self.c128_state:
+            rows = torch.tensor([p % kv.shape[1] for p in positions], device=self._device)
+            kv[slot, rows] = 0.0
+            score[slot, rows] = float("-inf")
+
     def copy_c4_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copies the C4 main + indexer rings between rows (snapshot in, or restore out)."""
         if not src_rows:

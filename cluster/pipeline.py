@@ -7,7 +7,9 @@ on CPU, NCCL on GPUs. Up to pp_size plans are in flight. A dead or stuck stage r
 PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in the same bundles.
 Teardown removes the graph's channel files from /dev/shm (cluster/stage_graph.py) and lets the
 stage actors exit cleanly, killing only those that do not: builds, failed builds and rebuilds
-leave no files behind, whichever stages died.
+leave no files behind, whichever stages died. With speculative decoding a DraftActor shares the
+last stage's bundle (0.1 of its GPU, or half its CPU share) and is the graph's last node; a
+rebuild replaces it with the stages.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dsv4ray.actors.draft import DraftActor
 from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
@@ -56,6 +59,7 @@ class RayPipeline:
         )
         ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
         self.actors: list = []
+        self.draft = None  # the DraftActor, with speculative decoding
         self.dag: StageGraph | None = None
         self.host_args: dict | None = None  # host tier regions (HiCache), once attached
         self.tiers, self.regions = [], []
@@ -69,11 +73,14 @@ class RayPipeline:
         ``_teardown`` (the next ``rebuild`` or ``shutdown``)."""
         ec = self.config
         self.actors = [self._actor(i, start, end) for i, (start, end) in enumerate(self.ranges)]
+        self.draft = self._draft_actor() if ec.speculative_num_steps else None
         infos = self.infos = self._get([a.ready.remote() for a in self.actors])
+        if self.draft is not None:
+            self._get(self.draft.ready.remote())
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available)
-        sizes = dataclasses.asdict(pool_sizes(self.capacity))
-        self._get([a.allocate.remote(sizes) for a in self.actors])
+        sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
+        self._get([a.allocate.remote(sizes) for a in self._all_actors])
         if self.host_args is not None:
             self._attach_regions()
         try:
@@ -83,6 +90,7 @@ class RayPipeline:
                 ec.execution_timeout_s,
                 warmup=encode(StepPlan(step_id=-1)),
                 nccl=self.use_gpu,
+                draft=self.draft,
             )
         except Exception as exc:  # a stage died while the graph was compiled or warmed up
             raise PipelineFailure(describe(exc)) from exc
@@ -95,10 +103,16 @@ class RayPipeline:
     def _get(self, refs):
         return ray.get(refs, timeout=self.config.execution_timeout_s)
 
+    @property
+    def _all_actors(self) -> list:
+        return self.actors + ([self.draft] if self.draft is not None else [])
+
     def _actor(self, idx: int, start: int, end: int):
         ec = self.config
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
         resources = {"num_gpus": 1, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.5}
+        if ec.speculative_num_steps and idx == len(self.ranges) - 1:  # the draft shares it
+            resources = {"num_gpus": 0.9, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
         return StageActor.options(scheduling_strategy=strategy, **resources).remote(
             ec.model,
             start,
@@ -109,6 +123,41 @@ class RayPipeline:
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
         )
+
+    def _draft_actor(self):
+        """The draft worker, in the last stage's bundle (the Serve replica's CPU of a GPU bundle
+        leaves it none of its own there)."""
+        ec = self.config
+        strategy = PlacementGroupSchedulingStrategy(
+            self.pg, placement_group_bundle_index=len(self.ranges) - 1
+        )
+        resources = {"num_gpus": 0.1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 0.25}
+        return DraftActor.options(scheduling_strategy=strategy, **resources).remote(
+            ec.model,
+            ec.speculative_num_steps,
+            ec.kv_cache_dtype,
+            ec.dtype,
+            ec.device,
+            1,
+            ec.speculative_eagle_topk,
+            logging.getLevelName(log.getEffectiveLevel()),
+        )
+
+    def draft_lost(self) -> bool:
+        """After a PipelineFailure: True when the draft actor is gone and every stage answers."""
+        if self.draft is None:
+            return False
+        try:
+            ray.get(self.draft.ready.remote(), timeout=10)
+            return False
+        except Exception:  # a dead actor surfaces in several exception types
+            pass
+        try:
+            ray.get([a.ready.remote() for a in self.actors], timeout=10)
+        except Exception as exc:
+            log.error("a stage died with the draft worker: %s", describe(exc))
+            return False
+        return True
 
     # ------------------------------------------------------------------ host tier
     def attach_host(self, num_pages: int, num_snapshots: int) -> None:
@@ -166,7 +215,7 @@ class RayPipeline:
         """After a stage died: the survivors exit first (a clean exit removes every channel
         file they used; a graph whose actors are all gone tears down at once, while Ray's
         teardown can wait on a live one without end), then fresh actors start."""
-        _stop_actors(self.actors)
+        _stop_actors(self._all_actors)
         self._teardown()
         self._build()
 
@@ -174,8 +223,8 @@ class RayPipeline:
         if self.dag is not None:
             self.dag.teardown()
             self.dag = None
-        _stop_actors(self.actors)
-        self.actors = []
+        _stop_actors(self._all_actors)
+        self.actors, self.draft = [], None
 
     def shutdown(self) -> None:
         self._teardown()

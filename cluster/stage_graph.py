@@ -1,7 +1,8 @@
 """StageGraph: one Ray compiled graph over a chain of stage actors, and its /dev/shm files.
 
 The graph sends each input to every actor and passes each actor's result to the next:
-``actors[0].first(x)``, then ``actors[i].next(x, prev)``; the last result is the output. On CPU
+``actors[0].first(x)``, then ``actors[i].next(x, prev)``, then (speculative decoding) the draft
+actor's ``next(x, prev)``; the last result is the output. On CPU
 every channel is shared memory with two semaphore files in /dev/shm that Ray removes only when a
 process that used the channel exits cleanly (see channel_files.py). The graph therefore records,
 once it has run one warm-up input, every channel file that the driver or any of its actors maps,
@@ -31,17 +32,24 @@ TEARDOWN_TIMEOUT_S = 20.0
 
 class StageGraph:
     def __init__(
-        self, actors: list, depth: int, timeout_s: float, warmup, nccl: bool = False
+        self,
+        actors: list,
+        depth: int,
+        timeout_s: float,
+        warmup,
+        nccl: bool = False,
+        draft=None,
     ) -> None:
         """depth: inputs in flight at most; timeout_s: bound on a submit and on the warm-up;
-        warmup: an input every actor accepts. Raises whatever compiling or the warm-up raised
-        (a dead actor), after removing the channel files made so far."""
-        self.actors, self.timeout_s = actors, timeout_s
+        warmup: an input every actor accepts; draft: an actor after the last stage, or None.
+        Raises whatever compiling or the warm-up raised (a dead actor), after removing the
+        channel files made so far."""
+        self.actors, self.timeout_s = actors + ([draft] if draft is not None else []), timeout_s
         self.dag, self.channel_files = None, []
         with BUILD_LOCK:  # no other graph of this process maps channel files meanwhile
             before = mapped_channel_files()
             try:
-                self.dag = self._compile(depth, nccl)
+                self.dag = self._compile(actors, depth, nccl, draft)
                 ray.get(self.dag.execute(warmup), timeout=timeout_s)  # channels map on first use
             except BaseException:
                 self.channel_files = self._channel_files(before)
@@ -50,13 +58,17 @@ class StageGraph:
             self.channel_files = self._channel_files(before)
         log.debug("compiled graph: %d channel files", len(self.channel_files))
 
-    def _compile(self, depth: int, nccl: bool):
+    def _compile(self, stages: list, depth: int, nccl: bool, draft):
         with InputNode() as data:
-            out = self.actors[0].first.bind(data)
-            for actor in self.actors[1:]:
+            out = stages[0].first.bind(data)
+            for actor in stages[1:]:
                 if nccl:
                     out = out.with_tensor_transport(transport="nccl")
                 out = actor.next.bind(data, out)
+            if draft is not None:
+                if nccl:  # the draft shares the last stage's GPU: NCCL cannot link a GPU to itself
+                    out = out.with_tensor_transport(transport="shm")
+                out = draft.next.bind(data, out)
         return out.experimental_compile(
             _max_inflight_executions=depth, _submit_timeout=self.timeout_s
         )

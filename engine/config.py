@@ -17,6 +17,7 @@ from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
 from dsv4ray.cache.hicache import WRITE_POLICIES
 from dsv4ray.config_error import is_int
+from dsv4ray.engine.spec import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class EngineConfig:
     use_ray: str | bool = "auto"
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
+    speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
+    speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -70,6 +73,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -92,12 +96,22 @@ class EngineConfig:
             )
         if self.enable_hicache and self.use_ray is False:
             raise ValueError("enable_hicache runs a host tier actor; use_ray=False is not allowed")
+        if self.enable_hicache and self.speculative_num_steps:
+            raise ValueError(
+                "speculative_num_steps with enable_hicache is not supported yet: host snapshots "
+                "hold single-size compressor rings, speculation doubles them"
+            )
+
+    @property
+    def spec(self) -> SpecConfig:
+        return SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)
 
     @property
     def uses_ray(self) -> bool:
-        """In-process when pp_size == 1 and no actor feature is on, Ray actors otherwise."""
+        """In-process when pp_size == 1 and no actor feature (host tier, draft worker) is on, Ray
+        actors otherwise (use_ray=False runs a draft worker in process too)."""
         if self.use_ray == "auto":
-            return self.pp_size > 1 or self.enable_hicache
+            return self.pp_size > 1 or self.enable_hicache or self.speculative_num_steps > 0
         return bool(self.use_ray)
 
     @property
@@ -132,6 +146,7 @@ class SchedulerConfig:
     num_host_pages: int = 0  # host tier (HiCache): 0 = off
     num_host_snapshots: int = 0
     hicache_write_policy: str = "write_through"
+    num_speculative_steps: int = 0  # drafts the draft worker proposes (0: no draft worker)
 
     def __post_init__(self) -> None:
         for name in _POSITIVE_FIELDS:

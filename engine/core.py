@@ -7,11 +7,14 @@ request that is in flight, and stages apply plans in order. If a stage dies, eve
 request ends with finish_reason "abort" and an error saying so, in the step that saw the failure;
 the next step rebuilds the pipeline with fresh pools before it schedules anything, and the engine
 keeps serving. A rebuild that fails ends the requests then waiting with an error (no caller waits
-on a pipeline that is not there) and is tried again at the next step.
+on a pipeline that is not there) and is tried again at the next step. If only the draft worker
+died, no request ends: each resumes on the rebuilt pipeline from the tokens it has (recomputed
+as its prompt, with its seed), so its output is the one an undisturbed run gives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Sequence
@@ -19,11 +22,13 @@ from dataclasses import dataclass, field
 
 from dsv4ray.cache.formats import PAGE_SIZE
 from dsv4ray.config import ModelConfig
+from dsv4ray.engine import spec
+from dsv4ray.engine.checks import check_request_id
 from dsv4ray.engine.config import EngineConfig, SchedulerConfig
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
-from dsv4ray.engine.sampling import SamplingParams, check_text
+from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
 from dsv4ray.model.tokenizer import Tokenizer
 
@@ -55,6 +60,8 @@ class EngineCore:
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
         self.needs_rebuild = False  # a stage died: rebuild before the next plan
+        self.resume: dict[str, spec.Resume] = {}  # requests to resume after a draft worker died
+        self.spec_stats = dict.fromkeys(spec.STAT_NAMES, 0)
         if config.device == "cuda":
             self._warm_up()
 
@@ -109,11 +116,12 @@ class EngineCore:
             ec.max_model_len or cfg.max_position_embeddings, cap.num_full_tokens
         )
         log.info(
-            "engine: %s, pp=%d, capacity %d tokens, max_model_len %d",
+            "engine: %s, pp=%d, capacity %d tokens, max_model_len %d, %s",
             ec.model,
             ec.pp_size,
             cap.num_full_tokens,
             self.max_model_len,
+            spec.describe(ec.speculative_num_steps),
         )
         return Scheduler(
             SchedulerConfig(
@@ -128,6 +136,7 @@ class EngineCore:
                 num_host_pages=self.host_pages,
                 num_host_snapshots=self.host_snapshots,
                 hicache_write_policy=ec.hicache_write_policy,
+                num_speculative_steps=ec.speculative_num_steps,
             )
         )
 
@@ -202,21 +211,23 @@ class EngineCore:
             out = self.abort(req_id, error)  # before commit: its step entry no longer counts
             if out is not None:
                 updates[req_id] = RequestUpdate(req_id, output=out)
-        outcome = self.scheduler.commit(plan, result.sampled)
+        outcome = self.scheduler.commit(plan, result.sampled, result.accepted, result.drafts)
         finished = outcome.finished
+        spec.count_drafts(plan, outcome, result, self.outputs.outputs, self.spec_stats)
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
                 self.outputs.logits.setdefault(req_id, []).append(logits)
         for req_id, token in outcome.tokens.items():
+            tokens = [*outcome.extra_tokens.get(req_id, ()), token]
             try:
-                delta, stop = self.outputs.on_token(req_id, token, result.logprobs.get(req_id))
+                tokens, delta, stop = self._feed(req_id, tokens, result)
             except Exception as exc:  # text or stop handling of one request fails alone
                 log.exception("request %s: output handling failed", req_id)
                 finished = [f for f in finished if f.req_id != req_id]
                 out = self._end(req_id, f"output handling failed: {type(exc).__name__}")
                 updates[req_id] = RequestUpdate(req_id, output=out)
                 continue
-            updates[req_id] = RequestUpdate(req_id, [token], delta)
+            updates[req_id] = RequestUpdate(req_id, tokens, delta)
             if stop and not any(f.req_id == req_id for f in finished):
                 done = self.scheduler.finish(req_id, "stop")
                 finished += [done] if done is not None else []
@@ -225,6 +236,19 @@ class EngineCore:
             update.output = self.outputs.on_finish(f)
             self.scoring.discard(f.req_id)
         return list(updates.values())
+
+    def _feed(self, req_id: str, tokens: list[int], result) -> tuple[list[int], str, bool]:
+        """Hands a step's tokens of a request to its output one by one, up to a stop string:
+        (the tokens taken, their text, whether a stop string ended the request)."""
+        logprobs = result.accepted_logprobs.get(req_id) or [None] * (len(tokens) - 1)
+        logprobs = [*logprobs, result.logprobs.get(req_id)]
+        text = ""
+        for i, token in enumerate(tokens):
+            delta, stop = self.outputs.on_token(req_id, token, logprobs[i])
+            text += delta
+            if stop:
+                return tokens[: i + 1], text, True
+        return tokens, text, False
 
     @staticmethod
     def _step_errors(plan, result) -> dict[str, str]:
@@ -247,8 +271,15 @@ class EngineCore:
     def _recover(self, exc: PipelineFailure) -> list[RequestUpdate]:
         """A stage died: every unfinished request ends now, with the reason; the next step
         rebuilds the pipeline (seconds to minutes), so no caller waits for it to learn."""
-        log.error("pipeline stage failed: %s; rebuilding the pipeline", exc)
         self.needs_rebuild = True
+        if self.pipeline.draft_lost():
+            log.error("draft worker lost (%s): rebuilding; requests resume from their tokens", exc)
+            self.in_flight.clear()
+            self.resume = spec.resume_points(self.scheduler, self.outputs.unfinished())
+            for req_id in self.scoring:
+                self.outputs.logits.pop(req_id, None)  # a scored prompt is scored again
+            return []
+        log.error("pipeline stage failed: %s; rebuilding the pipeline", exc)
         return self.abort_all("a pipeline stage failed while the request ran")
 
     def _rebuild(self) -> list[RequestUpdate] | None:
@@ -279,11 +310,14 @@ class EngineCore:
     def _queue_again(self, waiting: list[str]) -> list[RequestUpdate]:
         refused = []
         for req_id in waiting:  # same order: first come, first served
-            out, params = self.outputs.outputs[req_id], self.outputs.params[req_id]
+            prompt = self.outputs.outputs[req_id].prompt_token_ids
+            params = self.outputs.params[req_id]
+            point = self.resume.pop(req_id, None)
+            if point is not None:  # it ran before its draft worker died: resume where it was
+                prompt = point.prompt_token_ids
+                params = dataclasses.replace(params, max_tokens=point.max_tokens, seed=point.seed)
             try:
-                self.scheduler.add_request(
-                    req_id, out.prompt_token_ids, params, req_id not in self.scoring
-                )
+                self.scheduler.add_request(req_id, prompt, params, req_id not in self.scoring)
             except ValueError as exc:  # too long for the restarted pipeline's pools
                 out = self._end(req_id, f"the restarted pipeline cannot take it: {exc}")
                 refused.append(RequestUpdate(req_id, output=out))
@@ -306,6 +340,7 @@ class EngineCore:
         """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds."""
         return {
             **self.scheduler.stats(),
+            **self.spec_stats,
             "num_host_pages": self.host_pages,
             "num_pipeline_rebuilds": self.num_rebuilds,
         }
@@ -323,6 +358,7 @@ class EngineCore:
     def abort_all(self, error: str) -> list[RequestUpdate]:
         """Ends every unfinished request with finish_reason "abort" and ``error``."""
         self.in_flight.clear()
+        self.resume = {}
         updates = []
         for req_id in self.outputs.unfinished():
             finished = self.scheduler.abort(req_id)
@@ -345,19 +381,3 @@ class EngineCore:
     def shutdown(self) -> None:
         self.pipeline.shutdown()
 
-
-def check_request_id(req_id: object) -> None:
-    if not isinstance(req_id, str) or not req_id:
-        raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
-    check_text("request id", req_id)
-
-
-def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
-    """The page layouts and kernels assume the release's head shapes."""
-    for name, want in (("head_dim", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):
-        if getattr(cfg, name) != want:
-            raise ValueError(
-                f"the paged engine needs {name} = {want} (its page layouts and "
-                f"kernels), the checkpoint has {getattr(cfg, name)}"
-            )
-    return cfg

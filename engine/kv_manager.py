@@ -183,6 +183,25 @@ class KVCacheManager:
         if req.snapshot.boundary in req.share_boundaries:
             self._share_prefix(req)
 
+    def settle_snapshot(self, req: Request) -> None:
+        """After a step: its pending snapshot is promoted, unless rejected drafts left its
+        boundary past the verified positions (then its ids are given back)."""
+        pending = req.pending_snapshot
+        if pending is not None and pending.boundary > req.num_computed_tokens:
+            self._drop_snapshot(pending)
+            req.pending_snapshot = None
+        self.promote_snapshot(req)
+
+    def cut_pages(self, req: Request) -> None:
+        """Frees the full pages wholly past the request's tokens (only rejected drafts wrote
+        there); the stages cut their page tables in the request's next diff."""
+        keep = cdiv(req.num_tokens, self.page_size)
+        if len(req.page_ids) > keep:
+            self.pages.free(req.page_ids[keep:])
+            del req.page_ids[keep:]
+            req.num_synced_pages = min(req.num_synced_pages, keep)
+            req.cut_pages = keep
+
     def _share_prefix(self, req: Request) -> None:
         """Insert the request's prefix up to its snapshot while it keeps running: the index takes
         references of its own to the pages (the request keeps its own) and adopts the snapshot."""

@@ -4,7 +4,8 @@ Two implementations: ``worker.local_pipeline.LocalPipeline`` (stages in this pro
 ``cluster.pipeline.RayPipeline`` (stage actors over a Ray compiled graph). ``capacity`` is the
 pipeline's pool sizes (the minimum over its stages, each sized by its own layer slice);
 ``depth`` how many plans may be in flight; ``submit`` returns a handle that ``collect`` turns
-into the last stage's StageResult. A dead stage surfaces as PipelineFailure, nothing else.
+into the last stage's StageResult (through the draft worker, when one follows the last stage). A
+dead stage or draft worker surfaces as PipelineFailure, nothing else.
 """
 
 from __future__ import annotations
@@ -38,3 +39,5 @@ class Pipeline(Protocol):
     def drop_host(self) -> None: ...
 
     def placement(self) -> dict: ...
+
+    def draft_lost(self) -> bool: ...  # after a PipelineFailure: only the draft worker died

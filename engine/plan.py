@@ -15,6 +15,14 @@ C128 ring is empty at the page boundary where a prefix hit resumes); apply diffs
 then for each (req_id, slot) in snapshots copy that request's C4 rings into cached-state slot.
 (A finished id may reappear in new_requests of the same plan when a caller reuses the id.)
 Stages apply plans in step order, so diffs stay valid with several micro-batches in flight.
+
+Speculative decoding (engine/spec.py): an entry with num_drafts > 0 runs the request's last token
+then num_drafts draft tokens; the last stage samples at every one of those positions, accepts the
+longest prefix of drafts its own tokens match and reports them in StageResult.accepted (the token
+after them in sampled). With a draft worker (plan.draft) the last stage then hands it, in
+residual / topk, the rows of every position whose next token is known (accepted positions, and
+whole prefill chunks, whose next token is plan.next_tokens), and the draft worker returns the
+result with its proposals in drafts.
 """
 
 from __future__ import annotations
@@ -56,6 +64,10 @@ class RequestDiff:
     new_page_ids: list[int] = field(default_factory=list)  # appended to the page table
     new_window_pages: list[tuple[int, int]] = field(default_factory=list)  # (window idx, page id)
     freed_window_idxs: list[int] = field(default_factory=list)  # no longer resident
+    # a rollback of rejected drafts (applied first): the page table keeps its first num_pages
+    # pages (-1: unchanged); rejected = [first, end) positions whose C128 ring rows are reset
+    num_pages: int = -1
+    rejected: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -67,6 +79,7 @@ class BatchEntry:
     start_pos: int
     num_tokens: int
     sample: bool
+    num_drafts: int = 0  # the entry's last num_drafts tokens are drafts to verify
 
 
 @dataclass
@@ -88,6 +101,8 @@ class StepPlan:
     logprobs: dict[str, int] = field(default_factory=dict)
     full_logits: list[str] = field(default_factory=list)
     eager: bool = False
+    draft: bool = False  # a draft worker follows the last stage
+    next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # host tier copies, run before the step in this order (cache/hicache.py)
     host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
     host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
@@ -123,13 +138,19 @@ class StageResult:
     applied the plan's bookkeeping)."""
 
     step_id: int
-    residual: torch.Tensor | None = None  # [T, hc * hidden]
-    topk: torch.Tensor | None = None  # [T, k] logical C4 positions, -1 = none
+    # [T, hc * hidden] and [T, k] logical C4 positions (-1 = none); from the last stage to a
+    # draft worker: the rows of the positions it drafts from (worker/verify.py)
+    residual: torch.Tensor | None = None
+    topk: torch.Tensor | None = None
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # [logprob, [[id, lp], ...]]
     full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
     errors: dict[str, str] = field(default_factory=dict)
     failed: str | None = None
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # drafts accepted before sampled
+    accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
+    draft_stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
 
 
 def encode(plan: StepPlan) -> bytes:
@@ -149,6 +170,8 @@ def decode(data: bytes) -> StepPlan:
                 new_page_ids=item["new_page_ids"],
                 new_window_pages=[tuple(pair) for pair in item["new_window_pages"]],
                 freed_window_idxs=item["freed_window_idxs"],
+                num_pages=item["num_pages"],
+                rejected=item["rejected"],
             )
             for item in raw["diffs"]
         ],
@@ -160,6 +183,8 @@ def decode(data: bytes) -> StepPlan:
         logprobs=raw["logprobs"],
         full_logits=raw["full_logits"],
         eager=raw["eager"],
+        draft=raw["draft"],
+        next_tokens=raw["next_tokens"],
         **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},
     )
 

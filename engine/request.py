@@ -10,6 +10,9 @@ running request holds (one reference each in the allocators):
     pending_snapshot     taken by the step in flight; replaces snapshot at commit
     share_boundaries     boundaries whose snapshot (with the pages before it) is handed to the
                          radix index at commit instead of waiting for the release
+    draft_token_ids      the draft worker's proposals for the positions after the last token
+                         (engine/spec.py); the stages learn of a rollback through cut_pages and
+                         rejected
 
 A preempted request holds none of them and keeps its tokens (recomputed as prompt).
 """
@@ -80,6 +83,10 @@ class Request:
     num_synced_pages: int = 0
     new_windows: list[tuple[int, int]] = field(default_factory=list)
     freed_windows: list[int] = field(default_factory=list)
+    # speculative decoding: proposals, and a rollback the stages have not heard of yet
+    draft_token_ids: list[int] = field(default_factory=list)
+    cut_pages: int = -1  # the page table was cut to this many pages
+    rejected: tuple[int, int] | None = None  # positions [a, b) written for rejected drafts
 
     def __post_init__(self) -> None:
         self.prompt_len = len(self.token_ids)
@@ -106,3 +113,4 @@ class Request:
         self.share_boundaries = ()
         self.num_synced_pages = 0
         self.new_windows, self.freed_windows = [], []
+        self.draft_token_ids, self.cut_pages, self.rejected = [], -1, None

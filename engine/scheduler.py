@@ -18,6 +18,9 @@ newest, inserted on release); at the last boundary an identical prompt can match
 request leaves the cached path (a shared system prompt), chunks end and the snapshot is shared at
 once (``KVCacheManager.share_boundaries``).
 
+Speculative decoding (engine/spec.py): a running decode that holds draft tokens schedules them
+behind its last token; ``commit`` appends the verified ones and rolls the rest back.
+
 Several plans may be in flight (pipeline micro-batches): a request in flight is not scheduled
 again until ``commit`` of its step; stages apply plans in order, so ids freed while a step is in
 flight are reused only by later plans. ``schedule`` returns None when nothing can run now.
@@ -31,10 +34,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from dsv4ray.engine import spec, sync
 from dsv4ray.engine.config import SchedulerConfig
 from dsv4ray.engine.kv_manager import KVCacheManager
 from dsv4ray.engine.outputs import FINISH_REASONS
-from dsv4ray.engine.plan import BatchEntry, NewRequest, RequestDiff, StepPlan
+from dsv4ray.engine.plan import BatchEntry, StepPlan
 from dsv4ray.engine.request import FinishedRequest, Request, Status
 from dsv4ray.engine.sampling import SamplingParams
 
@@ -46,11 +50,14 @@ class StepOutcome:
     """What a committed step did. applied: the requests whose entries of the step count
     (requests preempted, aborted or finished while the step ran are not among them: what the
     stages computed for them belongs to work the scheduler has already thrown away); tokens:
-    req_id -> the token appended; finished: the requests that met a stop condition."""
+    req_id -> the (last) token appended; finished: the requests that met a stop condition;
+    extra_tokens: tokens appended before the last (drafts), accepted_drafts: drafts appended."""
 
     applied: frozenset[str]
     tokens: dict[str, int]
     finished: list[FinishedRequest]
+    extra_tokens: dict[str, list[int]] = field(default_factory=dict)
+    accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -155,10 +162,16 @@ class Scheduler:
             return None
         return self._build_plan(step)
 
-    def commit(self, plan: StepPlan, sampled: Mapping[str, int]) -> StepOutcome:
+    def commit(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[str, int],
+        accepted: Mapping[str, Sequence[int]] | None = None,
+        drafts: Mapping[str, Sequence[int]] | None = None,
+    ) -> StepOutcome:
         """Apply a step that ran: advance computed tokens, append sampled tokens (sampled maps
-        req_id -> token for the plan's sampling entries), free window pages that left the
-        window, and finish requests that met a stop condition."""
+        req_id -> token for the plan's sampling entries, accepted the drafts verified before it),
+        free old window pages, finish requests that met a stop condition, keep new drafts."""
         if plan.step_id not in self._in_flight:
             raise ValueError(f"step {plan.step_id} is not in flight")
         # Requests preempted, aborted or finished while the step ran are skipped.
@@ -166,26 +179,44 @@ class Scheduler:
         missing = [
             req.req_id
             for req, start, n in entries
-            if start + n == req.num_tokens and req.req_id not in sampled
+            if start + n >= req.num_tokens and req.req_id not in sampled
         ]
         if missing:
             raise ValueError(f"step {plan.step_id} sampled no token for {missing}")
         del self._in_flight[plan.step_id]
         self.kv.confirm_host_ops(plan.step_id)
-        tokens, finished = {}, []
+        outcome = StepOutcome(frozenset(req.req_id for req, _, _ in entries), {}, [])
         for req, start, num_tokens in entries:
             req.in_flight_step = None
-            req.num_computed_tokens = start + num_tokens
-            self.kv.promote_snapshot(req)
-            if req.num_computed_tokens == req.num_tokens:
-                tokens[req.req_id] = int(sampled[req.req_id])
-                req.token_ids.append(tokens[req.req_id])
-                reason = self._stop_reason(req)
-                if reason is not None:
-                    finished.append(self._terminate(req, reason))
-                    continue
-            self.kv.free_old_windows(req)
-        return StepOutcome(frozenset(req.req_id for req, _, _ in entries), tokens, finished)
+            if start + num_tokens < req.num_tokens:  # a prefill chunk: nothing sampled
+                req.num_computed_tokens = start + num_tokens
+                self.kv.promote_snapshot(req)
+                self.kv.free_old_windows(req)
+                continue
+            got, token = (accepted or {}).get(req.req_id, ()), sampled[req.req_id]
+            self._append(req, start + num_tokens, got, token, outcome)
+            req.draft_token_ids = list((drafts or {}).get(req.req_id, ()))
+        return outcome
+
+    def _append(self, req: Request, end: int, accepted, token: int, outcome) -> None:
+        """Appends the accepted drafts, then the sampled token, checking stop conditions after
+        each; what the step wrote past the verified positions (up to end) is rolled back."""
+        if list(accepted) != req.draft_token_ids[: len(accepted)]:
+            raise ValueError(f"request {req.req_id!r}: accepted tokens are not its drafts")
+        verify = end > req.num_tokens
+        req.num_computed_tokens = req.num_tokens + len(accepted)
+        req.rejected = spec.rejected_span(req, end)
+        self.kv.settle_snapshot(req)  # before any release: a snapshot past the end is dropped
+        appended, reason = spec.append_verified(req, [*accepted, token], self._stop_reason)
+        outcome.tokens[req.req_id] = appended[-1]
+        if verify:
+            outcome.extra_tokens[req.req_id] = appended[:-1]
+            outcome.accepted_drafts[req.req_id] = min(len(accepted), len(appended))
+        if reason is not None:
+            outcome.finished.append(self._terminate(req, reason))
+            return
+        self.kv.cut_pages(req)
+        self.kv.free_old_windows(req)
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: queue lengths and the pools' free, cached and total ids."""
@@ -232,8 +263,11 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or its previous step is in flight
             start = req.num_computed_tokens
             num_tokens = self._chunk_len(req, start, step.budget)
-            if num_tokens and self._grow_or_preempt(req, num_tokens, step):
-                step.add(req, start, num_tokens)
+            num_drafts = spec.draft_len(req, step.budget, self.config.max_model_len)
+            if num_drafts and not self.kv.grow(req, 1 + num_drafts):
+                num_drafts = 0  # no room for the drafts: decode without them
+            if num_drafts or (num_tokens and self._grow_or_preempt(req, num_tokens, step)):
+                step.add(req, start, num_tokens + num_drafts)
 
     def _grow_or_preempt(self, req: Request, num_tokens: int, step: _Step) -> bool:
         while not self.kv.grow(req, num_tokens):
@@ -271,14 +305,19 @@ class Scheduler:
         step_id = next(self._step_ids)
         plan = StepPlan(step_id=step_id, preempted_ids=step.preempted_ids)
         plan.snapshots = self._take_snapshots(step)
-        plan.new_requests = [self._new_request(req) for req in step.admitted]
-        plan.diffs = [diff for req in self._running if (diff := self._pop_diff(req)) is not None]
+        plan.new_requests = [sync.new_request(req) for req in step.admitted]
+        plan.diffs = [diff for req in self._running if (diff := sync.pop_diff(req)) is not None]
+        plan.draft = self.config.num_speculative_steps > 0
         for req, start, num_tokens in step.entries:
-            sample = start + num_tokens == req.num_tokens
-            plan.batch.append(BatchEntry(req.req_id, start, num_tokens, sample))
-            plan.token_ids.extend(req.token_ids[start : start + num_tokens])
+            num_drafts = max(0, start + num_tokens - req.num_tokens)
+            sample = start + num_tokens >= req.num_tokens
+            plan.batch.append(BatchEntry(req.req_id, start, num_tokens, sample, num_drafts))
+            plan.token_ids.extend(req.token_ids[start : start + num_tokens - num_drafts])
+            plan.token_ids.extend(req.draft_token_ids[:num_drafts])
             if sample and req.sampling.logprobs is not None:
                 plan.logprobs[req.req_id] = req.sampling.logprobs
+            elif not sample and plan.draft:
+                plan.next_tokens[req.req_id] = req.token_ids[start + num_tokens]
             req.in_flight_step = step_id
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight[step_id] = list(step.entries)
@@ -296,33 +335,6 @@ class Scheduler:
                 if slot is not None:
                     snapshots.append((req.req_id, slot))
         return snapshots
-
-    def _new_request(self, req: Request) -> NewRequest:
-        windows = [-1] * (max(req.window_pages) + 1)
-        for idx, page_id in req.window_pages.items():
-            windows[idx] = page_id
-        req.known_to_stages = True
-        req.num_synced_pages = len(req.page_ids)
-        req.new_windows, req.freed_windows = [], []
-        return NewRequest(
-            req_id=req.req_id,
-            state_slot=req.state_slot,
-            page_ids=list(req.page_ids),
-            window_page_ids=windows,
-            num_computed_tokens=req.num_computed_tokens,
-            state_copy_from=req.state_copy_from,
-            sampling=req.sampling.to_dict(),
-            seed=req.seed,
-        )
-
-    def _pop_diff(self, req: Request) -> RequestDiff | None:
-        new_pages = req.page_ids[req.num_synced_pages :]
-        if not (new_pages or req.new_windows or req.freed_windows):
-            return None
-        diff = RequestDiff(req.req_id, new_pages, req.new_windows, req.freed_windows)
-        req.num_synced_pages = len(req.page_ids)
-        req.new_windows, req.freed_windows = [], []
-        return diff
 
     # ------------------------------------------------------------------ ending requests
     def _stop_reason(self, req: Request) -> str | None:

@@ -30,6 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pp_size=args.pp,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_num_steps=args.speculative_num_steps,
     )
 
 
@@ -44,6 +45,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         pp_size=args.pp,
         default_max_tokens=args.max_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        speculative_num_steps=args.speculative_num_steps,
     )
 
 
@@ -54,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "model": model_path(args.model),
         "pp_size": args.pp,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "speculative_num_steps": args.speculative_num_steps,
     }
     for name in ("max_total_tokens", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
@@ -68,6 +71,16 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
     return value
 
 
@@ -86,6 +99,14 @@ def _engine_parent(pp_help: str = "pipeline-parallel stages") -> argparse.Argume
     )
     parent.add_argument("--pp", type=_positive_int, default=1, help=pp_help)
     parent.add_argument("--kv-cache-dtype", default="fp8", choices=list(KV_DTYPES))
+    parent.add_argument(
+        "--speculative-num-steps",
+        type=_steps,
+        default=0,
+        metavar="K",
+        help="MTP draft tokens per request and step, verified by the model (0: off; needs the "
+        "checkpoint's mtp.* tensors)",
+    )
     return parent
 
 

@@ -8,8 +8,10 @@ import dataclasses
 import torch
 
 from dsv4ray.config import ModelConfig
+from dsv4ray.engine.checks import check_paged_shapes
 from dsv4ray.engine.config import EngineConfig
-from dsv4ray.engine.core import EngineCore, check_paged_shapes
+from dsv4ray.engine.core import EngineCore
+from dsv4ray.model.loader import missing_draft_tensors
 from dsv4ray.worker.local_pipeline import LocalPipeline
 
 
@@ -31,6 +33,9 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
     if config.device is None:
         config = dataclasses.replace(config, device=default_device())
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+    if config.speculative_num_steps:  # a checkpoint that cannot draft fails here, by name
+        missing = missing_draft_tensors(config.model, model_config)
+        config.spec.check_draft_layer(model_config.mtp_ratio, missing)
     if config.uses_ray or placement is not None:
         from dsv4ray.cluster.pipeline import RayPipeline  # Ray starts only when actors are wanted
 

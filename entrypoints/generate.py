@@ -6,6 +6,7 @@ import asyncio
 import sys
 
 from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 
 
@@ -25,6 +26,8 @@ def generate(
         engine = AsyncEngine(model_path, pp_size=pp_size, **options)
     except ValueError as exc:
         raise SystemExit(f"dsv4ray: {exc}") from exc
+    if engine.config.speculative_num_steps:
+        print(f"dsv4ray: {describe(engine.config.speculative_num_steps)}", file=sys.stderr)
     try:
         return asyncio.run(_stream_all(engine, prompts, params, out))
     finally:

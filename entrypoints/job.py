@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from dsv4ray.engine.core import EngineCore
 from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 from dsv4ray.model.tokenizer import Tokenizer
 
@@ -203,6 +204,8 @@ def run_job(
         work = _Work(deque(todo))
         core = build_engine_core(config)
         _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
+        if config.speculative_num_steps:
+            print(f"dsv4ray job: {describe(config.speculative_num_steps)}", file=sys.stderr)
         _run(core, work, output_path, stats, 2 * config.max_running_requests)
     except ValueError as exc:
         if core is not None:

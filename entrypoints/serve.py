@@ -41,6 +41,7 @@ from ray import serve
 
 from dsv4ray.cluster.placement import CPU_BUNDLE, GPU_BUNDLE, ensure_ray
 from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.model_path import default_model
 from dsv4ray.entrypoints.openai.edge import is_loopback
@@ -159,6 +160,7 @@ class OpenAIDeployment:
             "served_model_name": self.settings.served_model_name,
             "pp_size": config.pp_size,
             "kv_cache_dtype": config.kv_cache_dtype,
+            "speculative_num_steps": config.speculative_num_steps,
             "device": config.device,
             "max_model_len": self.engine.max_model_len,
         }
@@ -247,11 +249,13 @@ def run_server(config: Mapping, host: str = "127.0.0.1", port: int = 8000) -> in
 
 def startup_line(info: dict, host: str, port: int) -> str:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+    steps = info.get("speculative_num_steps", 0)
+    drafts = f"{describe(steps)}, " if steps else ""
     return (
         f"dsv4ray serve: model {info['model']} (as {info['served_model_name']!r}), "
         f"pp {info['pp_size']}, kv {info['kv_cache_dtype']} on {info['device']}, capacity "
         f"{info['capacity_tokens']} tokens (max_model_len {info['max_model_len']}), "
-        f"listening on {url}"
+        f"{drafts}listening on {url}"
     )
 
 

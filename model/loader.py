@@ -13,10 +13,10 @@ import logging
 import torch
 
 from dsv4ray.config import ModelConfig
-from dsv4ray.model.mtp import MTPBlock
+from dsv4ray.model.mtp import DraftModel, MTPBlock
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.stage import StageModel
-from dsv4ray.model.weights import has_mtp, iter_tensors, load_state
+from dsv4ray.model.weights import checkpoint_index, has_mtp, iter_tensors, load_state
 
 log = logging.getLogger("dsv4ray.model")
 
@@ -68,6 +68,34 @@ def load_stage(
     cfg = cfg or ModelConfig.from_hf(path)
     with torch.device("meta"):
         module = StageModel(cfg, start, end, dtype)
+    _materialise(module, path, dtype, device, want=module.owns)
+    return module
+
+
+def missing_draft_tensors(path: str, cfg: ModelConfig | None = None) -> list[str]:
+    """The MTP layer's tensors (``mtp.0.*``) the checkpoint lacks, sorted (all of them when the
+    config has no MTP layer)."""
+    cfg = cfg or ModelConfig.from_hf(path)
+    if cfg.mtp_layer is None:
+        return []
+    with torch.device("meta"):
+        names = {f"mtp.0.{name}" for name in MTPBlock(cfg).state_dict()}
+    return sorted(names - set(checkpoint_index(path)))
+
+
+def load_draft(
+    path: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: str | torch.device = "cpu",
+    cfg: ModelConfig | None = None,
+) -> DraftModel:
+    """Loads the draft worker's tensors: ``mtp.0.*``, ``embed.weight`` and ``head.weight``."""
+    dtype = _dtype(dtype)
+    cfg = cfg or ModelConfig.from_hf(path)
+    if cfg.mtp_layer is None:
+        raise ValueError(f"the config of {path!r} has no MTP layer (num_nextn_predict_layers)")
+    with torch.device("meta"):
+        module = DraftModel(cfg, dtype)
     _materialise(module, path, dtype, device, want=module.owns)
     return module
 

@@ -50,11 +50,45 @@ class MTPBlock(Block):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h [B, t, hc, hidden], embed = embedding of token_ids [B, t, hidden] ->
         (logits [B, t, V] fp32, own pre-head stack [B, t, hc, hidden])."""
+        x, _ = self.forward(self.mix(h, embed), token_ids, positions, state, topk)
+        return self.head_logits(x, head_weight), x
+
+    def mix(self, h: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
+        """The block's input: e_proj(enorm(embed)) broadcast over hc + h_proj(hnorm(h)).
+        h [..., hc, hidden], embed [..., hidden] -> [..., hc, hidden]."""
         e = self.e_proj(self.enorm(embed.to(h.dtype)))
-        x = e.unsqueeze(-2) + self.h_proj(self.hnorm(h))
-        x, _ = self.forward(x, token_ids, positions, state, topk)
+        return e.unsqueeze(-2) + self.h_proj(self.hnorm(h))
+
+    def head_logits(self, x: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
+        """Own pre-head stack [..., hc, hidden] -> fp32 logits [..., V] through the shared head."""
         c = self.cfg
         y = hc_head(
             x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
         )
-        return F.linear(self.norm(y).float(), head_weight.float()), x
+        h = self.norm(y)
+        if h.is_cuda and head_weight.dtype in (torch.bfloat16, torch.float16):
+            # 16-bit operands, fp32 accumulation and output: no fp32 copy of the head per call
+            flat = torch.mm(h.reshape(-1, h.shape[-1]).to(head_weight.dtype), head_weight.t(),
+                            out_dtype=torch.float32)  # fmt: skip
+            return flat.view(*h.shape[:-1], head_weight.shape[0])
+        return F.linear(h.float(), head_weight.float())
+
+
+class DraftModel(nn.Module):
+    """What a draft worker holds: the MTP block (``mtp.0.*``) and the target's embedding and lm
+    head, which the block shares (official names, so it loads its slice of any checkpoint)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.cfg, self.dtype = cfg, dtype
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.mtp = nn.ModuleList([MTPBlock(cfg)])
+
+    @staticmethod
+    def owns(name: str) -> bool:
+        return name.startswith(("embed.", "head.", "mtp.0."))
+
+    @property
+    def block(self) -> MTPBlock:
+        return self.mtp[0]

@@ -274,3 +274,26 @@ def seeded_alone_and_in_a_crowd(llm) -> tuple[list[int], list[int]]:
         ],
     )[1].token_ids
     return alone, crowd
+
+
+@torch.no_grad()
+def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
+    """The MTP block's k chain drafts (top-1) after ``tokens`` on the dense reference: the target
+    runs tokens[:-1]; the block runs positions 0 .. n - 2 with the target's pre-head stacks and
+    the next tokens (and, DSA-style, the target's last C4 top-k), its last logits giving draft 1;
+    draft j + 1 comes from the block at the next position fed its own previous output stack and
+    draft j (reusing the last exact position's top-k)."""
+    ids = torch.tensor([tokens])
+    _, h, topk = model.step(ids[:, :-1], model.new_state(1), return_hidden=True)
+    mtp, head, n = model.draft_block, model.head.weight, len(tokens)
+    state = mtp.new_state(1)
+    nxt = ids[:, 1:]
+    logits, x = mtp.draft(h, model.embed(nxt), head, nxt, torch.arange(n - 1), state, topk)
+    drafts, x = [int(logits[0, -1].argmax())], x[:, -1:]
+    topk = topk[:, -1:] if topk is not None else None
+    for j in range(1, k):
+        tok = torch.tensor([[drafts[-1]]])
+        pos = torch.tensor([n - 2 + j])
+        logits, x = mtp.draft(x, model.embed(tok), head, tok, pos, state, topk)
+        drafts.append(int(logits[0, -1].argmax()))
+    return drafts

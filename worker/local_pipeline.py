@@ -1,6 +1,8 @@
 """LocalPipeline: stage workers called in order in this process (the engine.pipeline protocol),
-and the pool sizing every pipeline shares: each stage sized by its own layer slice, the
-pipeline taking the minimum, since one page id names a page in every stage.
+then the draft worker when speculative decoding is on, and the pool sizing every pipeline
+shares: each stage sized by its own layer slice, the pipeline taking the minimum, since one page
+id names a page in every stage. With speculation every stage's compressor rings are doubled and
+the last stage, whose device the draft layer shares, prices it as one more layer.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.worker.draft import DraftWorker
 from dsv4ray.worker.stage_worker import StageWorker
 
 
@@ -19,6 +22,8 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     """Pools of every stage from its own layer slice; the pipeline takes the minimum."""
     entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
     skip = [spec.skip_topk for spec in cfg.layers]
+    ranges = split_layers(cfg.num_hidden_layers, ec.pp_size)
+    speculative = ec.speculative_num_steps > 0
     caps = [
         size_stage(
             i,
@@ -31,20 +36,40 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
             max_total_tokens=ec.resolved_max_total_tokens,
             max_running_requests=ec.max_running_requests,
             max_num_batched_tokens=ec.max_num_batched_tokens,
+            speculative=speculative,
+            hosts_draft=speculative and i == len(ranges) - 1,
         )
-        for i, (start, end) in enumerate(split_layers(cfg.num_hidden_layers, ec.pp_size))
+        for i, (start, end) in enumerate(ranges)
     ]
     return pipeline_capacity(caps)
 
 
-def pool_sizes(cap) -> PoolSizes:
+def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
+    """The pools every stage (and the draft worker) allocates; speculation doubles the rings."""
     return PoolSizes(
-        cap.num_pages, cap.num_window_pages, cap.num_state_slots, cap.num_cached_state_slots
+        cap.num_pages,
+        cap.num_window_pages,
+        cap.num_state_slots,
+        cap.num_cached_state_slots,
+        ring_scale=2 if speculative else 1,
+    )
+
+
+def draft_worker(ec: EngineConfig, cfg: ModelConfig) -> DraftWorker:
+    return DraftWorker(
+        ec.model,
+        ec.speculative_num_steps,
+        ec.kv_cache_dtype,
+        ec.dtype,
+        ec.device,
+        cfg,
+        ec.speculative_eagle_topk,
     )
 
 
 class LocalPipeline:
-    """Stage workers called in order in this process (pp_size 1, or tests of a split)."""
+    """Stage workers called in order in this process (pp_size 1, or tests of a split), then the
+    draft worker."""
 
     depth = 1
     host_lost = False  # no host tier in process
@@ -59,20 +84,25 @@ class LocalPipeline:
             StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg, ec.cuda_graphs)
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
+        self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None
         self.capacity = size_pipeline(
             cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
         )
         max_len = ec.max_model_len or cfg.max_position_embeddings
         max_len = min(max_len, self.capacity.num_full_tokens)
+        sizes = pool_sizes(self.capacity, self.draft is not None)
         for w in self.workers:
-            w.allocate(pool_sizes(self.capacity))
-            w.capture_graphs(ec.max_running_requests, max_len)
+            w.allocate(sizes)
+            if self.draft is None:  # steps with a draft worker run eagerly (stage_worker.py)
+                w.capture_graphs(ec.max_running_requests, max_len)
+        if self.draft is not None:
+            self.draft.allocate(sizes)
 
     def submit(self, plan: StepPlan) -> StageResult:
         result = None
         for worker in self.workers:
             result = worker.execute(plan, result)
-        return result
+        return result if self.draft is None else self.draft.execute(plan, result)
 
     def collect(self, handle: StageResult) -> StageResult:
         return handle
@@ -93,5 +123,9 @@ class LocalPipeline:
         """Where the stages run: this process."""
         return {"stage_placement_group_id": None}
 
+    def draft_lost(self) -> bool:
+        """A draft worker in process fails with the process, never alone."""
+        return False
+
     def shutdown(self) -> None:
-        self.workers = []
+        self.workers, self.draft = [], None

@@ -26,6 +26,7 @@ from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch
+from dsv4ray.worker.verify import hand_over, sample_with_drafts
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -152,7 +153,9 @@ class StageWorker:
         if not plan.batch:
             self._snapshots(plan)
             return
-        key = self.graphs.pick(plan, self.tables) if self.graphs is not None else None
+        # a draft worker needs the step's top-k, which a replayed graph does not return
+        graphs = self.graphs is not None and not plan.draft
+        key = self.graphs.pick(plan, self.tables) if graphs else None
         if key is not None:
             (x, meta), topk = self.graphs.run(plan, self.tables, key), None
         else:
@@ -161,6 +164,8 @@ class StageWorker:
         self._snapshots(plan)
         if self.is_last:
             self._sample(plan, meta, x, result)
+            if plan.draft:
+                hand_over(plan, result, x, topk)
         else:
             result.residual, result.topk = x.flatten(-2), topk
 
@@ -185,6 +190,9 @@ class StageWorker:
     def _sample(self, plan: StepPlan, meta: BatchMeta, x: torch.Tensor, result: StageResult):
         if plan.full_logits:
             self._full_logits(plan, x, result)
+        if any(e.num_drafts for e in plan.batch):
+            sample_with_drafts(self.model, plan, x, self.sampling, result)
+            return
         if not meta.sample_req_ids:
             return
         logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
@@ -232,6 +240,10 @@ class StageWorker:
             self._add(new)
         for diff in plan.diffs:
             table = self.tables[diff.req_id]
+            if diff.num_pages >= 0:  # a rollback of rejected drafts comes first
+                del table.page_ids[diff.num_pages :]
+            if diff.rejected:
+                self.pools.reset_c128_rows(table.state_slot, range(*diff.rejected))
             table.page_ids.extend(diff.new_page_ids)
             for idx, page in diff.new_window_pages:
                 _set(table.window_page_ids, idx, page)

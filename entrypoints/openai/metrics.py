@@ -41,6 +41,12 @@ class ServeMetrics:
         self.cached_tokens = _counter(
             "dsv4ray_cached_prompt_tokens", "prompt tokens served from the prefix cache"
         )
+        self.draft_tokens = _counter(
+            "dsv4ray_draft_tokens", "MTP draft tokens the model verified (speculative decoding)"
+        )
+        self.accepted_draft_tokens = _counter(
+            "dsv4ray_accepted_draft_tokens", "MTP draft tokens the model accepted"
+        )
         self.running = _gauge("dsv4ray_running_requests", "requests the engine is running")
         self.waiting = _gauge("dsv4ray_waiting_requests", "requests waiting for pages or budget")
         self.free_pages = _gauge("dsv4ray_free_kv_pages", "KV pages free or held only by the cache")
@@ -52,6 +58,8 @@ class ServeMetrics:
             self.prompt_tokens,
             self.generated_tokens,
             self.cached_tokens,
+            self.draft_tokens,
+            self.accepted_draft_tokens,
             self.running,
             self.waiting,
             self.free_pages,
@@ -75,6 +83,15 @@ class ServeMetrics:
                 counter.inc(float(count))
         if tpot_s is not None:
             self.tpot.observe(tpot_s)
+
+    def drafts(self, num_draft: int, num_accepted: int) -> None:
+        """A finished request's drafted and accepted tokens (speculative decoding)."""
+        for counter, count in (
+            (self.draft_tokens, num_draft),
+            (self.accepted_draft_tokens, num_accepted),
+        ):
+            if count > 0:
+                counter.inc(float(count))
 
     def engine_stats(self, stats: dict, num_pending: int) -> None:
         self.running.set(stats["num_running"])

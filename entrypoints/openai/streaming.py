@@ -61,6 +61,9 @@ class Tracked:
             self.server.metrics.tokens(
                 len(output.prompt_token_ids), num_generated, output.metrics.num_cached_tokens, tpot
             )
+            self.server.metrics.drafts(
+                output.metrics.num_draft_tokens, output.metrics.num_accepted_draft_tokens
+            )
 
     async def cancel(self) -> None:
         """The response ended before the request did (client gone): closing the engine stream

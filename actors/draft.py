@@ -1,0 +1,52 @@
+"""DraftActor: the Ray actor shell over ``DraftWorker`` (all logic lives in the plain class).
+
+It runs in the last stage's placement-group bundle, beside the last stage (a fraction of its GPU,
+or of its CPU share). Control calls (ready, allocate) are plain ``.remote()`` calls; ``next`` is
+bound into the pipeline's compiled graph after the last stage, whose result (with the residual
+rows of the positions to draft from) it receives, and whose result it returns to the driver with
+its proposals.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import ray
+import torch
+
+from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.engine.plan import StageResult, decode
+from dsv4ray.worker.draft import DraftWorker
+
+
+@ray.remote
+class DraftActor:
+    def __init__(
+        self,
+        model: str,
+        num_steps: int,
+        kv_cache_dtype: str,
+        dtype: str | None,
+        device: str,
+        num_threads: int,
+        eagle_topk: int = 1,
+        log_level: str = "INFO",
+    ) -> None:
+        logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        torch.set_num_threads(max(1, num_threads))
+        self.worker = DraftWorker(
+            model, num_steps, kv_cache_dtype, dtype, device, eagle_topk=eagle_topk
+        )
+
+    def ready(self) -> dict:
+        return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
+
+    def allocate(self, sizes: dict) -> int:
+        return self.worker.allocate(PoolSizes(**sizes))
+
+    def stats(self) -> dict:
+        return dict(self.worker.stats)
+
+    def next(self, plan: bytes, prev: StageResult) -> StageResult:
+        return self.worker.execute(decode(plan), prev)

@@ -1,0 +1,142 @@
+"""MTP speculative decoding on the trained checkpoint: accepted length and decode speed.
+
+Prompts are line-aligned windows of the held-out Python standard library files (the split
+``model/train_data.py`` computes from file paths alone, so it holds on any Python version;
+this machine's stdlib may differ from the one the checkpoint was trained on). Two engines with
+the same options, one with ``speculative_num_steps = k`` and one without, decode each prompt
+alone (batch 1, greedy, eos ignored, prefix caching off):
+
+- mean tokens per verification step = (verification steps + accepted drafts) / verification
+  steps, over every step that verified drafts (plain decoding makes 1 token per step);
+- batch-1 decode tokens/s of each engine: (max_tokens - 1) tokens over the time of a
+  max_tokens generation minus that of a 1-token generation of the same prompt (prefill and
+  the first token excluded); both engines must produce the same tokens.
+
+Writes bench/results/mtp-<device>.json (PERF.md's format) and regenerates BENCHMARKS.md.
+
+    python bench/mtp.py [--model checkpoints/stdlib-tiny] [--k 3] [--prompts 16]
+                        [--prompt-len 128] [--max-tokens 64] [--device cpu|cuda] [--use-ray]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import git_commit, result, write_benchmarks_md, write_results  # noqa: E402
+
+from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
+from dsv4ray.entrypoints.llm import LLM  # noqa: E402
+from dsv4ray.model.train_data import BOS_ID, EOS_ID, load_corpus  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def held_out_prompts(num: int, length: int, margin: int) -> list[list[int]]:
+    """num prompts of bos + length tokens starting at evenly spread line starts of the held-out
+    stream; windows (with margin tokens after them) that cross a file's end are skipped."""
+    split = load_corpus().held_out
+    starts = split.line_starts[split.line_starts <= split.tokens.numel() - length - margin]
+    prompts = []
+    for idx in torch.linspace(0, starts.numel() - 1, 4 * num).long().tolist():
+        s = int(starts[idx])
+        window = split.tokens[s : s + length + margin]
+        if (window == EOS_ID).any():
+            continue
+        prompts.append([BOS_ID, *split.tokens[s : s + length].tolist()])
+        if len(prompts) == num:
+            return prompts
+    raise ValueError(f"found only {len(prompts)} held-out prompts of {length} tokens")
+
+
+def decode_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """(batch-1 decode tokens/s, every prompt's tokens) over the prompts, one at a time."""
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate([prompts[0]], params)  # warm-up (allocations, kernels)
+    decode_s, outputs = 0.0, []
+    for prompt in prompts:
+        t0 = time.perf_counter()
+        llm.generate([prompt], first)
+        t1 = time.perf_counter()
+        outputs.append(llm.generate([prompt], params)[0].token_ids)
+        decode_s += (time.perf_counter() - t1) - (t1 - t0)
+    return len(prompts) * (max_tokens - 1) / decode_s, outputs
+
+
+def measure(args, k: int) -> tuple[float, list, dict]:
+    llm = LLM(
+        args.model,
+        kv_cache_dtype=args.kv_cache_dtype,
+        enable_prefix_caching=False,
+        speculative_num_steps=k,
+        use_ray=args.use_ray,
+        device=args.device,
+    )
+    try:
+        before = llm.core.stats()
+        tok_s, outputs = decode_run(llm, args.prompts_ids, args.max_tokens)
+        after = llm.core.stats()
+    finally:
+        llm.shutdown()
+    return tok_s, outputs, {name: after[name] - before[name] for name in after}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=os.path.join(ROOT, "checkpoints", "stdlib-tiny"))
+    parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--kv-cache-dtype", default="fp32")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--use-ray", action="store_true", help="stage and draft actors")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    args.prompts_ids = held_out_prompts(args.prompts, args.prompt_len, args.max_tokens)
+    plain_tok_s, plain_out, _ = measure(args, 0)
+    spec_tok_s, spec_out, stats = measure(args, args.k)
+    same = sum(a == b for a, b in zip(plain_out, spec_out))
+    steps, accepted = stats["num_verify_steps"], stats["num_accepted_draft_tokens"]
+    mean_len = (steps + accepted) / steps
+    acceptance = accepted / max(stats["num_draft_tokens"], 1)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    note = (
+        f"{os.path.basename(os.path.normpath(args.model))}, k={args.k}, greedy, batch 1, "
+        f"{len(args.prompts_ids)} held-out prompts of {args.prompt_len} tokens from Python "
+        f"{platform.python_version()}'s stdlib, "
+        f"{args.max_tokens} new tokens each, {args.kv_cache_dtype} pages, "
+        f"{'Ray actors' if args.use_ray else 'in process'}; {accepted} of "
+        f"{stats['num_draft_tokens']} drafts accepted ({acceptance:.1%}); "
+        f"{same} of {len(spec_out)} outputs equal plain decoding's"
+    )
+    rows = [
+        result("mean tokens per verification step", mean_len, "tokens", 1.0, 2.0, ">=", note),
+        result("batch-1 decode with drafts", spec_tok_s, "tok/s", plain_tok_s, 1.5, ">=", note),
+    ]
+    ceilings = {
+        "plain decoding": {"value": 1.0, "unit": "tokens per step", "note": "one per step"},
+        "batch-1 decode without drafts": {"value": plain_tok_s, "unit": "tok/s", "note": note},
+    }
+    path = write_results("mtp", device, args.commit or git_commit(), ceilings, rows)
+    write_benchmarks_md()
+    print(f"mean tokens per verification step: {mean_len:.2f} (target >= 2.0)")
+    print(
+        f"draft acceptance: {acceptance:.1%}; outputs equal plain decoding: {same}/{len(spec_out)}"
+    )
+    print(
+        f"batch-1 decode: {spec_tok_s:.1f} tok/s with drafts, {plain_tok_s:.1f} without "
+        f"({spec_tok_s / plain_tok_s:.2f}x; GPU target >= 1.5x)"
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

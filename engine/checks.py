@@ -1,0 +1,23 @@
+"""Checks the engine makes before a request or a checkpoint reaches it."""
+
+from __future__ import annotations
+
+from dsv4ray.config import ModelConfig
+from dsv4ray.engine.sampling import check_text
+
+
+def check_request_id(req_id: object) -> None:
+    if not isinstance(req_id, str) or not req_id:
+        raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
+    check_text("request id", req_id)
+
+
+def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
+    """The page layouts and kernels assume the release's head shapes."""
+    for name, want in (("head_dim", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):
+        if getattr(cfg, name) != want:
+            raise ValueError(
+                f"the paged engine needs {name} = {want} (its page layouts and "
+                f"kernels), the checkpoint has {getattr(cfg, name)}"
+            )
+    return cfg

@@ -1,0 +1,216 @@
+"""Speculative decoding with the MTP draft worker in process (fp32 pages): greedy tokens equal the
+reference's, every proposal equals the dense MTP block's chain, requests that stop mid-draft end
+where plain decoding ends, and seeded sampling gives the tokens of plain sampling.
+
+Checkpoints: the random `tiny` one (window-only draft layer), a random one whose draft layer is
+DSA-style (last compress_ratios entry 4: it reuses the target's top-k) and the trained
+stdlib-tiny, whose drafts are mostly accepted (a copy whose tokenizer's eos is the newline, so
+that eos stops it mid-draft).
+"""
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.llm import LLM
+from dsv4ray.model import load_reference
+from dsv4ray.model.tiny import make_tiny
+from tests.oracle import reference_drafts, sampled_tokens, sampling_row
+
+TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+CODE = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(se"]
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def dsa_ckpt(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dsa"))
+    return make_tiny(out, "tiny", seed=1, compress_ratios=[0, 4, 128, 4, 4, 128, 4])
+
+
+@pytest.fixture(scope="module")
+def trained_ckpt(tmp_path_factory):
+    """stdlib-tiny with eos = the newline token (the model never writes its own eos)."""
+    out = tmp_path_factory.mktemp("trained")
+    for name in os.listdir(TRAINED):
+        shutil.copy(os.path.join(TRAINED, name), out / name)
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "Ċ"}))
+    return str(out)
+
+
+def _engine(ckpt, k):
+    return LLM(ckpt, kv_cache_dtype="fp32", speculative_num_steps=k, use_ray=False)
+
+
+def _run_checking_drafts(llm, ref, prompts, max_tokens, k):
+    """Steps the engine; after every step each running request's proposals must equal the
+    reference MTP chain after its tokens. Returns the outputs."""
+    core = llm.core
+    ids = [f"spec-{i}" for i in range(len(prompts))]
+    for req_id, prompt in zip(ids, prompts):
+        core.add_request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    num_checked = 0
+    while core.has_unfinished():
+        core.step()
+        for req_id in ids:
+            if not core.outputs.outputs[req_id].finished:
+                req = core.scheduler.get_request(req_id)
+                if req.draft_token_ids:
+                    assert req.draft_token_ids == reference_drafts(ref, req.token_ids, k)
+                    num_checked += 1
+    assert num_checked >= len(prompts)
+    return [core.pop_output(req_id) for req_id in ids]
+
+
+@pytest.mark.parametrize(
+    "kind,k", [("window", 1), ("dsa", 2), ("trained", 3)], ids=["window-k1", "dsa-k2", "trained-k3"]
+)
+def test_greedy_equals_reference_and_drafts_equal_the_mtp_chain(
+    request, tiny_ckpt, dsa_ckpt, trained_ckpt, kind, k
+):
+    ckpt = {"window": tiny_ckpt, "dsa": dsa_ckpt, "trained": trained_ckpt}[kind]
+    ref = request.getfixturevalue("tiny_model") if kind == "window" else load_reference(ckpt)
+    llm = _engine(ckpt, k)
+    try:
+        # decodes cross the 128 and 256 edges (windows, C128 blocks, pages, snapshots)
+        prompts = [llm.core.prompt_ids(p) for p in CODE] if kind == "trained" else []
+        prompts += _prompts([3, 124, 250], seed=k)
+        outs = _run_checking_drafts(llm, ref, prompts, 10, k)
+        stats = llm.core.stats()
+        llm.core.check_integrity()
+        assert llm.core.scheduler.kv.pages.num_in_use == 0  # rolled-back pages came back
+    finally:
+        llm.shutdown()
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == ref.greedy(prompt, 10)
+        assert out.metrics.num_draft_tokens > 0
+    assert stats["num_verify_steps"] > 0
+    if kind == "dsa":  # the draft layer reused the target's top-k at its later steps
+        assert stats["num_topk_reuse_rows"] > 0
+    if kind == "trained":
+        accepted = sum(o.metrics.num_accepted_draft_tokens for o in outs)
+        assert accepted > stats["num_verify_steps"] // 2
+
+
+@pytest.fixture(scope="module")
+def trained_llm(trained_ckpt):
+    llm = _engine(trained_ckpt, 3)
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def trained_ref(trained_ckpt):
+    return load_reference(trained_ckpt)
+
+
+def test_requests_that_stop_mid_draft_end_where_plain_decoding_ends(trained_llm, trained_ref):
+    tok = trained_llm.tokenizer
+    prompt = tok.encode(CODE[1])
+    ref = trained_ref.greedy(prompt, 24)
+    eos = tok.eos_token_id
+    stop_id = ref[5]
+    cases = {
+        "eos": (SamplingParams(max_tokens=24), ref[: ref.index(eos) + 1], "stop"),
+        "stop_id": (
+            SamplingParams(max_tokens=24, stop_token_ids=[stop_id], ignore_eos=True),
+            ref[: ref.index(stop_id) + 1],
+            "stop",
+        ),
+        "max_tokens": (SamplingParams(max_tokens=6, ignore_eos=True), ref[:6], "length"),
+    }
+    text = tok.decode(ref)
+    stop = text[len(tok.decode(ref[:7])) :][:2]
+    cut = next(i for i in range(len(ref)) if stop in tok.decode(ref[: i + 1]))
+    stop_params = SamplingParams(max_tokens=24, stop=[stop], ignore_eos=True)
+    cases["stop_string"] = (stop_params, ref[: cut + 1], "stop")
+    assert eos in ref[1:12], "the precondition: eos (a newline) comes early in the answer"
+    outs = trained_llm.generate([prompt] * len(cases), [c[0] for c in cases.values()])
+    for (name, (_, tokens, reason)), out in zip(cases.items(), outs):
+        assert (out.token_ids, out.finish_reason) == (tokens, reason), name
+    assert outs[3].text == text[: text.index(stop)]
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_seeded_sampling_gives_the_tokens_of_plain_sampling(trained_llm, trained_ref):
+    """Verification draws each position's token with the noise plain sampling uses there, so a
+    seeded request's tokens are those of the plain sampling loop over the reference's logits."""
+    prompt = trained_llm.tokenizer.encode(CODE[0])
+    params = [
+        SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=s, ignore_eos=True)
+        for t, p, s in ((0.8, 1.0, 1), (1.0, 0.9, 2), (0.6, 1.0, 3), (1.2, 0.95, 4))
+    ]
+    outs = trained_llm.generate([prompt] * len(params), params)
+    for sp, out in zip(params, outs):
+        row = sampling_row(**{k: v for k, v in sp.to_dict().items() if k != "seed"}, seed=sp.seed)
+        state = trained_ref.new_state(1)
+        logits, tokens = trained_ref.step(torch.tensor([prompt]), state)[0, -1], []
+        for _ in range(12):
+            tokens += sampled_tokens(logits[None], [row], [len(prompt) + len(tokens)])
+            logits = trained_ref.step(torch.tensor([tokens[-1:]]), state)[0, -1]
+        assert out.token_ids == tokens
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_sampled_tokens_follow_the_target_distribution(trained_llm, trained_ref):
+    """Many seeds, temperature 1: the second token (drawn while verifying the first step's
+    drafts), given the commonest first token, follows the reference's next-token probabilities:
+    every frequency within 4 standard errors (fixed seeds, so the test is deterministic)."""
+    prompt = trained_llm.tokenizer.encode("    def __init__(sel")
+    params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+              for s in range(256)]  # fmt: skip
+    outs = trained_llm.generate([prompt] * len(params), params)
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+    firsts = torch.tensor([o.token_ids[0] for o in outs])
+    t1 = int(firsts.mode().values)
+    seconds = torch.tensor([o.token_ids[1] for o in outs if o.token_ids[0] == t1])
+    probs = torch.softmax(trained_ref(torch.tensor([prompt + [t1]]))[0, -1], dim=-1)
+    freq = torch.bincount(seconds, minlength=probs.numel()) / seconds.numel()
+    tol = 4 * torch.sqrt(probs * (1 - probs) / seconds.numel()) + 1e-3
+    assert seconds.numel() >= 200 and torch.all((freq - probs).abs() <= tol)
+
+
+def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tiny_ckpt, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    for name in os.listdir(tiny_ckpt):
+        if name != "model.safetensors":
+            shutil.copy(os.path.join(tiny_ckpt, name), tmp_path / name)
+    tensors = load_file(os.path.join(tiny_ckpt, "model.safetensors"))
+    save_file({k: v for k, v in tensors.items() if not k.startswith("mtp.")},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match=r"speculative_num_steps=2 .*lacks mtp\.0\."):
+        LLM(str(tmp_path), speculative_num_steps=2, use_ray=False)
+    with pytest.raises(ValueError, match="speculative_eagle_topk.*tree drafting"):
+        LLM(tiny_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
+    with pytest.raises(ValueError, match="speculative_num_steps"):
+        LLM(tiny_ckpt, speculative_num_steps=-1)
+
+
+def test_logprobs_of_accepted_drafts_are_the_targets(trained_llm, trained_ref):
+    prompt = trained_llm.tokenizer.encode(CODE[0])
+    out = trained_llm.generate([prompt], SamplingParams(max_tokens=12, logprobs=2, ignore_eos=True))
+    out = out[0]
+    assert out.metrics.num_accepted_draft_tokens > 0
+    logits = trained_ref(torch.tensor([prompt + out.token_ids]))[0, len(prompt) - 1 : -1]
+    logp = torch.log_softmax(logits, dim=-1)
+    assert len(out.logprobs) == 12
+    for pos, (token, lps) in enumerate(zip(out.token_ids, out.logprobs)):
+        top = logp[pos].topk(2).indices.tolist()
+        assert set(lps) == {token, *top}
+        for tok, lp in lps.items():
+            assert lp == pytest.approx(float(logp[pos, tok]), abs=1e-4)
+
+
+def test_tree_drafting_with_top_k_reuse_is_refused(dsa_ckpt):
+    with pytest.raises(ValueError, match="DSA-style.*valid only for chain drafting"):
+        LLM(dsa_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)

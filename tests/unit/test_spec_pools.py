@@ -1,0 +1,44 @@
+"""Pools with a draft worker: every stage's rings double, the last stage (whose device the draft
+layer shares) prices it as one more layer of its own, and rejected drafts' C128 rows are reset."""
+
+import pytest
+
+from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.config import ModelConfig
+from dsv4ray.engine.config import EngineConfig
+from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
+
+GIB = 2**30
+
+
+def _capacity(ckpt, steps):
+    ec = EngineConfig(ckpt, pp_size=2, device="cuda", speculative_num_steps=steps)
+    return size_pipeline(ModelConfig.from_hf(ckpt), ec, [GIB, GIB])
+
+
+def test_the_draft_layer_and_longer_rings_are_priced(tiny_ckpt):
+    plain, spec = _capacity(tiny_ckpt, 0), _capacity(tiny_ckpt, 3)
+    (p0, p1), (s0, s1) = plain.stages, spec.stages
+    num_layers = s1.end - s1.start
+    assert s0.bytes_per_full_token == p0.bytes_per_full_token  # stage 0 hosts no draft
+    assert s1.bytes_per_full_token == pytest.approx(
+        p1.bytes_per_full_token * (num_layers + 1) / num_layers
+    )
+    assert s0.num_full_tokens < p0.num_full_tokens  # doubled rings reserve more up front
+    assert spec.num_full_tokens < plain.num_full_tokens
+    assert pool_sizes(spec, True).ring_scale == 2 and pool_sizes(plain).ring_scale == 1
+
+
+def test_rejected_c128_rows_are_reset_and_nothing_else(tiny_ckpt):
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    sizes = PoolSizes(4, 8, 2, 2, ring_scale=2)
+    pools = StagePools(cfg, 0, cfg.num_hidden_layers, sizes, "fp32")
+    assert pools.c128_state and pools.c128_state[0][0].shape[1] == 256
+    for kv, score in pools.c128_state + pools.c4_state:
+        kv.fill_(1.0)
+        score.fill_(2.0)
+    pools.reset_c128_rows(1, range(300, 303))  # ring rows 44, 45, 46 of slot 1
+    for kv, score in pools.c128_state:
+        assert (kv[1, 44:47] == 0).all() and (score[1, 44:47] == float("-inf")).all()
+        assert (kv[0] == 1).all() and (kv[1, :44] == 1).all() and (kv[1, 47:] == 1).all()
+    assert all((kv == 1).all() for kv, _ in pools.c4_state)

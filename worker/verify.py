@@ -1,0 +1,135 @@
+"""Verifying draft tokens on the last stage, and what it hands the draft worker.
+
+An entry with d drafts covers positions p .. p + d: the request's last committed token, then the
+drafts. The last stage draws the target's token at each of the d + 1 positions with the
+request's own sampling (``sample_batch``: greedy argmax, or Gumbel-max with noise keyed on
+(seed, position)) and accepts drafts while they equal the target's tokens; the token after the
+accepted ones is the target's at that position (the correction, or the bonus token when all d
+were accepted).
+
+This is rejection sampling for the draft distribution the draft worker proposes from: top-1
+drafts are a point mass q = [d], for which rejection sampling accepts d with probability
+min(1, p(d) / q(d)) = p(d) and otherwise draws from the residual max(0, p - q), that is from p
+without d. The Gumbel-max draw equals d with probability p(d) and, when it does not, is a draw
+from p without d: the same law, so the output distribution is exactly the target's; and since
+the noise is the one plain sampling uses at that position, a seeded request gets exactly the
+tokens of plain sampling.
+
+``draft_spans`` names the positions whose next token is known after the step (accepted
+positions, and whole prefill chunks, whose next token the plan carries): the last stage hands
+their pre-head residual rows (and top-k rows) to the draft worker in this order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch
+
+
+@dataclass(frozen=True)
+class DraftSpan:
+    """Consecutive positions start_pos.. of one request (batch rows batch_first..) and the token
+    that follows each; sampled: the entry sampled, so drafts follow its last position."""
+
+    req_id: str
+    start_pos: int
+    batch_first: int
+    next_tokens: list[int]
+    sampled: bool
+
+
+def draft_spans(plan: StepPlan, result: StageResult) -> list[DraftSpan]:
+    """The spans of a step, in batch order (entries whose sampling failed have none)."""
+    spans, first = [], 0
+    for e in plan.batch:
+        tokens = plan.token_ids[first : first + e.num_tokens]
+        if not e.sample and e.req_id in plan.next_tokens:
+            nxt = [*tokens[1:], plan.next_tokens[e.req_id]]
+            spans.append(DraftSpan(e.req_id, e.start_pos, first, nxt, False))
+        elif e.sample and e.req_id in result.sampled:
+            num_rows = e.num_tokens - e.num_drafts + len(result.accepted.get(e.req_id, ()))
+            nxt = [*tokens[1:num_rows], result.sampled[e.req_id]]
+            spans.append(DraftSpan(e.req_id, e.start_pos, first, nxt, True))
+        first += e.num_tokens
+    return spans
+
+
+def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk) -> None:
+    """Puts the residual rows [N, hc * hidden] (and top-k rows [N, k]) of the draft spans into
+    the last stage's result."""
+    spans = draft_spans(plan, result)
+    if not spans:
+        return
+    rows = [s.batch_first + i for s in spans for i in range(len(s.next_tokens))]
+    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    result.residual = x.index_select(0, idx).flatten(-2)
+    result.topk = topk.index_select(0, idx) if topk is not None else None
+
+
+def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, result) -> None:
+    """Samples every sampling entry of a step that verifies drafts: one head pass and one
+    batched sampling pass over the d + 1 positions of each entry (one for entries without
+    drafts), then the accepted prefix (``verify``)."""
+    rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
+    logits = model.logits(x[torch.tensor(rows, dtype=torch.long, device=x.device)])  # [R, V]
+    verify(plan, logits, sampling, result)
+
+
+def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:
+    """logits [R, V] fp32 of the scored rows (per sampling entry in batch order, its last
+    num_drafts + 1 positions); sampling: req_id -> SamplingRow (or why it was refused). Fills
+    result.sampled / accepted / logprobs / accepted_logprobs / errors."""
+    entries = [e for e, _ in _sampling_entries(plan)]
+    params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
+    num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
+    # the token drawn at row j follows position start + j: its position keys the seeded noise
+    positions = [p + 1 for e in entries for p in _positions(e)]
+    usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
+    outcomes = sample_batch(logits, usable, positions, num_top)
+    at = 0
+    for e, first in _sampling_entries(plan):
+        drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
+        _accept(e, drafts, outcomes[at : at + e.num_drafts + 1], sampling[e.req_id], result)
+        at += e.num_drafts + 1
+
+
+def _sampling_entries(plan: StepPlan):
+    """(entry, its first token's row in the batch) of every sampling entry, in batch order."""
+    first = 0
+    for e in plan.batch:
+        if e.sample:
+            yield e, first
+        first += e.num_tokens
+
+
+def _rows(entry, first: int) -> range:
+    """Batch rows of the entry's scored positions: its last num_drafts + 1 tokens."""
+    return range(first + entry.num_tokens - entry.num_drafts - 1, first + entry.num_tokens)
+
+
+def _positions(entry) -> range:
+    end = entry.start_pos + entry.num_tokens
+    return range(end - entry.num_drafts - 1, end)
+
+
+def _accept(entry, drafts: list[int], outcomes, row, result: StageResult) -> None:
+    """Longest prefix of drafts equal to the target's tokens, then the target's next token."""
+    num_accepted = 0
+    while num_accepted < len(drafts) and outcomes[num_accepted].token_id == drafts[num_accepted]:
+        num_accepted += 1
+    used = outcomes[: num_accepted + 1]
+    error = row if isinstance(row, str) else next((o.error for o in used if o.error), None)
+    if error is not None:
+        result.errors[entry.req_id] = error
+        return
+    result.sampled[entry.req_id] = used[-1].token_id
+    if entry.num_drafts:
+        result.accepted[entry.req_id] = drafts[:num_accepted]
+    if used[-1].logprobs is not None:
+        result.logprobs[entry.req_id] = used[-1].logprobs
+        if num_accepted:
+            result.accepted_logprobs[entry.req_id] = [o.logprobs for o in used[:-1]]
