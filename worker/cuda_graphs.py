@@ -9,8 +9,9 @@ every index tensor of worker/batch.py at fixed shapes:
     context bucket L in (4096, 16384, 65536) up to the longest context: page-table columns L / 256,
     C128 columns L / 128, RoPE tables covering L.
 
-A step fills its bucket's buffer with one non-blocking upload and replays the graph; the residual
-stack [b, hc, hidden] comes back in the graph's output tensor (valid until the next replay).
+A step fills its bucket's buffer with one non-blocking upload and replays the graph; the step's
+logits [b, V] fp32 (head included) come back in the graph's output tensor (valid until the next
+replay).
 Prefill, mixed and longer-context steps run eagerly. Graphs are captured once at startup, so no
 Triton compilation or capture happens while serving.
 """
@@ -111,7 +112,7 @@ class DecodeGraphs:
         return None if batch is None or ctx is None else (batch, ctx)
 
     def run(self, plan: StepPlan, tables, key: tuple[int, int]):
-        """Fills the bucket's buffer and replays it -> (residual [b, hc, hidden], meta)."""
+        """Fills the bucket's buffer and replays it -> (logits [b, V] fp32, meta)."""
         g = self.graphs[key]
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)

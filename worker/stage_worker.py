@@ -99,7 +99,8 @@ class StageWorker:
         self.graphs.capture_all()
 
     def _forward_static(self, meta: BatchMeta) -> torch.Tensor:
-        return self._run(meta, None, LayerEvents())[0]
+        """A decode step's logits [b, V] fp32 (every row of a decode step samples)."""
+        return self.model.logits(self._run(meta, None, LayerEvents())[0])
 
     @property
     def is_first(self) -> bool:
@@ -156,11 +157,13 @@ class StageWorker:
         # a draft worker needs the step's top-k, which a replayed graph does not return
         graphs = self.graphs is not None and not plan.draft
         key = self.graphs.pick(plan, self.tables) if graphs else None
-        if key is not None:
-            (x, meta), topk = self.graphs.run(plan, self.tables, key), None
-        else:
-            meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
-            x, topk = self._run(meta, inputs, events)
+        if key is not None:  # a whole decode step, head included: every row's logits
+            logits, meta = self.graphs.run(plan, self.tables, key)
+            self._snapshots(plan)
+            self._sample(plan, meta, None, result, logits[meta.sample_idx])
+            return
+        meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
+        x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
             self._sample(plan, meta, x, result)
@@ -177,6 +180,7 @@ class StageWorker:
         return self.host_io.run(plan)
 
     def _run(self, meta: BatchMeta, inputs: StageResult | None, events: LayerEvents):
+        meta = meta.with_window_slots()  # a captured step derives them inside its graph
         if self.is_first:
             x, topk = self.model.embed_tokens(meta.token_ids), None
         else:
@@ -187,7 +191,9 @@ class StageWorker:
             x, topk = paged_block(self.model.block(layer_id), x, meta, self.pools, topk)
         return x, topk
 
-    def _sample(self, plan: StepPlan, meta: BatchMeta, x: torch.Tensor, result: StageResult):
+    def _sample(self, plan: StepPlan, meta: BatchMeta, x, result: StageResult, logits=None):
+        """Samples the plan's sampling entries from x [T, hc, hidden], or from their logits
+        [R, V] when a replayed graph computed them."""
         if plan.full_logits:
             self._full_logits(plan, x, result)
         if any(e.num_drafts for e in plan.batch):
@@ -195,7 +201,8 @@ class StageWorker:
             return
         if not meta.sample_req_ids:
             return
-        logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
+        if logits is None:
+            logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
         req_ids = meta.sample_req_ids
         # the token drawn follows the entry's last one: its position keys the seeded noise
         positions = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
