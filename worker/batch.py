@@ -3,10 +3,12 @@
 Per token t (tokens of a request are contiguous, positions consecutive):
     positions [T], seq_start [T] (first position of t's request in this batch), state_slots [T],
     req_rows [T] (row of t's request in page_table), window_store [T] (t's own window slot),
-    window_slots [T, 128] (slots of positions p-127..p; -1 below 0), c4_out / c128_out [T]
-    (compressed slot written when t completes a block, else -1), c4_bound [T] = (p+1)//4,
-    c128_slots [T, K] (every visible C128 entry, -1 padded).
-Per request row r: page_table [R, P] full page ids (-1 padded) and sample_idx (its last token).
+    c4_out / c128_out [T] (compressed slot written when t completes a block, else -1),
+    c4_bound [T] = (p+1)//4, c128_slots [T, K] (every visible C128 entry, -1 padded).
+Per request row r: page_table [R, P] full page ids and window_table [R, W] window page ids
+(-1 padded or not resident), and sample_idx (its last token).
+window_slots [T, 128] (slots of positions p-127..p; -1 below 0) is derived on the device from
+window_table (`with_window_slots`): a prefill chunk's would be most of the upload.
 
 Every index is computed in numpy and the whole set travels to the device as one int64 buffer
 (pinned and non-blocking on CUDA), so building a batch never waits for the device. A `Padding`
@@ -16,6 +18,7 @@ bound 0) and write only into the scratch state slot.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +28,7 @@ from dsv4ray.engine.plan import StepPlan
 from dsv4ray.worker.rope_tables import RopeTables
 
 PAGE, WINDOW = 256, 128
+TABLE_FIELDS = ("page_table", "window_table", "window_slots", "c128_slots")  # 2-d, either window
 INT_FIELDS = (
     "token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store", "c4_out",
     "c128_out", "c4_bound",
@@ -50,6 +54,10 @@ class Padding:
     c128_cols: int
     scratch_slot: int
 
+    @property
+    def window_cols(self) -> int:
+        return self.page_cols * (PAGE // WINDOW)
+
 
 @dataclass
 class BatchMeta:
@@ -60,7 +68,6 @@ class BatchMeta:
     req_rows: torch.Tensor
     page_table: torch.Tensor
     window_store: torch.Tensor
-    window_slots: torch.Tensor
     c4_out: torch.Tensor
     c128_out: torch.Tensor
     c4_bound: torch.Tensor
@@ -70,6 +77,16 @@ class BatchMeta:
     ropes: RopeTables
     rope_len: int  # rope tables cover positions [0, rope_len)
     static: bool = False  # shapes fixed for a CUDA graph: only sync-free paths may run
+    window_table: torch.Tensor | None = None  # [R, W]
+    window_slots: torch.Tensor | None = None  # [T, 128]; None until `with_window_slots`
+
+    def with_window_slots(self) -> BatchMeta:
+        """This meta with window_slots derived from window_table on its device (a new object:
+        inside a captured forward the derivation is part of the graph)."""
+        if self.window_slots is not None:
+            return self
+        return dataclasses.replace(self, window_slots=_window_slots_t(
+            self.window_table, self.req_rows, self.positions))  # fmt: skip
 
     @property
     def num_tokens(self) -> int:
@@ -88,7 +105,7 @@ def build_batch(
     flat, layout = pack(arrays, sample_idx)
     dev = (stage or HostStage()).upload(flat, device)
     max_pos = int(arrays["positions"].max()) + 1 if len(arrays["positions"]) else 1
-    return meta_from(dev, layout, plan, ropes, ropes.ensure(max_pos))
+    return meta_from(dev, layout, plan, ropes, ropes.ensure(max_pos)).with_window_slots()
 
 
 def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | None = None):
@@ -101,8 +118,8 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
     pos = starts[rows] + np.arange(int(counts.sum()), dtype=np.int64) - firsts
     reqs = [tables[e.req_id] for e in entries]
     page_table = _pad([r.page_ids for r in reqs], padding.page_cols if padding else None)
-    window_table = _pad([r.window_page_ids for r in reqs], None)
-    window_slots = _window_slots(window_table, rows, pos)
+    window_table = _pad([r.window_page_ids for r in reqs], padding.window_cols if padding else None)
+    _check_windows(entries, reqs)
     visible = (pos + 1) // 128
     c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
     out = {
@@ -111,12 +128,12 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
         "seq_start": starts[rows],
         "state_slots": np.array([r.state_slot for r in reqs], dtype=np.int64)[rows],
         "req_rows": rows,
-        "window_store": window_slots[:, -1].copy(),
+        "window_store": window_table[rows, pos // WINDOW] * WINDOW + pos % WINDOW,
         "c4_out": _out_loc(page_table, rows, pos, 4),
         "c128_out": _out_loc(page_table, rows, pos, 128),
         "c4_bound": (pos + 1) // 4,
         "page_table": page_table,
-        "window_slots": window_slots,
+        "window_table": window_table,
         "c128_slots": _c128_slots(page_table, rows, visible, c128_cols),
     }
     sample_idx = np.cumsum(counts)[[i for i, e in enumerate(entries) if e.sample]] - 1
@@ -146,7 +163,7 @@ def pack(arrays: dict, sample_idx: np.ndarray):
     starts 16-byte aligned, as a tensor of its own would: kernels specialise on the alignment of
     their pointers, so an alignment that changed with the batch would compile new variants."""
     parts, layout, offset = [], [], 0
-    names = (*INT_FIELDS, "page_table", "window_slots", "c128_slots", "sample_idx")
+    names = [*INT_FIELDS, *(n for n in TABLE_FIELDS if n in arrays), "sample_idx"]
     for name in names:
         a = np.ascontiguousarray(sample_idx if name == "sample_idx" else arrays[name], np.int64)
         parts.append(a.ravel())
@@ -214,14 +231,23 @@ def _pad(lists: list[list[int]], width: int | None) -> np.ndarray:
     return out
 
 
-def _window_slots(window_table: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """[T, 128] window slots of positions p-127..p; a missing resident page is a bookkeeping bug."""
-    q = pos[:, None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)[None, :]
-    idx = np.minimum(np.maximum(q, 0) // WINDOW, window_table.shape[1] - 1)
-    page = window_table[rows[:, None], idx]
-    if ((q >= 0) & (page < 0)).any():
-        raise RuntimeError("a window page of the last 128 positions is not resident")
-    return np.where(q >= 0, page * WINDOW + q % WINDOW, -1)
+def _check_windows(entries, reqs) -> None:
+    """Every window page a step's tokens read (positions p-127..p) is resident; a missing one is
+    a bookkeeping bug."""
+    for entry, req in zip(entries, reqs):
+        first = max(0, entry.start_pos - WINDOW + 1) // WINDOW
+        last = (entry.start_pos + entry.num_tokens - 1) // WINDOW
+        ids = req.window_page_ids
+        if last >= len(ids) or min(ids[first : last + 1]) < 0:
+            raise RuntimeError(f"{entry.req_id}: a window page of its last 128 positions is gone")
+
+
+def _window_slots_t(window_table, req_rows, positions) -> torch.Tensor:
+    """[T, 128] window slots of positions p-127..p (-1 below 0 or where no page is resident)."""
+    q = positions[:, None] + torch.arange(-WINDOW + 1, 1, device=positions.device)[None, :]
+    idx = (q.clamp(min=0) // WINDOW).clamp(max=window_table.shape[1] - 1)
+    page = window_table[req_rows[:, None], idx]
+    return torch.where((q >= 0) & (page >= 0), page * WINDOW + q % WINDOW, -1)
 
 
 def _entry_slots(page_table: np.ndarray, rows, entries, per_page: int) -> np.ndarray:

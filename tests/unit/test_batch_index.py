@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import ReqTable, _entry_slots_t, host_arrays
+from dsv4ray.worker.batch import ReqTable, _entry_slots_t, _window_slots_t, host_arrays
 
 PAGE, WINDOW = 256, 128
 
@@ -62,10 +62,17 @@ def _oracle(plan: StepPlan, tables: dict) -> dict:
     return rows
 
 
+def window_slots(arrays) -> np.ndarray:
+    """The [T, 128] window slots the device derives from the step's window table."""
+    t = {name: torch.from_numpy(arrays[name]) for name in ("window_table", "req_rows", "positions")}
+    return _window_slots_t(t["window_table"], t["req_rows"], t["positions"]).numpy()
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_every_index_equals_the_per_token_oracle(seed):
     plan, tables = _random_step(random.Random(seed))
     got, sample_idx = host_arrays(plan, tables)
+    got["window_slots"] = window_slots(got)
     want = _oracle(plan, tables)
     assert got["token_ids"].tolist() == plan.token_ids
     for name in ("positions", "seq_start", "state_slots", "req_rows", "window_store", "c4_out",
@@ -101,5 +108,5 @@ def test_a_missing_window_page_is_a_bookkeeping_error():
     plan, tables = _random_step(random.Random(7))
     e = next(e for e in plan.batch if e.start_pos + e.num_tokens > 1)
     tables[e.req_id].window_page_ids[(e.start_pos + e.num_tokens - 1) // WINDOW] = -1
-    with pytest.raises(RuntimeError, match="window page of the last 128 positions"):
+    with pytest.raises(RuntimeError, match="window page of its last 128 positions is gone"):
         host_arrays(plan, tables)

@@ -4,9 +4,10 @@ import random
 
 import numpy as np
 import pytest
+import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import Padding, ReqTable, host_arrays
+from dsv4ray.worker.batch import Padding, ReqTable, _window_slots_t, host_arrays
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
              "c4_out", "c128_out", "c4_bound")  # fmt: skip
@@ -38,6 +39,9 @@ def test_padded_rows_match_unpadded_and_pad_rows_touch_nothing(num):
         cols = cols or plain[name].shape[1]
         assert np.array_equal(padded[name][:num, :cols], plain[name]), name
         assert (padded[name][:num, cols:] == -1).all(), name
+    for arrays in (plain, padded):  # derived on the device from the window table
+        t = [torch.from_numpy(arrays[n]) for n in ("window_table", "req_rows", "positions")]
+        arrays["window_slots"] = _window_slots_t(*t).numpy()
     assert np.array_equal(padded["window_slots"][:num], plain["window_slots"])
     pad = slice(num, 8)
     for name in ("window_store", "c4_out", "c128_out", "window_slots", "c128_slots", "page_table"):
