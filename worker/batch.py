@@ -4,11 +4,12 @@ Per token t (tokens of a request are contiguous, positions consecutive):
     positions [T], seq_start [T] (first position of t's request in this batch), state_slots [T],
     req_rows [T] (row of t's request in page_table), window_store [T] (t's own window slot),
     c4_out / c128_out [T] (compressed slot written when t completes a block, else -1),
-    c4_bound [T] = (p+1)//4, c128_slots [T, K] (every visible C128 entry, -1 padded).
+    c4_bound [T] = (p+1)//4.
 Per request row r: page_table [R, P] full page ids and window_table [R, W] window page ids
 (-1 padded or not resident), and sample_idx (its last token).
-window_slots [T, 128] (slots of positions p-127..p; -1 below 0) is derived on the device from
-window_table (`with_window_slots`): a prefill chunk's would be most of the upload.
+Derived on the device (`derive`), as a prefill chunk's would be most of the upload:
+    window_slots [T, 128] (slots of positions p-127..p; -1 below 0) from window_table;
+    c128_slots [T, K] (every visible C128 entry, -1 padded; K = c128_cols) from page_table.
 
 Every index is computed in numpy and the whole set travels to the device as one int64 buffer
 (pinned and non-blocking on CUDA), so building a batch never waits for the device. A `Padding`
@@ -71,22 +72,24 @@ class BatchMeta:
     c4_out: torch.Tensor
     c128_out: torch.Tensor
     c4_bound: torch.Tensor
-    c128_slots: torch.Tensor
     sample_idx: torch.Tensor  # [R_sample] token index of each sampling request's last token
     sample_req_ids: list[str]
     ropes: RopeTables
     rope_len: int  # rope tables cover positions [0, rope_len)
     static: bool = False  # shapes fixed for a CUDA graph: only sync-free paths may run
     window_table: torch.Tensor | None = None  # [R, W]
-    window_slots: torch.Tensor | None = None  # [T, 128]; None until `with_window_slots`
+    c128_cols: int = 1
+    window_slots: torch.Tensor | None = None  # [T, 128]; None until `derive`
+    c128_slots: torch.Tensor | None = None  # [T, c128_cols]; None until `derive`
 
-    def with_window_slots(self) -> BatchMeta:
-        """This meta with window_slots derived from window_table on its device (a new object:
+    def derive(self) -> BatchMeta:
+        """This meta with window_slots and c128_slots derived on its device (a new object:
         inside a captured forward the derivation is part of the graph)."""
-        if self.window_slots is not None:
+        if self.window_slots is not None and self.c128_slots is not None:
             return self
-        return dataclasses.replace(self, window_slots=_window_slots_t(
-            self.window_table, self.req_rows, self.positions))  # fmt: skip
+        window = _window_slots_t(self.window_table, self.req_rows, self.positions)
+        c128 = _c128_slots_t(self.page_table, self.req_rows, self.positions, self.c128_cols)
+        return dataclasses.replace(self, window_slots=window, c128_slots=c128)
 
     @property
     def num_tokens(self) -> int:
@@ -105,7 +108,8 @@ def build_batch(
     flat, layout = pack(arrays, sample_idx)
     dev = (stage or HostStage()).upload(flat, device)
     max_pos = int(arrays["positions"].max()) + 1 if len(arrays["positions"]) else 1
-    return meta_from(dev, layout, plan, ropes, ropes.ensure(max_pos)).with_window_slots()
+    rope_len = ropes.ensure(max_pos)
+    return meta_from(dev, layout, plan, ropes, rope_len, c128_cols=arrays["c128_cols"]).derive()
 
 
 def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | None = None):
@@ -122,6 +126,8 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
     _check_windows(entries, reqs)
     visible = (pos + 1) // 128
     c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
+    if int(visible.max(initial=0)) > c128_cols:
+        raise ValueError(f"{int(visible.max())} C128 entries do not fit {c128_cols} columns")
     out = {
         "token_ids": np.asarray(plan.token_ids, dtype=np.int64),
         "positions": pos,
@@ -134,7 +140,7 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
         "c4_bound": (pos + 1) // 4,
         "page_table": page_table,
         "window_table": window_table,
-        "c128_slots": _c128_slots(page_table, rows, visible, c128_cols),
+        "c128_cols": c128_cols,  # an int: the width of the derived c128_slots
     }
     sample_idx = np.cumsum(counts)[[i for i, e in enumerate(entries) if e.sample]] - 1
     if padding is not None:
@@ -151,6 +157,9 @@ def _pad_tokens(arrays: dict, padding: Padding) -> dict:
             "seq_start": 0, "token_ids": 0, "c4_bound": 0}  # fmt: skip
     out = {}
     for name, a in arrays.items():
+        if not isinstance(a, np.ndarray):
+            out[name] = a
+            continue
         pad = np.full((total - a.shape[0], *a.shape[1:]), fill.get(name, -1), dtype=np.int64)
         if name == "req_rows":
             pad = np.arange(n, total, dtype=np.int64)
@@ -183,11 +192,12 @@ def unpack(dev: torch.Tensor, layout) -> dict:
     return {name: dev[off : off + int(np.prod(shape))].view(shape) for name, off, shape in layout}
 
 
-def meta_from(dev, layout, plan: StepPlan, ropes, rope_len: int, static: bool = False):
+def meta_from(dev, layout, plan: StepPlan, ropes, rope_len: int, static: bool = False,
+              c128_cols: int = 1):  # fmt: skip
     fields = unpack(dev, layout)
     sample_ids = [e.req_id for e in plan.batch if e.sample]
     return BatchMeta(**fields, sample_req_ids=sample_ids, ropes=ropes, rope_len=rope_len,
-                     static=static)  # fmt: skip
+                     static=static, c128_cols=c128_cols)  # fmt: skip
 
 
 class HostStage:
@@ -273,9 +283,9 @@ def _out_loc(page_table, rows, pos, ratio: int) -> np.ndarray:
     return np.where(done, slot, -1)
 
 
-def _c128_slots(page_table, rows, visible, width: int) -> np.ndarray:
-    if len(visible) and int(visible.max()) > width:
-        raise ValueError(f"{int(visible.max())} C128 entries do not fit {width} columns")
-    entries = np.broadcast_to(np.arange(width, dtype=np.int64)[None, :], (len(rows), width))
-    entries = np.where(entries < visible[:, None], entries, -1)
-    return _entry_slots(page_table, rows, entries, PAGE // 128)
+def _c128_slots_t(page_table, req_rows, positions, width: int) -> torch.Tensor:
+    """[T, width] slots of every C128 entry a token sees ((p + 1) // 128 of them), -1 padded."""
+    entries = torch.arange(width, device=positions.device)[None, :]
+    visible = ((positions + 1) // 128)[:, None]
+    entries = torch.where(entries < visible, entries, -1)
+    return _entry_slots_t(page_table, req_rows, entries, PAGE // 128)

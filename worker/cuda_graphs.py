@@ -87,7 +87,7 @@ class DecodeGraphs:
         static = torch.empty(flat.size + b, dtype=torch.int64, device=self.device)
         static[: flat.size].copy_(torch.from_numpy(flat))
         g = _Graph(padding, static, layout, flat.size)
-        meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, static=True)
+        meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, True, ctx // 128)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compile and warm up outside the capture
@@ -119,4 +119,5 @@ class DecodeGraphs:
         self.stage.upload(flat, self.device, out=g.static)
         g.graph.replay()
         self.replays[key] = self.replays.get(key, 0) + 1
-        return g.out, meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True)
+        cols = g.padding.c128_cols
+        return g.out, meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True, cols)

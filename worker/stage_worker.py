@@ -180,7 +180,7 @@ class StageWorker:
         return self.host_io.run(plan)
 
     def _run(self, meta: BatchMeta, inputs: StageResult | None, events: LayerEvents):
-        meta = meta.with_window_slots()  # a captured step derives them inside its graph
+        meta = meta.derive()  # a captured step derives its slot lists inside its graph
         if self.is_first:
             x, topk = self.model.embed_tokens(meta.token_ids), None
         else:

@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import ReqTable, _entry_slots_t, _window_slots_t, host_arrays
+from dsv4ray.worker.batch import (
+    ReqTable,
+    _c128_slots_t,
+    _entry_slots_t,
+    _window_slots_t,
+    host_arrays,
+)
 
 PAGE, WINDOW = 256, 128
 
@@ -62,17 +68,21 @@ def _oracle(plan: StepPlan, tables: dict) -> dict:
     return rows
 
 
-def window_slots(arrays) -> np.ndarray:
-    """The [T, 128] window slots the device derives from the step's window table."""
-    t = {name: torch.from_numpy(arrays[name]) for name in ("window_table", "req_rows", "positions")}
-    return _window_slots_t(t["window_table"], t["req_rows"], t["positions"]).numpy()
+def derive(arrays) -> None:
+    """Adds the slot lists the device derives from the step's tables."""
+    t = {n: torch.from_numpy(arrays[n]) for n in ("window_table", "page_table", "req_rows",
+                                                   "positions")}  # fmt: skip
+    arrays["window_slots"] = _window_slots_t(t["window_table"], t["req_rows"], t["positions"])
+    arrays["c128_slots"] = _c128_slots_t(
+        t["page_table"], t["req_rows"], t["positions"], arrays["c128_cols"]
+    )
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_every_index_equals_the_per_token_oracle(seed):
     plan, tables = _random_step(random.Random(seed))
     got, sample_idx = host_arrays(plan, tables)
-    got["window_slots"] = window_slots(got)
+    derive(got)
     want = _oracle(plan, tables)
     assert got["token_ids"].tolist() == plan.token_ids
     for name in ("positions", "seq_start", "state_slots", "req_rows", "window_store", "c4_out",

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import Padding, ReqTable, _window_slots_t, host_arrays
+from dsv4ray.worker.batch import Padding, ReqTable, _c128_slots_t, _window_slots_t, host_arrays
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
              "c4_out", "c128_out", "c4_bound")  # fmt: skip
@@ -32,6 +32,11 @@ def test_padded_rows_match_unpadded_and_pad_rows_touch_nothing(num):
     plain, plain_sample = host_arrays(plan, tables)
     padding = Padding(num_tokens=8, page_cols=16, c128_cols=32, scratch_slot=99)
     padded, sample = host_arrays(plan, tables, padding)
+    for arrays in (plain, padded):  # the slot lists the device derives from the tables
+        t = [torch.from_numpy(arrays[n]) for n in ("page_table", "window_table", "req_rows")]
+        pos = torch.from_numpy(arrays["positions"])
+        arrays["window_slots"] = _window_slots_t(t[1], t[2], pos).numpy()
+        arrays["c128_slots"] = _c128_slots_t(t[0], t[2], pos, arrays["c128_cols"]).numpy()
     assert np.array_equal(sample, plain_sample)
     for name in PER_TOKEN:
         assert np.array_equal(padded[name][:num], plain[name]), name
@@ -39,9 +44,6 @@ def test_padded_rows_match_unpadded_and_pad_rows_touch_nothing(num):
         cols = cols or plain[name].shape[1]
         assert np.array_equal(padded[name][:num, :cols], plain[name]), name
         assert (padded[name][:num, cols:] == -1).all(), name
-    for arrays in (plain, padded):  # derived on the device from the window table
-        t = [torch.from_numpy(arrays[n]) for n in ("window_table", "req_rows", "positions")]
-        arrays["window_slots"] = _window_slots_t(*t).numpy()
     assert np.array_equal(padded["window_slots"][:num], plain["window_slots"])
     pad = slice(num, 8)
     for name in ("window_store", "c4_out", "c128_out", "window_slots", "c128_slots", "page_table"):
