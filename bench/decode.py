@@ -60,13 +60,13 @@ class StepClock:
         self.steps: dict[int, list[float]] = {}
         self.scheduler.commit = self._commit
 
-    def _commit(self, plan, sampled):
+    def _commit(self, plan, *args):
         torch.cuda.synchronize()
         now = time.perf_counter()
         if self.last is not None and plan.batch and all(e.num_tokens == 1 for e in plan.batch):
             self.steps.setdefault(len(plan.batch), []).append(now - self.last)
         self.last = now
-        return self.commit(plan, sampled)
+        return self.commit(plan, *args)
 
     def run(self, fn) -> dict[int, list[float]]:
         self.last, self.steps = None, {}

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 
+import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
@@ -83,8 +84,9 @@ class DecodeGraphs:
         padding = Padding(b, ctx // PAGE, ctx // 128, self.scratch_slot)
         empty = StepPlan(step_id=-1)
         arrays, _ = host_arrays(empty, {}, padding)
-        flat, layout = pack(arrays, arrays["positions"][:0])
-        static = torch.empty(flat.size + b, dtype=torch.int64, device=self.device)
+        # every row sampling: the largest buffer a step of this bucket packs
+        flat, layout = pack(arrays, np.arange(b, dtype=np.int64))
+        static = torch.empty(flat.size, dtype=torch.int64, device=self.device)
         static[: flat.size].copy_(torch.from_numpy(flat))
         g = _Graph(padding, static, layout, flat.size)
         meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, True, ctx // 128)
