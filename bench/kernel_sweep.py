@@ -14,9 +14,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from dsv4ray.cache.layout import layout_for, write_entries  # noqa: E402
 from dsv4ray.kernels import compress, indexer, sparse_mqa, topk  # noqa: E402
-from kernels import DRY, ENTRY_BYTES, FULL, Timer, _compress_case, _kv_pool, gbps  # noqa: E402
+from kernels import (  # noqa: E402
+    DRY,
+    ENTRY_BYTES,
+    FULL,
+    Timer,
+    _compress_case,
+    _kv_pool,
+    gbps,
+    indexer_case,
+)
 
 
 def _sweep_sparse(s, timer, device, rows):
@@ -41,18 +49,8 @@ def _sweep_sparse(s, timer, device, rows):
 
 
 def _sweep_indexer(s, timer, device, rows):
-    lay = layout_for("indexer", "fp8")
-    pages_per_req = s.index_entries // lay.entries_per_page
-    num_pages = s.index_requests * pages_per_req
-    pages = torch.empty(num_pages, lay.page_bytes, dtype=torch.uint8, device=device)
-    slots = torch.arange(num_pages * lay.entries_per_page, device=device)
-    write_entries(pages, slots, torch.randn(slots.numel(), 128, device=device), lay)
-    table = torch.randperm(num_pages, device=device).view(s.index_requests, pages_per_req)
-    q = torch.randn(s.index_requests, s.heads, 128, device=device)
-    w = torch.randn(s.index_requests, s.heads, device=device)
-    req = torch.arange(s.index_requests, device=device)
-    bound = torch.full((s.index_requests,), s.index_entries, device=device)
-    moved = num_pages * lay.page_bytes
+    q, w, pages, table, req, bound, lay = indexer_case(s, device)
+    moved = pages.shape[0] * lay.page_bytes
     default = indexer._config
     for config in ((16, 4), (32, 4), (64, 4), (32, 8), (64, 8)):
         indexer._config = lambda *args, config=config: config

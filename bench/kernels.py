@@ -255,7 +255,9 @@ def bench_compress(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     return rows
 
 
-def bench_indexer(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
+def indexer_case(s: Sizes, device) -> tuple:
+    """(q, weights, pages, page_table, req_idx, bound, layout): every request's decode query over
+    s.index_entries fp8 indexer keys in shuffled pages."""
     lay = layout_for("indexer", "fp8")
     pages_per_req = s.index_entries // lay.entries_per_page
     num_pages = s.index_requests * pages_per_req
@@ -267,6 +269,12 @@ def bench_indexer(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     weights = torch.randn(s.index_requests, s.heads, device=device)
     req_idx = torch.arange(s.index_requests, device=device)
     bound = torch.full((s.index_requests,), s.index_entries, device=device)
+    return q, weights, pages, page_table, req_idx, bound, lay
+
+
+def bench_indexer(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
+    q, weights, pages, page_table, req_idx, bound, lay = indexer_case(s, device)
+    num_pages = pages.shape[0]
     ms = timer.ms(lambda: indexer.indexer_topk(q, weights, pages, page_table, req_idx, bound,
                                                s.topk, lay))
     scores = indexer.indexer_scores(q, weights, pages, page_table, req_idx, bound, lay)

@@ -53,6 +53,16 @@ def f32_to_e4m3_bits(x):
 
 
 @triton.jit
+def store_rounded(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
+    """Stores fp32 x at ptr + offs in ptr's dtype; bf16 as round-to-nearest-even bits (ptr is a
+    bf16 pointer then), anything else with a plain cast."""
+    if OUT_BF16:
+        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, f32_to_bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def ue8m0_exponent_byte(amax):
     """e + 127 with e = ceil(log2(amax / 448)) for positive normal fp32 amax (int32).
 

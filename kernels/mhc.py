@@ -22,21 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import f32_to_bf16_bits, interpreting
+from dsv4ray.kernels.bits import interpreting, store_rounded
 
 SPLIT_K = 512  # projection columns per split
 BLOCK_M = 16  # rows per projection program (tl.dot needs >= 16)
 BLOCK_K = 128
 PRE_ROWS = 2  # rows per pre-mix program (the interpreter, paying per op, takes 16)
 BLOCK_D = 256  # hidden columns per program of the collapse and the post-mix
-
-
-@triton.jit
-def _store(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, f32_to_bf16_bits(x), mask=mask)
-    else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -109,7 +101,7 @@ def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
     xt = tl.load(x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :],
                  other=0.0).to(tl.float32)
     collapsed = tl.sum(pre[:, :, None] * xt, axis=1)  # [ROWS, BLOCK_D]
-    _store(out_ptr, rows[:, None].to(tl.int64) * hidden + d[None, :], collapsed,
+    store_rounded(out_ptr, rows[:, None].to(tl.int64) * hidden + d[None, :], collapsed,
            ok2 & (d < hidden)[None, :], OUT_BF16)
 
 
@@ -133,7 +125,7 @@ def _post_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, n, hidden, HC: tl.co
                   mask=m_ok[:, None] & (d < hidden)[None, :], other=0.0).to(tl.float32)
     mixed = tl.sum(comb[:, :, :, None] * x[:, :, None, :], axis=1)  # [ROWS, HC (j), BLOCK_D]
     y = post[:, :, None] * out[:, None, :] + mixed
-    _store(y_ptr, streams, y, ok, OUT_BF16)
+    store_rounded(y_ptr, streams, y, ok, OUT_BF16)
 
 
 def _check_x(x: torch.Tensor) -> None:

@@ -17,15 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import f32_to_bf16_bits, interpreting
-
-
-@triton.jit
-def _store(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
-    if OUT_BF16:
-        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, f32_to_bf16_bits(x), mask=mask)
-    else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+from dsv4ray.kernels.bits import interpreting, store_rounded
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -38,7 +30,7 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, dim, eps, ROWS: tl.constexpr, BLOCK
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / dim + eps)
     w = tl.load(w_ptr + d, mask=d < dim, other=0.0).to(tl.float32)
-    _store(y_ptr, offs, w[None, :] * (x * r[:, None]), ok, OUT_BF16)
+    store_rounded(y_ptr, offs, w[None, :] * (x * r[:, None]), ok, OUT_BF16)
 
 
 @triton.jit(do_not_specialize=["num_vectors"])
@@ -60,7 +52,7 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, num_vector
     y = x * r[:, None]
     if WEIGHTED:
         y = y * tl.load(w_ptr + d).to(tl.float32)[None, :]
-    _store(y_ptr, row + d[None, :], y, v_ok[:, None] & (d < D - R)[None, :], OUT_BF16)
+    store_rounded(y_ptr, row + d[None, :], y, v_ok[:, None] & (d < D - R)[None, :], OUT_BF16)
     half = tl.arange(0, R // 2)
     even = (D - R + 2 * half)[None, :]
     x0 = tl.load(x_ptr + row + even, mask=v_ok[:, None], other=0.0).to(tl.float32) * r[:, None]
@@ -72,8 +64,8 @@ def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, num_vector
     pos = tl.load(pos_ptr + v // num_heads, mask=v_ok, other=0)[:, None]
     c = tl.load(cos_ptr + pos * (R // 2) + half[None, :])
     s = tl.load(sin_ptr + pos * (R // 2) + half[None, :]) * SIGN
-    _store(y_ptr, row + even, x0 * c - x1 * s, v_ok[:, None], OUT_BF16)
-    _store(y_ptr, row + even + 1, x1 * c + x0 * s, v_ok[:, None], OUT_BF16)
+    store_rounded(y_ptr, row + even, x0 * c - x1 * s, v_ok[:, None], OUT_BF16)
+    store_rounded(y_ptr, row + even + 1, x1 * c + x0 * s, v_ok[:, None], OUT_BF16)
 
 
 def _rows() -> int:

@@ -22,8 +22,7 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [..., hc, hidden] -> (post [..., hc], comb [..., hc, hc], collapsed [..., hidden])."""
     hc = x.shape[-2]
-    flat = unweighted_rms_norm(x.flatten(-2).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())  # [..., (2 + hc) * hc]
+    mixes = _mixes(x, fn, norm_eps)  # [..., (2 + hc) * hc]
     pre_w, post_w, comb_w = mixes.split([hc, hc, hc * hc], dim=-1)
     pre_b, post_b, comb_b = base.float().split([hc, hc, hc * hc])
     s_pre, s_post, s_comb = scale.float().unbind(0)
@@ -57,7 +56,11 @@ def hc_head(
     norm_eps: float,
 ) -> torch.Tensor:
     """Final collapse of the streams before the model norm: x [..., hc, hidden] -> [..., hidden]."""
-    flat = unweighted_rms_norm(x.flatten(-2).float(), norm_eps)
-    mixes = F.linear(flat, fn.float())
+    mixes = _mixes(x, fn, norm_eps)  # [..., hc]
     pre = torch.sigmoid(mixes * scale.float() + base.float()) + hc_eps
     return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+
+
+def _mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """The streams' mix weights: fn over the RMS-normalised flattened streams, in fp32."""
+    return F.linear(unweighted_rms_norm(x.flatten(-2).float(), norm_eps), fn.float())
