@@ -41,6 +41,8 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
+    # schedule a decode's next token before its last one is read back ("auto": on CUDA)
+    overlap_scheduling: str | bool = "auto"
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -96,6 +98,15 @@ class EngineConfig:
             )
         if self.enable_hicache and self.use_ray is False:
             raise ValueError("enable_hicache runs a host tier actor; use_ray=False is not allowed")
+        if self.overlap_scheduling not in ("auto", True, False):
+            raise ValueError(
+                f"overlap_scheduling must be 'auto', True or False, got {self.overlap_scheduling!r}"
+            )
+        if self.overlap_scheduling is True and (self.uses_ray or self.speculative_num_steps):
+            raise ValueError(
+                "overlap_scheduling runs one stage in this process without drafts: it needs "
+                "pp_size 1, no host tier, no speculative_num_steps and use_ray not True"
+            )
         if self.enable_hicache and self.speculative_num_steps:
             raise ValueError(
                 "speculative_num_steps with enable_hicache is not supported yet: host snapshots "
@@ -105,6 +116,16 @@ class EngineConfig:
     @property
     def spec(self) -> SpecConfig:
         return SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)
+
+    @property
+    def uses_overlap(self) -> bool:
+        """Whether the engine schedules a decode's next token while its last one is computed:
+        in-process pipelines without drafts, on CUDA unless asked for elsewhere."""
+        if self.overlap_scheduling == "auto":
+            on = self.device == "cuda"
+        else:
+            on = bool(self.overlap_scheduling)
+        return on and not self.uses_ray and not self.speculative_num_steps
 
     @property
     def uses_ray(self) -> bool:
@@ -146,6 +167,7 @@ class SchedulerConfig:
     num_host_pages: int = 0  # host tier (HiCache): 0 = off
     num_host_snapshots: int = 0
     hicache_write_policy: str = "write_through"
+    lookahead: bool = False  # a decode in flight may be scheduled for its next token
     num_speculative_steps: int = 0  # drafts the draft worker proposes (0: no draft worker)
 
     def __post_init__(self) -> None:

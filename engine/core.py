@@ -136,6 +136,7 @@ class EngineCore:
                 num_host_pages=self.host_pages,
                 num_host_snapshots=self.host_snapshots,
                 hicache_write_policy=ec.hicache_write_policy,
+                lookahead=ec.uses_overlap,
                 num_speculative_steps=ec.speculative_num_steps,
             )
         )
@@ -380,4 +381,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
-

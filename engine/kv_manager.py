@@ -173,6 +173,42 @@ class KVCacheManager:
         req.pending_snapshot = RequestSnapshot(boundary, window_page_id, slot)
         return slot
 
+    def take_step_snapshots(self, entries, lookahead: list[Request]) -> list[tuple[str, int]]:
+        """A cached-state slot for each request whose step entry (req, start, n) ends on a page
+        boundary, when one can be had; the stages copy the rings into it after the step. A
+        lookahead entry's snapshot waits as the request's later one until the step before
+        it is committed."""
+        snapshots = []
+        for req, start, num_tokens in entries:
+            boundary = start + num_tokens
+            if boundary % self.page_size or (req in lookahead and req.later_snapshot):
+                continue
+            pending = req.pending_snapshot
+            slot = self.take_snapshot(req, boundary)
+            if slot is not None:
+                snapshots.append((req.req_id, slot))
+                if req in lookahead:
+                    req.later_snapshot, req.pending_snapshot = req.pending_snapshot, pending
+        return snapshots
+
+    def adopt_later_snapshot(self, req: Request) -> None:
+        """The step in flight before a lookahead step was committed: the lookahead's snapshot
+        is now the pending one (promoted when that step is committed)."""
+        if req.later_snapshot is not None and req.page_ids:  # not released meanwhile
+            req.pending_snapshot, req.later_snapshot = req.later_snapshot, None
+
+    def stats(self) -> dict[str, int]:
+        """The pools' free, cached and total ids, and host pages in use."""
+        return {
+            "num_free_pages": self.pages.num_free,
+            "num_cached_pages": self.pages.num_cached,
+            "num_pages": self.pages.num_pages,
+            "num_free_window_pages": self.window_pages.num_free,
+            "num_cached_window_pages": self.window_pages.num_cached,
+            "num_window_pages": self.window_pages.num_pages,
+            "num_host_pages_used": len(self.radix.host_held_ids()[0]) if self.hicache else 0,
+        }
+
     def promote_snapshot(self, req: Request) -> None:
         """The step that took the pending snapshot ran: it becomes the request's only one, or
         goes to the radix index now if its boundary is one to share."""
@@ -246,6 +282,7 @@ class KVCacheManager:
         self.pages.free(free_pages)
         self._drop_snapshot(snap)
         self._drop_snapshot(req.pending_snapshot)
+        self._drop_snapshot(req.later_snapshot)
         self.window_pages.free(req.window_pages.values())
         if req.state_slot >= 0:
             self.state_slots.free([req.state_slot])
@@ -262,7 +299,7 @@ class KVCacheManager:
             pages.update(req.page_ids)
             windows.update(req.window_pages.values())
             states[req.state_slot] += 1
-            for snap in (req.snapshot, req.pending_snapshot):
+            for snap in (req.snapshot, req.pending_snapshot, req.later_snapshot):
                 if snap is not None:
                     windows[snap.window_page_id] += 1
                     cached_states[snap.state_slot] += 1

@@ -37,6 +37,9 @@ if TYPE_CHECKING:
     import torch
 
 
+LOOKAHEAD_TOKEN = -1  # a token id the last stage fills from the previous plan's samples
+
+
 @dataclass
 class NewRequest:
     """A request a stage has not seen (or sees again after preemption), in full.
@@ -88,7 +91,9 @@ class StepPlan:
     logprobs: req_id -> number of top logprobs wanted, for sampling entries that asked.
     full_logits: requests whose every scheduled token's logits the last stage returns (scoring
     prompts, e.g. teacher-forced comparisons; filled by the engine, not the scheduler).
-    eager: run without captured CUDA graphs (the startup warm-up compiles the eager kernels)."""
+    eager: run without captured CUDA graphs (the startup warm-up compiles the eager kernels).
+    lookahead: requests whose entry is the one token their previous plan samples (token_ids
+    holds LOOKAHEAD_TOKEN there; the last stage fills it from that plan's sampled ids)."""
 
     step_id: int
     new_requests: list[NewRequest] = field(default_factory=list)
@@ -101,6 +106,7 @@ class StepPlan:
     logprobs: dict[str, int] = field(default_factory=dict)
     full_logits: list[str] = field(default_factory=list)
     eager: bool = False
+    lookahead: list[str] = field(default_factory=list)
     draft: bool = False  # a draft worker follows the last stage
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # host tier copies, run before the step in this order (cache/hicache.py)
@@ -151,6 +157,9 @@ class StageResult:
     accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     draft_stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
+    # the last stage's sampling still on the device (a deferred step): StageWorker.finish reads
+    # it into sampled / logprobs / errors; never set on a result that leaves the process
+    pending: Any = None
 
 
 def encode(plan: StepPlan) -> bytes:
@@ -183,6 +192,7 @@ def decode(data: bytes) -> StepPlan:
         logprobs=raw["logprobs"],
         full_logits=raw["full_logits"],
         eager=raw["eager"],
+        lookahead=raw["lookahead"],
         draft=raw["draft"],
         next_tokens=raw["next_tokens"],
         **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},

@@ -68,6 +68,8 @@ class Request:
     use_prefix_cache: bool = True
     admit_seq: int = -1  # larger = admitted later (preemption picks the largest)
     in_flight_step: int | None = None
+    samples_in_flight: bool = False  # the step in flight samples the request's next token
+    lookahead_step: int | None = None  # a second step in flight: the token after that one
     # ids held while running
     state_slot: int = -1
     state_copy_from: int = -1
@@ -76,6 +78,7 @@ class Request:
     node: RadixNode | None = None  # locked radix node of the prefix hit
     snapshot: RequestSnapshot | None = None
     pending_snapshot: RequestSnapshot | None = None
+    later_snapshot: RequestSnapshot | None = None  # taken by the lookahead step in flight
     # boundaries whose snapshot goes to the radix index as soon as it is committed
     share_boundaries: tuple[int, ...] = ()
     # what the stages know: everything up to the last plan, except these pending changes
@@ -106,10 +109,10 @@ class Request:
     def reset_cache_state(self) -> None:
         """Forget every held id (after the scheduler gave them back) and computed progress."""
         self.num_computed_tokens = 0
-        self.in_flight_step = None
+        self.in_flight_step = self.lookahead_step = None
         self.state_slot = self.state_copy_from = -1
         self.page_ids, self.window_pages = [], {}
-        self.node = self.snapshot = self.pending_snapshot = None
+        self.node = self.snapshot = self.pending_snapshot = self.later_snapshot = None
         self.share_boundaries = ()
         self.num_synced_pages = 0
         self.new_windows, self.freed_windows = [], []

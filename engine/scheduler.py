@@ -22,8 +22,9 @@ Speculative decoding (engine/spec.py): a running decode that holds draft tokens 
 behind its last token; ``commit`` appends the verified ones and rolls the rest back.
 
 Several plans may be in flight (pipeline micro-batches): a request in flight is not scheduled
-again until ``commit`` of its step; stages apply plans in order, so ids freed while a step is in
-flight are reused only by later plans. ``schedule`` returns None when nothing can run now.
+again until ``commit`` of its step, except for one lookahead token with overlap scheduling
+(engine/lookahead.py); stages apply plans in order, so ids freed while a step is in flight are
+reused only by later plans. ``schedule`` returns None when nothing can run now.
 """
 
 from __future__ import annotations
@@ -34,30 +35,16 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from dsv4ray.engine import spec, sync
+from dsv4ray.engine import lookahead, spec, sync
 from dsv4ray.engine.config import SchedulerConfig
 from dsv4ray.engine.kv_manager import KVCacheManager
+from dsv4ray.engine.outcome import StepOutcome
 from dsv4ray.engine.outputs import FINISH_REASONS
-from dsv4ray.engine.plan import BatchEntry, StepPlan
+from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, BatchEntry, StepPlan
 from dsv4ray.engine.request import FinishedRequest, Request, Status
 from dsv4ray.engine.sampling import SamplingParams
 
 __all__ = ["FinishedRequest", "Scheduler", "SchedulerConfig", "StepOutcome"]
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What a committed step did. applied: the requests whose entries of the step count
-    (requests preempted, aborted or finished while the step ran are not among them: what the
-    stages computed for them belongs to work the scheduler has already thrown away); tokens:
-    req_id -> the (last) token appended; finished: the requests that met a stop condition;
-    extra_tokens: tokens appended before the last (drafts), accepted_drafts: drafts appended."""
-
-    applied: frozenset[str]
-    tokens: dict[str, int]
-    finished: list[FinishedRequest]
-    extra_tokens: dict[str, list[int]] = field(default_factory=dict)
-    accepted_drafts: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +55,7 @@ class _Step:
     entries: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, start, n)
     admitted: list[Request] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    lookahead: list[Request] = field(default_factory=list)  # entries (req, num_tokens, 1)
 
     def add(self, req: Request, start: int, num_tokens: int) -> None:
         self.entries.append((req, start, num_tokens))
@@ -95,6 +83,7 @@ class Scheduler:
         self._step_ids = itertools.count()
         self._admit_seq = itertools.count()
         self._rng = random.Random()
+        self.lookahead_steps = 0  # lookahead entries scheduled (engine/lookahead.py)
 
     # ------------------------------------------------------------------ public API
     @property
@@ -187,7 +176,7 @@ class Scheduler:
         self.kv.confirm_host_ops(plan.step_id)
         outcome = StepOutcome(frozenset(req.req_id for req, _, _ in entries), {}, [])
         for req, start, num_tokens in entries:
-            req.in_flight_step = None
+            lookahead.promote(req)
             if start + num_tokens < req.num_tokens:  # a prefill chunk: nothing sampled
                 req.num_computed_tokens = start + num_tokens
                 self.kv.promote_snapshot(req)
@@ -196,6 +185,7 @@ class Scheduler:
             got, token = (accepted or {}).get(req.req_id, ()), sampled[req.req_id]
             self._append(req, start + num_tokens, got, token, outcome)
             req.draft_token_ids = list((drafts or {}).get(req.req_id, ()))
+            self.kv.adopt_later_snapshot(req)
         return outcome
 
     def _append(self, req: Request, end: int, accepted, token: int, outcome) -> None:
@@ -220,18 +210,8 @@ class Scheduler:
 
     def stats(self) -> dict[str, int]:
         """Counters for metrics: queue lengths and the pools' free, cached and total ids."""
-        kv = self.kv
-        return {
-            "num_running": len(self._running),
-            "num_waiting": len(self._waiting),
-            "num_free_pages": kv.pages.num_free,
-            "num_cached_pages": kv.pages.num_cached,
-            "num_pages": kv.pages.num_pages,
-            "num_free_window_pages": kv.window_pages.num_free,
-            "num_cached_window_pages": kv.window_pages.num_cached,
-            "num_window_pages": kv.window_pages.num_pages,
-            "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
-        }
+        return {"num_running": len(self._running), "num_waiting": len(self._waiting),
+                **self.kv.stats()}  # fmt: skip
 
     @property
     def uses_host_tier(self) -> bool:
@@ -259,6 +239,8 @@ class Scheduler:
         # Decodes (one token left) before partial prefills; the sort is stable (admission order).
         ordered = sorted(self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         for req in ordered:
+            if req.in_flight_step is not None:
+                self._look_ahead(req, step)
             if req.status is not Status.RUNNING or req.in_flight_step is not None:
                 continue  # preempted earlier in this loop, or its previous step is in flight
             start = req.num_computed_tokens
@@ -268,6 +250,13 @@ class Scheduler:
                 num_drafts = 0  # no room for the drafts: decode without them
             if num_drafts or (num_tokens and self._grow_or_preempt(req, num_tokens, step)):
                 step.add(req, start, num_tokens + num_drafts)
+
+    def _look_ahead(self, req: Request, step: _Step) -> None:
+        """A lookahead entry for a decode in flight, when the pools have room (engine/lookahead)."""
+        if self.config.lookahead and step.budget > 0 and lookahead.grow(req, self.kv, self.config):
+            step.add(req, req.num_tokens, 1)
+            step.lookahead.append(req)
+            self.lookahead_steps += 1
 
     def _grow_or_preempt(self, req: Request, num_tokens: int, step: _Step) -> bool:
         while not self.kv.grow(req, num_tokens):
@@ -304,39 +293,38 @@ class Scheduler:
     def _build_plan(self, step: _Step) -> StepPlan:
         step_id = next(self._step_ids)
         plan = StepPlan(step_id=step_id, preempted_ids=step.preempted_ids)
-        plan.snapshots = self._take_snapshots(step)
+        plan.snapshots = self.kv.take_step_snapshots(step.entries, step.lookahead)
         plan.new_requests = [sync.new_request(req) for req in step.admitted]
         plan.diffs = [diff for req in self._running if (diff := sync.pop_diff(req)) is not None]
         plan.draft = self.config.num_speculative_steps > 0
         for req, start, num_tokens in step.entries:
+            if req in step.lookahead:
+                plan.batch.append(BatchEntry(req.req_id, start, 1, True))
+                plan.token_ids.append(LOOKAHEAD_TOKEN)
+                plan.lookahead.append(req.req_id)
+                req.lookahead_step = step_id
+                self._want_logprobs(plan, req)
+                continue
             num_drafts = max(0, start + num_tokens - req.num_tokens)
             sample = start + num_tokens >= req.num_tokens
             plan.batch.append(BatchEntry(req.req_id, start, num_tokens, sample, num_drafts))
             plan.token_ids.extend(req.token_ids[start : start + num_tokens - num_drafts])
             plan.token_ids.extend(req.draft_token_ids[:num_drafts])
-            if sample and req.sampling.logprobs is not None:
-                plan.logprobs[req.req_id] = req.sampling.logprobs
-            elif not sample and plan.draft:
+            if sample:
+                self._want_logprobs(plan, req)
+            elif plan.draft:
                 plan.next_tokens[req.req_id] = req.token_ids[start + num_tokens]
-            req.in_flight_step = step_id
+            req.in_flight_step, req.samples_in_flight = step_id, sample
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight[step_id] = list(step.entries)
         self.kv.attach_host_ops(plan)
         return plan
 
-    def _take_snapshots(self, step: _Step) -> list[tuple[str, int]]:
-        """A cached-state slot for each request whose step ends on a page boundary, when one can
-        be had; the stages copy the rings into it after the step."""
-        snapshots = []
-        for req, start, num_tokens in step.entries:
-            boundary = start + num_tokens
-            if boundary % self.config.page_size == 0:
-                slot = self.kv.take_snapshot(req, boundary)
-                if slot is not None:
-                    snapshots.append((req.req_id, slot))
-        return snapshots
+    @staticmethod
+    def _want_logprobs(plan: StepPlan, req: Request) -> None:
+        if req.sampling.logprobs is not None:
+            plan.logprobs[req.req_id] = req.sampling.logprobs
 
-    # ------------------------------------------------------------------ ending requests
     def _stop_reason(self, req: Request) -> str | None:
         token, sampling = req.token_ids[-1], req.sampling
         if token in sampling.stop_token_ids:

@@ -113,13 +113,17 @@ class DecodeGraphs:
         ctx = next((c for c in self.contexts if c >= last and c // PAGE >= pages), None)
         return None if batch is None or ctx is None else (batch, ctx)
 
-    def run(self, plan: StepPlan, tables, key: tuple[int, int]):
-        """Fills the bucket's buffer and replays it -> (logits [b, V] fp32, meta)."""
+    def run(self, plan: StepPlan, tables, key: tuple[int, int], fill=None):
+        """Fills the bucket's buffer and replays it -> (logits [b, V] fp32, meta). fill(token_ids)
+        may rewrite the uploaded token ids on the device before the replay (lookahead tokens)."""
         g = self.graphs[key]
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)
         self.stage.upload(flat, self.device, out=g.static)
+        cols = g.padding.c128_cols
+        meta = meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True, cols)
+        if fill is not None:
+            fill(meta.token_ids)
         g.graph.replay()
         self.replays[key] = self.replays.get(key, 0) + 1
-        cols = g.padding.c128_cols
-        return g.out, meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True, cols)
+        return g.out, meta

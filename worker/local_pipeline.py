@@ -71,11 +71,12 @@ class LocalPipeline:
     """Stage workers called in order in this process (pp_size 1, or tests of a split), then the
     draft worker."""
 
-    depth = 1
     host_lost = False  # no host tier in process
 
     def __init__(self, config: EngineConfig, cfg: ModelConfig) -> None:
         self.config, self.cfg = config, cfg
+        # overlap scheduling: a second plan is submitted while the first one's samples are read
+        self.depth = 2 if config.uses_overlap else 1
         self._build()
 
     def _build(self) -> None:
@@ -99,13 +100,16 @@ class LocalPipeline:
             self.draft.allocate(sizes)
 
     def submit(self, plan: StepPlan) -> StageResult:
+        """Runs the plan; with overlap scheduling the sampled ids stay on the device until
+        ``collect``, so the host can build the next plan while the device computes."""
         result = None
-        for worker in self.workers:
+        for worker in self.workers[:-1]:
             result = worker.execute(plan, result)
+        result = self.workers[-1].execute(plan, result, defer_sampling=self.depth > 1)
         return result if self.draft is None else self.draft.execute(plan, result)
 
     def collect(self, handle: StageResult) -> StageResult:
-        return handle
+        return self.workers[-1].finish(handle)
 
     def rebuild(self) -> None:
         self._build()

@@ -3,7 +3,8 @@
 ``sample_batch(logits [R, V] fp32, rows, positions, num_top)`` does greedy, temperature, top-k and
 top-p for all R rows at once with per-row parameters as tensors, gathers the requested logprobs in
 the same pass and copies one [R, 1 + 2 n] float64 tensor to the host (sampled ids, then the sampled
-token's logprob and the top n (logprob, id) pairs where asked).
+token's logprob and the top n (logprob, id) pairs where asked). ``sample_batch_async`` issues that
+copy without waiting for it (the engine overlaps the wait with its next step's host work).
 
 Seeded sampling is counter-based, so it is batch-invariant: the token a request samples at
 sequence position p is ``argmax_v(filtered(logits / T)[v] + G(seed, p, v))``, where G is Gumbel
@@ -106,6 +107,31 @@ def sample_batch(
     """logits [R, V] fp32; rows, positions (sequence position of the token drawn) and num_top
     (None = no logprobs) are per row. A row whose logits are not finite fails alone; should the
     batched pass raise, each row is retried on its own so only the offending one fails."""
+    return sample_batch_async(logits, rows, positions, num_top).result()
+
+
+@dataclass
+class PendingSample:
+    """A launched sampling pass: the ids on the device, and their host copy on its way.
+    token_ids [R] int64 (-1 where the logits are not finite) stays usable on the device (a
+    lookahead step reads it); ``result`` waits for the copy and unpacks it."""
+
+    token_ids: torch.Tensor
+    host: torch.Tensor | None = None  # [R, 1 + 2 n] float64, pinned on CUDA
+    event: torch.cuda.Event | None = None
+    num_top: list | None = None
+    outcomes: list[Sampled] | None = None  # already known (the row-by-row path)
+
+    def result(self) -> list[Sampled]:
+        if self.outcomes is None:
+            if self.event is not None:
+                self.event.synchronize()
+            self.outcomes = _unpack(self.host.tolist(), self.num_top)
+        return self.outcomes
+
+
+def sample_batch_async(logits, rows, positions, num_top) -> PendingSample:
+    """``sample_batch`` without waiting for the device: the host copy is issued, not awaited."""
     try:
         return _sample_pass(logits, rows, positions, num_top)
     except Exception as exc:  # a row that escaped validation: find it, serve the others
@@ -113,15 +139,15 @@ def sample_batch(
     out = []
     for i in range(len(rows)):
         try:
-            out += _sample_pass(
-                logits[i : i + 1], rows[i : i + 1], positions[i : i + 1], num_top[i : i + 1]
-            )
+            one = (logits[i : i + 1], rows[i : i + 1], positions[i : i + 1], num_top[i : i + 1])
+            out += _sample_pass(*one).result()
         except Exception as exc:
             out.append(Sampled(error=f"sampling failed: {type(exc).__name__}: {exc}"[:300]))
-    return out
+    ids = torch.tensor([o.token_id if o.error is None else -1 for o in out])
+    return PendingSample(ids.to(logits.device), outcomes=out)
 
 
-def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
+def _sample_pass(logits, rows, positions, num_top) -> PendingSample:
     num_rows, vocab_size = logits.shape
     drawn = [i for i, row in enumerate(rows) if not row.is_greedy]
     if len(drawn) < num_rows:
@@ -144,7 +170,13 @@ def _sample_pass(logits, rows, positions, num_top) -> list[Sampled]:
     packed = token_ids.double()[:, None]  # ids < 2**53 are exact in float64
     if any(n is not None for n in num_top):
         packed = torch.cat([packed, _logprob_columns(logits, token_ids, num_top)], dim=1)
-    return _unpack(packed.cpu().tolist(), num_top)  # the step's one device-to-host copy
+    if not packed.is_cuda:
+        return PendingSample(token_ids, packed, None, num_top)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)  # the step's one device-to-host copy
+    event = torch.cuda.Event()
+    event.record()
+    return PendingSample(token_ids, host, event, num_top)
 
 
 def _upload(drawn: list[int], rows: list[SamplingRow], positions: list[int], device):

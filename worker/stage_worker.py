@@ -23,9 +23,10 @@ from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.host_io import HostIO, LayerEvents
+from dsv4ray.worker.overlap import fill_lookahead, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
 from dsv4ray.worker.verify import hand_over, sample_with_drafts
 
 log = logging.getLogger("dsv4ray.worker")
@@ -65,6 +66,8 @@ class StageWorker:
         on_cuda = self.device.type == "cuda"
         self.use_graphs = cuda_graphs and on_cuda and self.is_first and self.is_last
         self.graphs: DecodeGraphs | None = None
+        # the last step's sampled ids on the device, by request (a lookahead step reads them)
+        self.prev_samples: tuple[list[str], torch.Tensor] | None = None
 
     def available_bytes(self, memory_fraction: float) -> float | None:
         """Free device memory for pools after the weights (None on CPU: size by tokens)."""
@@ -129,10 +132,13 @@ class StageWorker:
         self.host_io = None
 
     @torch.no_grad()
-    def execute(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+    def execute(
+        self, plan: StepPlan, inputs: StageResult | None = None, defer_sampling: bool = False
+    ) -> StageResult:
         """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
         earlier stage) is returned in ``failed`` with the bookkeeping applied, so every stage
-        stays in step with the scheduler and only the step's requests are lost."""
+        stays in step with the scheduler and only the step's requests are lost.
+        defer_sampling: return without waiting for the sampled ids (``finish`` reads them)."""
         events = self._host_ops(plan)
         self._apply(plan)
         result = StageResult(plan.step_id)
@@ -142,9 +148,23 @@ class StageWorker:
         try:
             self._compute(plan, inputs, events, result)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
-            log.exception("step %d failed on stage [%d, %d)", plan.step_id, *self._range)
-            result.failed = f"{type(exc).__name__} on stage {self._range}: {exc}"[:500]
+            self._fail(plan.step_id, exc, result)
+        return result if defer_sampling else self.finish(result)
+
+    def finish(self, result: StageResult) -> StageResult:
+        """Reads back the sampled ids a deferred step left on the device into ``sampled``,
+        ``logprobs`` and ``errors`` (a failure there fails the step)."""
+        pending, result.pending = result.pending, None
+        if pending is not None:
+            try:
+                record_samples(result, *pending)
+            except Exception as exc:
+                self._fail(result.step_id, exc, result)
         return result
+
+    def _fail(self, step_id: int, exc: Exception, result: StageResult) -> None:
+        log.exception("step %d failed on stage [%d, %d)", step_id, *self._range)
+        result.failed = f"{type(exc).__name__} on stage {self._range}: {exc}"[:500]
 
     @property
     def _range(self) -> tuple[int, int]:
@@ -157,18 +177,20 @@ class StageWorker:
         # a draft worker needs the step's top-k, which a replayed graph does not return
         graphs = self.graphs is not None and not plan.draft
         key = self.graphs.pick(plan, self.tables) if graphs else None
+        fill = lambda token_ids: fill_lookahead(plan, token_ids, self.prev_samples)  # noqa: E731
         if key is not None:  # a whole decode step, head included: every row's logits
-            logits, meta = self.graphs.run(plan, self.tables, key)
+            logits, meta = self.graphs.run(plan, self.tables, key, fill)
             self._snapshots(plan)
             self._sample(plan, meta, None, result, logits[meta.sample_idx])
             return
         meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
+        fill(meta.token_ids)
         x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
             self._sample(plan, meta, x, result)
             if plan.draft:
-                hand_over(plan, result, x, topk)
+                hand_over(plan, self.finish(result), x, topk)
         else:
             result.residual, result.topk = x.flatten(-2), topk
 
@@ -196,6 +218,7 @@ class StageWorker:
         [R, V] when a replayed graph computed them."""
         if plan.full_logits:
             self._full_logits(plan, x, result)
+        self.prev_samples = None
         if any(e.num_drafts for e in plan.batch):
             sample_with_drafts(self.model, plan, x, self.sampling, result)
             return
@@ -207,21 +230,14 @@ class StageWorker:
         # the token drawn follows the entry's last one: its position keys the seeded noise
         positions = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
         rows = [self.sampling[req_id] for req_id in req_ids]
-        outcomes = sample_batch(
+        pending = sample_batch_async(
             logits,
             [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
             [positions[req_id] for req_id in req_ids],
             [plan.logprobs.get(req_id) for req_id in req_ids],
         )
-        for req_id, row, outcome in zip(req_ids, rows, outcomes):
-            error = row if isinstance(row, str) else outcome.error
-            if error is not None:  # one request's sampling fails alone
-                log.warning("request %s could not sample: %s", req_id, error)
-                result.errors[req_id] = error
-                continue
-            result.sampled[req_id] = outcome.token_id
-            if outcome.logprobs is not None:
-                result.logprobs[req_id] = outcome.logprobs
+        result.pending = (req_ids, rows, pending)
+        self.prev_samples = (req_ids, pending.token_ids)
 
     def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
         """One head pass and one host copy for every scored request's tokens."""

@@ -10,7 +10,7 @@ assertion, and outputs must equal a plain generation loop over the same hash (``
 
 from collections import deque
 
-from dsv4ray.engine.plan import decode, encode
+from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, decode, encode
 from dsv4ray.engine.scheduler import SchedulerConfig
 
 VOCAB = 37
@@ -40,6 +40,7 @@ class FakeStage:
         self.page, self.window = config.page_size, config.window_page_size
         self.full, self.win, self.rings, self.cached, self.reqs = {}, {}, {}, {}, {}
         self.host_pages, self.host_snaps = {}, {}  # the host tier: page contents, snapshots
+        self.last_sampled = {}  # what the previous plan sampled: lookahead entries' tokens
 
     def _host_ops(self, plan):
         """Backups, then loads, as a stage runs them before the step (cache/hicache.py)."""
@@ -83,9 +84,13 @@ class FakeStage:
         for entry in plan.batch:
             tokens = plan.token_ids[offset : offset + entry.num_tokens]
             offset += entry.num_tokens
+            if entry.req_id in plan.lookahead:  # the token its previous plan sampled
+                assert tokens == [LOOKAHEAD_TOKEN]
+                tokens = [self.last_sampled[entry.req_id]]
             context = self._run_entry(entry, tokens)
             if entry.sample:
                 sampled[entry.req_id] = next_token(context)
+        self.last_sampled = sampled
         for req_id, slot in plan.snapshots:
             state = self.reqs[req_id]
             assert state[2] % self.page == 0

@@ -323,9 +323,11 @@ _actions = st.lists(
 
 
 @settings(max_examples=200, deadline=None)
-@given(actions=_actions, depth=st.integers(1, 2))
-def test_random_workloads_conserve_ids_and_match_the_reference(actions, depth):
-    config = small_config(num_pages=14, num_state_slots=3, num_cached_state_slots=4)
+@given(actions=_actions, depth=st.integers(1, 2), lookahead=st.booleans())
+def test_random_workloads_conserve_ids_and_match_the_reference(actions, depth, lookahead):
+    # lookahead: with two plans in flight, decodes get their next token scheduled early
+    config = small_config(num_pages=14, num_state_slots=3, num_cached_state_slots=4,
+                          lookahead=lookahead)  # fmt: skip
     sched, stage = Scheduler(config), FakeStage(config)
     prefixes = [[p] * 8 + [p + 1] * 8 for p in range(4)]
     prompts, ended, in_flight, finished, streamed = {}, set(), deque(), {}, {}
@@ -379,3 +381,18 @@ def test_a_request_preempted_while_in_flight_streams_no_token_of_that_step():
     outcome = sched.commit(in_flight, stage.run(in_flight))
     assert "new" not in outcome.tokens and sched.get_request("new").output_token_ids == []
     sched.check_integrity()
+
+
+def test_lookahead_schedules_decodes_early_and_keeps_outputs_and_ids_right():
+    config = small_config(lookahead=True)
+    sched, stage = Scheduler(config), FakeStage(config)
+    prompts = {f"r{i}": [(3 * i + k) % VOCAB for k in range(5 + 7 * i)] for i in range(3)}
+    params = {"r0": SamplingParams(max_tokens=9), "r1": SamplingParams(max_tokens=2),
+              "r2": SamplingParams(max_tokens=20, stop_token_ids=[5])}  # fmt: skip
+    for req_id, prompt in prompts.items():
+        sched.add_request(req_id, prompt, params[req_id])
+    finished = drive(sched, stage, depth=2)
+    assert sched.lookahead_steps > 0
+    for req_id, prompt in prompts.items():
+        out, reason = reference(prompt, params[req_id])
+        assert (finished[req_id].output_token_ids, finished[req_id].finish_reason) == (out, reason)
