@@ -54,6 +54,7 @@ class EngineCore:
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
+        self.num_preemptions = 0
         self.needs_rebuild = False  # a stage died: rebuild before the next plan
 
     def _attach_host_tier(self) -> tuple[int, int]:
@@ -149,6 +150,8 @@ class EngineCore:
             if plan is None:
                 break
             plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+            self.outputs.on_scheduled(e.req_id for e in plan.batch)
+            self.num_preemptions += len(plan.preempted_ids)
             if plan.has_host_ops and not self.pipeline.host_alive():
                 self._host_tier_lost()  # this plan's copies still reach the stages' mappings
             try:
@@ -274,11 +277,13 @@ class EngineCore:
         self.pipeline.drop_host()
 
     def stats(self) -> dict:
-        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds."""
+        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds,
+        preemptions (of requests the stages had seen)."""
         return {
             **self.scheduler.stats(),
             "num_host_pages": self.host_pages,
             "num_pipeline_rebuilds": self.num_rebuilds,
+            "num_preemptions": self.num_preemptions,
         }
 
     def describe(self) -> dict:

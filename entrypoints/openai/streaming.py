@@ -61,6 +61,7 @@ class Tracked:
             self.server.metrics.tokens(
                 len(output.prompt_token_ids), num_generated, output.metrics.num_cached_tokens, tpot
             )
+            self.server.metrics.request_times(output.metrics)
 
     async def cancel(self) -> None:
         """The response ended before the request did (client gone): closing the engine stream
