@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from dsv4ray.cache.formats import DTYPES as KV_DTYPES
+from dsv4ray.cluster.placement import ACCELERATORS
 from dsv4ray.config_quant import RELEASE_LAYOUTS
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
 
@@ -34,17 +35,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    from dsv4ray.entrypoints.job import run_job
+    from dsv4ray.entrypoints.job import JobOptions, run_job
 
     # run_job checks the checkpoint itself: a missing one is a usage error (exit 2) there
-    return run_job(
-        args.model or default_model(),
-        args.input,
-        args.output,
-        pp_size=args.pp,
-        default_max_tokens=args.max_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    job = JobOptions(args.replicas, args.accelerator, args.max_tokens)
+    options = {"pp_size": args.pp, "kv_cache_dtype": args.kv_cache_dtype}
+    return run_job(args.model or default_model(), args.input, args.output, job, **options)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -104,18 +100,36 @@ def _add_job(sub) -> None:
     job = sub.add_parser(
         "job",
         parents=[_engine_parent()],
-        help="batch generation over a JSONL file (ray job submit)",
-        description="Batch generation over a JSONL file; results are appended to --output, "
-        "keyed by id (the last line of an id wins). A rerun skips finished ids and retries "
-        "aborted ones.",
+        help="batch generation over a JSONL file on Ray Data (ray job submit)",
+        description="Batch generation over a JSONL file on Ray Data: one engine per replica "
+        "(an actor of the pool). Results are appended to --output, keyed by id (the last "
+        "line of an id wins). A rerun skips finished ids and retries aborted ones.",
         epilog="exit codes: 0 every request finished; 1 a bad input line or an aborted "
         "request; 2 usage error (no input file or checkpoint, bad option); "
         "130 interrupted (Ctrl-C), 143 stopped by SIGTERM (ray job stop): the requests left "
         "are done by a rerun",
     )
-    job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
+    job.add_argument(
+        "--input",
+        required=True,
+        help="JSONL: {id, prompt | messages, ...}; a local path or any URI pyarrow reads "
+        "(s3://, gs://, ...)",
+    )
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
     job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
+    job.add_argument(
+        "--replicas",
+        "--concurrency",
+        type=_positive_int,
+        default=1,
+        help="engines (actors of the Ray Data pool), each one pipeline [1]",
+    )
+    job.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default="auto",
+        help="the stages' bundles; auto: gpu when the cluster has or declares GPUs",
+    )
     job.set_defaults(func=cmd_job)
 
 
