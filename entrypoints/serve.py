@@ -147,10 +147,12 @@ def run_server(
         app = application(config, deployment)
     except ValueError as exc:
         raise SystemExit(f"dsv4ray serve: {exc}") from None
-    serve.start(http_options={"host": host, "port": port}, **(serve_options or {}))
+    options = dict(serve_options or {})
+    http = {**options.pop("http_options", {}), "host": host, "port": port}
+    serve.start(http_options=http, **options)
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     info = handle.info.remote().result()
-    if info["demo_model"]:  # again, beside the line that says where it listens
+    if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
     print(startup_line(info, host, port), flush=True)
     try:

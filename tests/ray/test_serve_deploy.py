@@ -97,6 +97,7 @@ def test_cli_refuses_a_public_address_without_a_key(tiny_ckpt):
 
 
 def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt, free_port):
+    """vLLM's spelling (the model positional, -pp) over deploy/serve.yaml: flags override it."""
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     cmd = [
@@ -104,8 +105,11 @@ def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt, free
         "-m",
         "dsv4ray",
         "serve",
-        "--model",
         tiny_ckpt,
+        "--config",
+        str(ROOT / "deploy" / "serve.yaml"),
+        "-pp",
+        "1",
         "--port",
         str(port),
         "--api-key",
