@@ -1,14 +1,26 @@
-"""Joining or starting Ray, and the resource shapes of pipeline bundles."""
+"""Joining or starting Ray, the resource shapes of pipeline bundles, and which accelerator a
+pipeline asks for.
+
+Bundle shapes are fixed when an app or job is built, possibly on a head node without GPUs
+and before any GPU node runs: the autoscaler starts a GPU node only for a request that asks
+for GPUs, so ``accelerator: auto`` looks at what the cluster declares, not only at what it
+has now. The stages learn their device from the bundles they were given (``bundle_device``).
+"""
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 
 log = logging.getLogger("dsv4ray.ray")
 
 CPU_BUNDLE = {"CPU": 0.5}  # pp = 3 fits on a 2-core machine
 GPU_BUNDLE = {"GPU": 1, "CPU": 2}  # the stage takes the GPU and 1 CPU; the rest is for a replica
+ACCELERATORS = ("auto", "cpu", "gpu")
+DEVICES = {"cpu": "cpu", "gpu": "cuda"}  # accelerator -> the engine's device
+# what `ray up` leaves on the head for its autoscaler (available_node_types with resources)
+BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
 
 
 def ensure_ray() -> None:
@@ -35,5 +47,74 @@ def ensure_ray() -> None:
     )
 
 
-def stage_bundle(use_gpu: bool) -> dict:
-    return dict(GPU_BUNDLE if use_gpu else CPU_BUNDLE)
+def stage_bundle(use_gpu: bool, extra: Mapping[str, float] | None = None) -> dict:
+    """One stage's bundle; ``extra``: custom resources that pin stages to a node type."""
+    return {**(GPU_BUNDLE if use_gpu else CPU_BUNDLE), **(extra or {})}
+
+
+def check_accelerator(accelerator: object) -> str:
+    if accelerator not in ACCELERATORS:
+        raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")
+    return accelerator
+
+
+def resolve_accelerator(accelerator: str, bootstrap_config: str = BOOTSTRAP_CONFIG) -> str:
+    """'cpu' or 'gpu'. auto: gpu when the cluster has GPUs or declares a node type with GPUs
+    (its GPU nodes may all be scaled to zero now), else cpu; outside Ray, this machine's view."""
+    if check_accelerator(accelerator) != "auto":
+        return accelerator
+    reason = gpu_evidence(bootstrap_config)
+    resolved = "gpu" if reason else "cpu"
+    log.info("accelerator auto: %s (%s)", resolved, reason or "no GPU in the cluster or its config")
+    return resolved
+
+
+def gpu_evidence(bootstrap_config: str = BOOTSTRAP_CONFIG) -> str | None:
+    """Why the cluster counts as a GPU cluster, or None."""
+    import ray
+
+    if not ray.is_initialized():
+        import torch
+
+        return "this machine has a GPU" if torch.cuda.is_available() else None
+    if ray.cluster_resources().get("GPU", 0) > 0:
+        return "GPUs in the cluster"
+    for name, resources in declared_node_types(bootstrap_config).items():
+        if float(resources.get("GPU", 0) or 0) > 0:
+            return f"node type {name!r} declares GPUs"
+    return None
+
+
+def declared_node_types(bootstrap_config: str = BOOTSTRAP_CONFIG) -> dict[str, dict]:
+    """Node type -> resources: from the cluster config the autoscaler reported to Ray's GCS,
+    else from the autoscaler config file on this node; {} when neither is there."""
+    reported = _reported_node_types()
+    if reported:
+        return reported
+    path = os.path.expanduser(bootstrap_config)
+    if not os.path.isfile(path):
+        return {}
+    import yaml
+
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    types = raw.get("available_node_types") or {}
+    return {name: dict(spec.get("resources") or {}) for name, spec in types.items()}
+
+
+def _reported_node_types() -> dict[str, dict]:
+    import ray
+
+    try:
+        config = ray._private.state.state.get_cluster_config()
+    except Exception:  # an older GCS, or no config reported: the file is the other source
+        log.debug("no cluster config in the GCS", exc_info=True)
+        return {}
+    if config is None:
+        return {}
+    return {group.name: dict(group.resources) for group in config.node_group_configs}
+
+
+def bundle_device(bundles: list[Mapping[str, float]]) -> str:
+    """The engine's device for stages placed in ``bundles`` (the replica's placement group)."""
+    return "cuda" if any(b.get("GPU", 0) > 0 for b in bundles) else "cpu"

@@ -23,20 +23,20 @@ from dsv4ray.engine.spec import SpecConfig
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    pp_size: int = 1
-    kv_cache_dtype: str = "fp8"
+    pp_size: int = 1  # pipeline-parallel stages (Ray actors when > 1)
+    kv_cache_dtype: str = "fp8"  # format of the KV pages
     max_total_tokens: int | None = None  # cap on logical full-token capacity of the device pools
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
-    max_running_requests: int = 64
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    enable_hicache: bool = False
+    max_running_requests: int = 64  # requests decoded together at most
+    max_model_len: int | None = None  # context cap; None = the model's, within the pools
+    enable_prefix_caching: bool = True  # reuse KV pages of shared prompt prefixes
+    enable_hicache: bool = False  # keep evicted prefixes in a host-memory tier
     host_cache_tokens: int | None = None  # None: twice the device pool capacity
-    hicache_write_policy: str = "write_through"
+    hicache_write_policy: str = "write_through"  # when pages are copied to the host tier
     dtype: str | None = None  # model compute dtype; None = the checkpoint's
     device: str | None = None  # None until resolved: cuda when available, else cpu
-    memory_fraction: float = 0.85
-    use_ray: str | bool = "auto"
+    memory_fraction: float = 0.85  # share of free device memory the pools may take
+    use_ray: str | bool = "auto"  # stages as Ray actors: auto, true or false
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
@@ -45,16 +45,23 @@ class EngineConfig:
     overlap_scheduling: str | bool = "auto"
 
     @classmethod
-    def build(cls, model: str, **options) -> EngineConfig:
+    def build(cls, model: str, check_model: bool = True, **options) -> EngineConfig:
+        """check_model=False checks the options alone: a Serve app or job is built where the
+        checkpoint may be missing (a head node), and its replicas check it where they run."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
             raise ValueError(f"unknown LLM option {unknown[0]!r}; known options: {sorted(names)}")
-        return cls(model=model, **options)
+        config = cls(model=model, **options)
+        if check_model:
+            config.check_model()
+        return config
 
-    def __post_init__(self) -> None:
+    def check_model(self) -> None:
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
             raise ValueError(f"model: no config.json in {self.model!r}")
+
+    def __post_init__(self) -> None:
         _int_at_least(self, "pp_size", 1)
         _int_at_least(self, "max_num_batched_tokens", PAGE_SIZE)
         _int_at_least(self, "max_running_requests", 1)
@@ -163,10 +170,10 @@ class SchedulerConfig:
     page_size: int = PAGE_SIZE
     window_page_size: int = WINDOW_PAGE_SIZE
     max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = True  # reuse KV pages of shared prompt prefixes
     num_host_pages: int = 0  # host tier (HiCache): 0 = off
     num_host_snapshots: int = 0
-    hicache_write_policy: str = "write_through"
+    hicache_write_policy: str = "write_through"  # when pages are copied to the host tier
     lookahead: bool = False  # a decode in flight may be scheduled for its next token
     num_speculative_steps: int = 0  # drafts the draft worker proposes (0: no draft worker)
 

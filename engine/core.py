@@ -59,6 +59,7 @@ class EngineCore:
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
+        self.num_preemptions = 0
         self.needs_rebuild = False  # a stage died: rebuild before the next plan
         self.resume: dict[str, spec.Resume] = {}  # requests to resume after a draft worker died
         self.spec_stats = dict.fromkeys(spec.STAT_NAMES, 0)
@@ -188,6 +189,8 @@ class EngineCore:
             if plan is None:
                 break
             plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+            self.outputs.on_scheduled(e.req_id for e in plan.batch)
+            self.num_preemptions += len(plan.preempted_ids)
             if plan.has_host_ops and not self.pipeline.host_alive():
                 self._host_tier_lost()  # this plan's copies still reach the stages' mappings
             try:
@@ -338,12 +341,14 @@ class EngineCore:
         self.pipeline.drop_host()
 
     def stats(self) -> dict:
-        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds."""
+        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds,
+        preemptions (of requests the stages had seen)."""
         return {
             **self.scheduler.stats(),
             **self.spec_stats,
             "num_host_pages": self.host_pages,
             "num_pipeline_rebuilds": self.num_rebuilds,
+            "num_preemptions": self.num_preemptions,
         }
 
     def describe(self) -> dict:

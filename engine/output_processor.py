@@ -37,6 +37,14 @@ class OutputProcessor:
         self.decoders[req_id] = StreamDecoder(self.tokenizer)
         self.start[req_id] = time.perf_counter()
 
+    def on_scheduled(self, req_ids) -> None:
+        """The requests of a plan: the first plan a request is in ends its queue time."""
+        now = time.perf_counter()
+        for req_id in req_ids:
+            metrics = self.outputs[req_id].metrics
+            if metrics.queue_s is None:
+                metrics.queue_s = now - self.start[req_id]
+
     def unfinished(self) -> list[str]:
         return [r for r, out in self.outputs.items() if not out.finished]
 

@@ -1,12 +1,18 @@
-"""Command line: ``dsv4ray {generate, job, serve, make-tiny}`` (also ``python -m dsv4ray``)."""
+"""Command line: ``dsv4ray {generate, job, serve, make-tiny}`` (also ``python -m dsv4ray``).
+
+Every engine-running subcommand takes every EngineConfig option as a flag (cli_options.py);
+``--log-level`` goes anywhere on the line (the last one wins).
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 
-from dsv4ray.cache.formats import DTYPES as KV_DTYPES
+from dsv4ray.cluster.placement import ACCELERATORS
 from dsv4ray.config_quant import RELEASE_LAYOUTS
+from dsv4ray.entrypoints.cli_options import add_engine_flags, engine_options
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
 
 
@@ -27,41 +33,52 @@ def cmd_generate(args: argparse.Namespace) -> int:
         args.prompts,
         max_tokens=args.max_tokens,
         temperature=args.temperature,
-        pp_size=args.pp,
         seed=args.seed,
-        kv_cache_dtype=args.kv_cache_dtype,
-        speculative_num_steps=args.speculative_num_steps,
+        **engine_options(args),
     )
 
 
 def cmd_job(args: argparse.Namespace) -> int:
-    from dsv4ray.entrypoints.job import run_job
+    from dsv4ray.entrypoints.job import JobOptions, run_job
 
     # run_job checks the checkpoint itself: a missing one is a usage error (exit 2) there
+    job = JobOptions(args.replicas, args.accelerator, args.max_tokens)
     return run_job(
-        args.model or default_model(),
-        args.input,
-        args.output,
-        pp_size=args.pp,
-        default_max_tokens=args.max_tokens,
-        kv_cache_dtype=args.kv_cache_dtype,
-        speculative_num_steps=args.speculative_num_steps,
+        args.model or default_model(), args.input, args.output, job, **engine_options(args)
     )
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from dsv4ray.entrypoints.serve import run_server
+    from dsv4ray.entrypoints.serve_file import ServeFile, read_serve_file
 
-    config = {
-        "model": model_path(args.model),
-        "pp_size": args.pp,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "speculative_num_steps": args.speculative_num_steps,
-    }
-    for name in ("max_total_tokens", "served_model_name", "api_key", "api_key_file"):
+    try:
+        file = read_serve_file(args.config) if args.config else ServeFile({})
+    except ValueError as exc:
+        raise SystemExit(f"dsv4ray serve: {exc}") from None
+    config = {**file.args, **engine_options(args)}
+    model = _serve_model(args) or config.get("model")
+    if not os.environ.get("RAY_ADDRESS"):
+        model_path(model)  # a local Ray: the checkpoint must be here, so say so now
+    if model:
+        config["model"] = model
+    for name in ("accelerator", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
-    return run_server(config, host=args.host, port=args.port)
+    http = dict(file.serve_options.get("http_options") or {})
+    host = args.host or http.get("host", "127.0.0.1")
+    port = args.port or http.get("port", 8000)
+    return run_server(config, host, port, file.deployment, file.serve_options)
+
+
+def _serve_model(args: argparse.Namespace) -> str | None:
+    """MODEL or --model (one of them, or both the same); None when neither names one (on a
+    cluster the replicas read the checkpoint where they run)."""
+    if args.model and args.model_pos and args.model != args.model_pos:
+        raise SystemExit(
+            f"dsv4ray serve: MODEL {args.model_pos!r} and --model {args.model!r} differ; give one"
+        )
+    return args.model or args.model_pos
 
 
 def _positive_int(text: str) -> int:
@@ -74,39 +91,29 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
-    return value
+def _log_level(text: str) -> str:
+    level = text.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        raise argparse.ArgumentTypeError(f"not a logging level: {text!r} (DEBUG, INFO, ...)")
+    return level
 
 
 def _log_parent() -> argparse.ArgumentParser:
     """--log-level, accepted before or after the subcommand (after wins)."""
     parent = argparse.ArgumentParser(add_help=False)
-    parent.add_argument("--log-level", default=argparse.SUPPRESS, help="python logging level")
+    parent.add_argument(
+        "--log-level", type=_log_level, default=argparse.SUPPRESS, help="python logging level"
+    )
     return parent
 
 
-def _engine_parent(pp_help: str = "pipeline-parallel stages") -> argparse.ArgumentParser:
-    """The options every engine-running subcommand shares."""
+def _engine_parent() -> argparse.ArgumentParser:
+    """The options every engine-running subcommand shares: --model and every engine option."""
     parent = argparse.ArgumentParser(add_help=False, parents=[_log_parent()])
     parent.add_argument(
         "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
     )
-    parent.add_argument("--pp", type=_positive_int, default=1, help=pp_help)
-    parent.add_argument("--kv-cache-dtype", default="fp8", choices=list(KV_DTYPES))
-    parent.add_argument(
-        "--speculative-num-steps",
-        type=_steps,
-        default=0,
-        metavar="K",
-        help="MTP draft tokens per request and step, verified by the model (0: off; needs the "
-        "checkpoint's mtp.* tensors)",
-    )
+    add_engine_flags(parent)
     return parent
 
 
@@ -125,29 +132,70 @@ def _add_job(sub) -> None:
     job = sub.add_parser(
         "job",
         parents=[_engine_parent()],
-        help="batch generation over a JSONL file (ray job submit)",
-        description="Batch generation over a JSONL file; results are appended to --output, "
-        "keyed by id (the last line of an id wins). A rerun skips finished ids and retries "
-        "aborted ones.",
+        help="batch generation over a JSONL file on Ray Data (ray job submit)",
+        description="Batch generation over a JSONL file on Ray Data: one engine per replica "
+        "(an actor of the pool). Results are appended to --output, keyed by id (the last "
+        "line of an id wins). A rerun skips finished ids and retries aborted ones.",
         epilog="exit codes: 0 every request finished; 1 a bad input line or an aborted "
         "request; 2 usage error (no input file or checkpoint, bad option); "
         "130 interrupted (Ctrl-C), 143 stopped by SIGTERM (ray job stop): the requests left "
         "are done by a rerun",
     )
-    job.add_argument("--input", required=True, help="JSONL: {id, prompt | messages, ...}")
+    job.add_argument(
+        "--input",
+        required=True,
+        help="JSONL: {id, prompt | messages, ...}; a local path or "
+        "any URI pyarrow reads (s3://, gs://, ...)",
+    )
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
     job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
+    job.add_argument(
+        "--replicas",
+        "--concurrency",
+        type=_positive_int,
+        default=1,
+        help="engines (actors of the Ray Data pool), each one pipeline [1]",
+    )
+    job.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default="auto",
+        help="the stages' bundles; auto: gpu when the cluster has or declares GPUs",
+    )
     job.set_defaults(func=cmd_job)
 
 
 def _add_serve(sub) -> None:
     srv = sub.add_parser(
         "serve",
-        parents=[_engine_parent("pipeline-parallel stages per replica")],
+        parents=[_engine_parent()],
         help="OpenAI-compatible HTTP server on Ray Serve",
+        description="Serve MODEL with the OpenAI API on Ray Serve (a local Ray, or the "
+        "cluster at RAY_ADDRESS). Flags override --config's values.",
     )
-    srv.add_argument("--host", default="127.0.0.1", help="other than loopback needs an API key")
-    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument(
+        "model_pos",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="checkpoint folder (or --model; default: the demo checkpoint)",
+    )
+    srv.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="a Serve config file (the schema of deploy/serve.yaml)",
+    )
+    srv.add_argument(
+        "--host", default=None, help="other than loopback needs an API key [127.0.0.1]"
+    )
+    srv.add_argument("--port", type=int, default=None, help="[8000]")
+    srv.add_argument(
+        "--accelerator",
+        choices=ACCELERATORS,
+        default=None,
+        help="the stages' bundles; auto: gpu when the cluster has or declares GPUs [auto]",
+    )
     key = srv.add_mutually_exclusive_group()
     key.add_argument(
         "--api-key-file",
@@ -160,7 +208,6 @@ def _add_serve(sub) -> None:
     key.add_argument(
         "--api-key", default=None, help="the key itself (visible in ps: prefer --api-key-file)"
     )
-    srv.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity cap")
     srv.add_argument("--served-model-name", default=None, help="default: the folder name")
     srv.set_defaults(func=cmd_serve)
 
@@ -183,7 +230,9 @@ def _add_make_tiny(sub) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dsv4ray", description="Serve DeepSeek-V4 models on Ray.")
-    parser.add_argument("--log-level", default="WARNING", help="python logging level")
+    parser.add_argument(
+        "--log-level", type=_log_level, default="WARNING", help="python logging level"
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_generate, _add_job, _add_serve, _add_make_tiny):
         add(sub)
@@ -192,5 +241,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
     return args.func(args)

@@ -4,8 +4,14 @@
 ``import_path`` in deploy/serve.yaml); ``run_server`` backs ``dsv4ray serve``. Config keys:
 
     model                checkpoint folder (default: $DSV4RAY_MODEL, else ./.tiny, else the .tiny
-                         beside the package); resolved to an absolute path
+                         beside the package; without either, the demo checkpoint, said loudly);
+                         resolved to an absolute path, read by each replica where it runs
     served_model_name    the name clients send as "model" (default: the folder's name)
+    accelerator          auto | cpu | gpu: the stages' bundles (auto: gpu when the cluster has
+                         GPUs or its config declares GPU node types); each replica takes its
+                         device from the bundles it was given
+    stage_resources      custom resources every stage's bundle also asks for (pins stages to a
+                         node type, e.g. {"accelerator_type:H100": 0.001})
     api_key              when set, /v1/* requires "Authorization: Bearer <key>"; without one,
                          only loopback Host and Origin headers are answered (default:
                          $DSV4RAY_API_KEY as the process building the app sees it, else none)
@@ -29,107 +35,27 @@ replica's CPU, then one bundle per further stage] with strategy PACK, and the re
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import ray
 from ray import serve
 
-from dsv4ray.cluster.placement import CPU_BUNDLE, GPU_BUNDLE, ensure_ray
-from dsv4ray.engine.config import EngineConfig
+from dsv4ray.cluster.placement import bundle_device, ensure_ray
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
-from dsv4ray.entrypoints.model_path import default_model
 from dsv4ray.entrypoints.openai.edge import is_loopback
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
-from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
+from dsv4ray.entrypoints.openai.server import OpenAIServer
+from dsv4ray.entrypoints.serve_config import ServeSettings, demo_warning, resolve_api_key
 
 log = logging.getLogger("dsv4ray.serve")
 
 APP_NAME = "dsv4ray"
-API_KEY_ENV = "DSV4RAY_API_KEY"
-API_KEY_FILE_ENV = "DSV4RAY_API_KEY_FILE"
-DEPLOYMENT_NAME = "OpenAIDeployment"
-REPLICA_CPUS = {True: 1.0, False: 0.5}  # by use_gpu; a GPU bundle already has room for it
-ONGOING_HEADROOM = 16  # health, models and stats calls beside max_pending_requests generations
-_SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests")
-_KEY_KEYS = ("model", "api_key", "api_key_file")  # resolved by from_config
-_DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config")
-_ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
-
-
-@dataclass(frozen=True)
-class ServeSettings:
-    model: str
-    served_model_name: str
-    engine_options: dict = field(default_factory=dict)
-    api_key: str | None = None
-    max_body_bytes: int = 1 << 20
-    max_pending_requests: int = 256
-    deployment_overrides: dict = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        for name in ("max_body_bytes", "max_pending_requests"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise ValueError("api_key must be a non-empty string or None")
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
-        # fails here, at build time, on a bad option or a missing checkpoint (named)
-        EngineConfig.build(self.model, **self.engine_options)
-
-    @classmethod
-    def from_config(cls, config: Mapping) -> ServeSettings:
-        unknown = sorted(set(config) - {*_KEY_KEYS, *_SERVE_KEYS, *_DEPLOYMENT_KEYS, *_ENGINE_KEYS})
-        if unknown:
-            raise ValueError(f"unknown serve config key {unknown[0]!r}")
-        if "use_ray" in config and config["use_ray"] is not True:
-            raise ValueError("use_ray: the Serve app always runs its stages as Ray actors")
-        model = os.path.abspath(config.get("model") or default_model())
-        engine = {k: config[k] for k in _ENGINE_KEYS if k in config}
-        engine["use_ray"] = True
-        engine.setdefault("device", _default_device())
-        serve_opts = {k: config[k] for k in _SERVE_KEYS if k in config}
-        serve_opts.setdefault("served_model_name", os.path.basename(model.rstrip("/")))
-        serve_opts["api_key"] = resolve_api_key(config.get("api_key"), config.get("api_key_file"))
-        overrides = {k: config[k] for k in _DEPLOYMENT_KEYS if k in config}
-        return cls(model, engine_options=engine, deployment_overrides=overrides, **serve_opts)
-
-    @property
-    def use_gpu(self) -> bool:
-        return self.engine_options["device"] == "cuda"
-
-    def bundles(self) -> list[dict]:
-        """Bundle 0 hosts stage 0 and the replica; bundle i > 0 hosts stage i."""
-        stage = dict(GPU_BUNDLE if self.use_gpu else CPU_BUNDLE)
-        first = dict(stage)
-        if not self.use_gpu:
-            first["CPU"] = stage["CPU"] + REPLICA_CPUS[False]
-        return [first] + [dict(stage) for _ in range(self.engine_options.get("pp_size", 1) - 1)]
-
-    def deployment_options(self) -> dict:
-        return {
-            "name": DEPLOYMENT_NAME,
-            "ray_actor_options": {"num_cpus": REPLICA_CPUS[self.use_gpu]},
-            "placement_group_bundles": self.bundles(),
-            "placement_group_strategy": "PACK",
-            "max_ongoing_requests": self.max_pending_requests + ONGOING_HEADROOM,
-            **self.deployment_overrides,
-        }
-
-    def server_options(self) -> ServerOptions:
-        return ServerOptions(
-            served_model_name=self.served_model_name,
-            api_key=self.api_key,
-            max_body_bytes=self.max_body_bytes,
-            max_pending_requests=self.max_pending_requests,
-        )
+__all__ = ["APP_NAME", "OpenAIDeployment", "ServeSettings", "build_app", "run_server"]
 
 
 @serve.deployment
@@ -139,9 +65,13 @@ class OpenAIDeployment:
 
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
+        if settings.demo_model:
+            log.warning("%s", demo_warning(settings.model))
+        placement = ray.util.get_current_placement_group()
         self.engine = AsyncEngine(
             settings.model,
-            placement=ray.util.get_current_placement_group(),
+            placement=placement,
+            device=bundle_device(placement.bundle_specs),
             **settings.engine_options,
         )
         metrics = ServeMetrics(settings.served_model_name)
@@ -163,6 +93,7 @@ class OpenAIDeployment:
             "speculative_num_steps": config.speculative_num_steps,
             "device": config.device,
             "max_model_len": self.engine.max_model_len,
+            "demo_model": self.settings.demo_model,
         }
 
     async def stats(self) -> dict:
@@ -178,45 +109,30 @@ class OpenAIDeployment:
             self.engine.shutdown()
 
 
-def resolve_api_key(api_key: str | None, api_key_file: str | None) -> str | None:
-    """The key given, else the one in ``api_key_file``, else $DSV4RAY_API_KEY, else the one in
-    the file at $DSV4RAY_API_KEY_FILE, else None. Both a key and a file, from the arguments or
-    from the environment, is an error: which one was meant is unclear."""
-    if api_key is not None and api_key_file is not None:
-        raise ValueError("api_key and api_key_file are both set; give one")
-    if api_key_file is not None:
-        return read_api_key_file(api_key_file)
-    if api_key is not None:
-        return api_key
-    env_key, env_file = os.environ.get(API_KEY_ENV), os.environ.get(API_KEY_FILE_ENV)
-    if env_key and env_file:
-        raise ValueError(f"${API_KEY_ENV} and ${API_KEY_FILE_ENV} are both set; set one")
-    return read_api_key_file(env_file) if env_file else env_key or None
-
-
-def read_api_key_file(path: str) -> str:
-    """The file's text without surrounding whitespace; a missing or empty file is an error
-    naming it."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            key = f.read().strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = getattr(exc, "strerror", None) or exc
-        raise ValueError(f"cannot read the API key file {path!r}: {reason}") from None
-    if not key:
-        raise ValueError(f"the API key file {path!r} is empty")
-    return key
-
-
 def build_app(config: Mapping | None = None):
-    """The Serve application for ``config`` (see the module docstring for its keys)."""
+    """The Serve application for ``config`` (see the module docstring for its keys); Serve's
+    builders take exactly this one argument."""
+    return application(config)
+
+
+def application(config: Mapping | None = None, deployment: Mapping | None = None):
+    """``build_app`` with further deployment options (a Serve config's ``deployments`` entry,
+    as ``serve run`` applies them)."""
     settings = ServeSettings.from_config(dict(config or {}))
-    return OpenAIDeployment.options(**settings.deployment_options()).bind(settings)
+    options = {**settings.deployment_options(), **(deployment or {})}
+    return OpenAIDeployment.options(**options).bind(settings)
 
 
-def run_server(config: Mapping, host: str = "127.0.0.1", port: int = 8000) -> int:
+def run_server(
+    config: Mapping,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    deployment: Mapping | None = None,
+    serve_options: Mapping | None = None,
+) -> int:
     """``dsv4ray serve``: starts (or joins, with RAY_ADDRESS) Ray, runs the app, blocks until
-    Ctrl-C. Any address but loopback needs an API key."""
+    Ctrl-C. Any address but loopback needs an API key. deployment: further deployment options;
+    serve_options: further ``serve.start`` arguments (both from a Serve config file)."""
     try:
         api_key = resolve_api_key(config.get("api_key"), config.get("api_key_file"))
     except ValueError as exc:
@@ -229,10 +145,17 @@ def run_server(config: Mapping, host: str = "127.0.0.1", port: int = 8000) -> in
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
     ensure_ray()
-    app = build_app(config)
-    serve.start(http_options={"host": host, "port": port})
+    try:
+        app = application(config, deployment)
+    except ValueError as exc:
+        raise SystemExit(f"dsv4ray serve: {exc}") from None
+    options = dict(serve_options or {})
+    http = {**options.pop("http_options", {}), "host": host, "port": port}
+    serve.start(http_options=http, **options)
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     info = handle.info.remote().result()
+    if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
+        print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
     print(startup_line(info, host, port), flush=True)
     try:
         while True:
@@ -257,12 +180,3 @@ def startup_line(info: dict, host: str, port: int) -> str:
         f"{info['capacity_tokens']} tokens (max_model_len {info['max_model_len']}), "
         f"{drafts}listening on {url}"
     )
-
-
-def _default_device() -> str:
-    """cuda when the cluster has GPUs (the replica itself holds none, so it cannot look)."""
-    if ray.is_initialized():
-        return "cuda" if ray.cluster_resources().get("GPU", 0) > 0 else "cpu"
-    import torch
-
-    return "cuda" if torch.cuda.is_available() else "cpu"

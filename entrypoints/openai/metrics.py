@@ -1,108 +1,170 @@
 """Serving metrics through ``ray.util.metrics``, exported by Ray's Prometheus endpoint.
 
-Ray prefixes every name with ``ray_`` (``ray_dsv4ray_requests_total``, ...). Every series carries
-a ``model`` tag (the served model name); request counts also carry ``endpoint`` and ``status``
-(the HTTP status code as a string; 499 when the client disconnected before the end). The replica
-updates them: per request as it ends, per first token, and the engine gauges from a periodic poll
-of ``AsyncEngine.stats()``. Outside Ray (a plain process) the metric objects are no-ops.
+``METRICS`` is the one list of what a replica exports: the README's metrics table and the test
+that scrapes Ray's endpoint both come from it. Ray prefixes every name with ``ray_``; Prometheus
+adds ``_total`` to counters and ``_bucket``/``_sum``/``_count`` to histograms. Every series
+carries a ``model`` tag (the served model name); request counts also carry ``endpoint`` and
+``status`` (the HTTP status code as a string; 499 when the client disconnected before the end).
+The replica updates them per request as it ends, per first token, and from a poll of
+``AsyncEngine.stats()`` every second (gauges, preemptions). Outside Ray (a plain process) the
+metric objects are no-ops.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
+REQUEST_BOUNDARIES_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 STATUS_CLIENT_CLOSED = "499"
 
 
+@dataclass(frozen=True)
+class Metric:
+    name: str  # as registered with Ray (no ray_ prefix, no _total suffix)
+    kind: str  # counter | gauge | histogram
+    description: str
+    tags: tuple[str, ...] = ("model",)
+    only_with: str | None = None  # the option without which the series is never exported
+
+    @property
+    def series(self) -> str:
+        """The name Prometheus scrapes (histograms: its ``_count``, ``_sum``, ``_bucket``)."""
+        return "ray_" + self.name + ("_total" if self.kind == "counter" else "")
+
+
+METRICS = (
+    Metric(
+        "dsv4ray_requests",
+        "counter",
+        "HTTP requests answered, by endpoint and status code",
+        ("model", "endpoint", "status"),
+    ),
+    Metric("dsv4ray_time_to_first_token_seconds", "histogram", "arrival to the first token"),
+    Metric(
+        "dsv4ray_time_per_output_token_seconds",
+        "histogram",
+        "mean time per generated token after the first, per request",
+    ),
+    Metric("dsv4ray_e2e_request_latency_seconds", "histogram", "arrival to the last token"),
+    Metric(
+        "dsv4ray_request_queue_time_seconds",
+        "histogram",
+        "arrival to the first engine step that runs the request",
+    ),
+    Metric("dsv4ray_request_prefill_time_seconds", "histogram", "first step to the first token"),
+    Metric("dsv4ray_request_decode_time_seconds", "histogram", "first token to the last"),
+    Metric("dsv4ray_prompt_tokens", "counter", "prompt tokens of finished requests"),
+    Metric("dsv4ray_generation_tokens", "counter", "tokens generated"),
+    Metric("dsv4ray_cached_prompt_tokens", "counter", "prompt tokens served from the prefix cache"),
+    Metric("dsv4ray_preemptions", "counter", "requests preempted (pages freed, recomputed later)"),
+    Metric(
+        "dsv4ray_draft_tokens",
+        "counter",
+        "MTP draft tokens the model verified",
+        only_with="speculative_num_steps",
+    ),
+    Metric(
+        "dsv4ray_accepted_draft_tokens",
+        "counter",
+        "MTP draft tokens the model accepted",
+        only_with="speculative_num_steps",
+    ),
+    Metric("dsv4ray_running_requests", "gauge", "requests the engine is running"),
+    Metric("dsv4ray_waiting_requests", "gauge", "requests waiting for pages or budget"),
+    Metric(
+        "dsv4ray_kv_cache_usage",
+        "gauge",
+        "fraction of the device KV pages held by requests (0 to 1; cached prefixes count free)",
+    ),
+    Metric("dsv4ray_free_kv_pages", "gauge", "KV pages free or held only by the cache"),
+    Metric("dsv4ray_pending_http_requests", "gauge", "generation requests in the replica"),
+)
+BOUNDARIES = {
+    "dsv4ray_time_to_first_token_seconds": TTFT_BOUNDARIES_S,
+    "dsv4ray_time_per_output_token_seconds": TPOT_BOUNDARIES_S,
+}
+
+
 class ServeMetrics:
+    """One replica's metric objects (``self.m[name]``) and the events that update them."""
+
     def __init__(self, model_name: str) -> None:
-        tags = {"model": model_name}
-        self.requests = Counter(
-            "dsv4ray_requests",
-            description="HTTP requests answered, by endpoint and status code",
-            tag_keys=("model", "endpoint", "status"),
-        )
-        self.ttft = Histogram(
-            "dsv4ray_time_to_first_token_seconds",
-            description="time from a request's arrival to its first generated token",
-            boundaries=TTFT_BOUNDARIES_S,
-            tag_keys=("model",),
-        )
-        self.tpot = Histogram(
-            "dsv4ray_time_per_output_token_seconds",
-            description="mean time per generated token after the first, per request",
-            boundaries=TPOT_BOUNDARIES_S,
-            tag_keys=("model",),
-        )
-        self.prompt_tokens = _counter("dsv4ray_prompt_tokens", "prompt tokens of finished requests")
-        self.generated_tokens = _counter("dsv4ray_generation_tokens", "tokens generated")
-        self.cached_tokens = _counter(
-            "dsv4ray_cached_prompt_tokens", "prompt tokens served from the prefix cache"
-        )
-        self.draft_tokens = _counter(
-            "dsv4ray_draft_tokens", "MTP draft tokens the model verified (speculative decoding)"
-        )
-        self.accepted_draft_tokens = _counter(
-            "dsv4ray_accepted_draft_tokens", "MTP draft tokens the model accepted"
-        )
-        self.running = _gauge("dsv4ray_running_requests", "requests the engine is running")
-        self.waiting = _gauge("dsv4ray_waiting_requests", "requests waiting for pages or budget")
-        self.free_pages = _gauge("dsv4ray_free_kv_pages", "KV pages free or held only by the cache")
-        self.pending = _gauge("dsv4ray_pending_http_requests", "generation requests in the replica")
         self._model = model_name
-        for metric in (
-            self.ttft,
-            self.tpot,
-            self.prompt_tokens,
-            self.generated_tokens,
-            self.cached_tokens,
-            self.draft_tokens,
-            self.accepted_draft_tokens,
-            self.running,
-            self.waiting,
-            self.free_pages,
-            self.pending,
-        ):
-            metric.set_default_tags(tags)
+        self.m = {spec.name: _make(spec, model_name) for spec in METRICS}
+        self._preemptions_seen = 0
 
     def request_done(self, endpoint: str, status: int | str) -> None:
-        self.requests.inc(1.0, {"model": self._model, "endpoint": endpoint, "status": str(status)})
+        tags = {"model": self._model, "endpoint": endpoint, "status": str(status)}
+        self.m["dsv4ray_requests"].inc(1.0, tags)
 
     def first_token(self, ttft_s: float) -> None:
-        self.ttft.observe(ttft_s)
+        self.m["dsv4ray_time_to_first_token_seconds"].observe(ttft_s)
 
     def tokens(self, num_prompt: int, num_generated: int, num_cached: int, tpot_s: float | None):
-        for counter, count in (
-            (self.prompt_tokens, num_prompt),
-            (self.generated_tokens, num_generated),
-            (self.cached_tokens, num_cached),
+        for name, count in (
+            ("dsv4ray_prompt_tokens", num_prompt),
+            ("dsv4ray_generation_tokens", num_generated),
+            ("dsv4ray_cached_prompt_tokens", num_cached),
         ):
             if count > 0:  # Ray counters refuse increments of 0
-                counter.inc(float(count))
+                self.m[name].inc(float(count))
         if tpot_s is not None:
-            self.tpot.observe(tpot_s)
+            self.m["dsv4ray_time_per_output_token_seconds"].observe(tpot_s)
+
+    def request_times(self, metrics) -> None:
+        """A finished request's engine timings (``RequestMetrics``): e2e, queue, prefill and
+        decode; a phase the request never reached is not observed."""
+        ttft, e2e, queue = metrics.ttft_s, metrics.e2e_s, metrics.queue_s
+        phases = {
+            "dsv4ray_e2e_request_latency_seconds": e2e,
+            "dsv4ray_request_queue_time_seconds": queue,
+            "dsv4ray_request_prefill_time_seconds": _between(queue, ttft),
+            "dsv4ray_request_decode_time_seconds": _between(ttft, e2e),
+        }
+        for name, seconds in phases.items():
+            if seconds is not None:
+                self.m[name].observe(seconds)
 
     def drafts(self, num_draft: int, num_accepted: int) -> None:
         """A finished request's drafted and accepted tokens (speculative decoding)."""
-        for counter, count in (
-            (self.draft_tokens, num_draft),
-            (self.accepted_draft_tokens, num_accepted),
+        for name, count in (
+            ("dsv4ray_draft_tokens", num_draft),
+            ("dsv4ray_accepted_draft_tokens", num_accepted),
         ):
             if count > 0:
-                counter.inc(float(count))
+                self.m[name].inc(float(count))
 
     def engine_stats(self, stats: dict, num_pending: int) -> None:
-        self.running.set(stats["num_running"])
-        self.waiting.set(stats["num_waiting"])
-        self.free_pages.set(stats["num_free_pages"] + stats["num_cached_pages"])
-        self.pending.set(num_pending)
+        free = stats["num_free_pages"] + stats["num_cached_pages"]
+        self.m["dsv4ray_running_requests"].set(stats["num_running"])
+        self.m["dsv4ray_waiting_requests"].set(stats["num_waiting"])
+        self.m["dsv4ray_free_kv_pages"].set(free)
+        self.m["dsv4ray_kv_cache_usage"].set(1.0 - free / max(1, stats["num_pages"]))
+        self.m["dsv4ray_pending_http_requests"].set(num_pending)
+        new = stats["num_preemptions"] - self._preemptions_seen
+        if new > 0:
+            self.m["dsv4ray_preemptions"].inc(float(new))
+        self._preemptions_seen = stats["num_preemptions"]
 
 
-def _counter(name: str, description: str) -> Counter:
-    return Counter(name, description=description, tag_keys=("model",))
+def _between(start: float | None, end: float | None) -> float | None:
+    return None if start is None or end is None else max(0.0, end - start)
 
 
-def _gauge(name: str, description: str) -> Gauge:
-    return Gauge(name, description=description, tag_keys=("model",))
+def _make(spec: Metric, model_name: str):
+    if spec.kind == "counter":
+        metric = Counter(spec.name, description=spec.description, tag_keys=spec.tags)
+    elif spec.kind == "gauge":
+        metric = Gauge(spec.name, description=spec.description, tag_keys=spec.tags)
+    else:
+        boundaries = BOUNDARIES.get(spec.name, REQUEST_BOUNDARIES_S)
+        metric = Histogram(
+            spec.name, description=spec.description, boundaries=boundaries, tag_keys=spec.tags
+        )
+    if spec.tags == ("model",):
+        metric.set_default_tags({"model": model_name})
+    return metric

@@ -64,6 +64,7 @@ class Tracked:
             self.server.metrics.drafts(
                 output.metrics.num_draft_tokens, output.metrics.num_accepted_draft_tokens
             )
+            self.server.metrics.request_times(output.metrics)
 
     async def cancel(self) -> None:
         """The response ended before the request did (client gone): closing the engine stream

@@ -17,7 +17,8 @@ def _prompts(lengths, seed=0):
 
 @pytest.fixture(scope="module")
 def overlap_llm(tiny_ckpt):
-    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=True)
+    # a token cap keeps a GPU run's pools small, so the other engines here fit beside it
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=True, max_total_tokens=8192)
     assert llm.core.pipeline.depth == 2
     yield llm
     llm.shutdown()
@@ -44,7 +45,7 @@ def test_greedy_equals_reference_across_page_edges(overlap_llm, tiny_model):
 
 def test_stops_in_the_middle_of_lookahead_end_like_plain_decoding(tiny_ckpt, overlap_llm):
     prompts = _prompts([40, 70, 5], seed=4)
-    plain = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=False)
+    plain = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=False, max_total_tokens=8192)
     try:
         base = plain.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         stops = [
@@ -69,7 +70,7 @@ def test_seeded_sampling_and_logprobs_equal_plain_scheduling(tiny_ckpt, overlap_
         SamplingParams(max_tokens=8, temperature=1.0, top_p=0.8, seed=12, ignore_eos=True),
         SamplingParams(max_tokens=8, logprobs=0, ignore_eos=True),
     ]
-    plain = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=False)
+    plain = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=False, max_total_tokens=8192)
     try:
         want = plain.generate(prompts, params)
     finally:

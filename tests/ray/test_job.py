@@ -1,9 +1,10 @@
-"""`dsv4ray job`: a rerun retries the ids whose last output line aborted, SIGINT and SIGTERM
-(`ray job stop`) end the job with a summary and exit codes 130 and 143, and usage errors exit
-with 2 before Ray starts."""
+"""`dsv4ray job` on Ray Data: two replicas share the work, a rerun retries the ids whose last
+output line aborted, SIGINT and SIGTERM (`ray job stop`) end the job with a summary and exit
+codes 130 and 143, and usage errors exit with 2 before Ray starts."""
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import pytest
 import ray
 
 from dsv4ray.__main__ import main
-from dsv4ray.entrypoints.job import run_job
+from dsv4ray.entrypoints.job import JobOptions, run_job
 
 
 def _row(req_id: str, finish_reason: str, **extra) -> str:
@@ -22,13 +23,16 @@ def _row(req_id: str, finish_reason: str, **extra) -> str:
     return json.dumps({**row, "metrics": {}, **extra}) + "\n"
 
 
-def test_rerun_retries_ids_whose_last_line_aborted(ray_session, tiny_ckpt, tmp_path, capsys):
+def test_two_replicas_share_the_work_and_a_rerun_retries_ids_whose_last_line_aborted(
+    ray_session, tiny_ckpt, tmp_path, capsys
+):
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    ids = [*"abcd", *(f"e{i}" for i in range(12))]
     src.write_text(
         "".join(
             json.dumps({"id": i, "prompt": f"Hello {i}", "max_tokens": 3, "ignore_eos": True})
             + "\n"
-            for i in "abcd"
+            for i in ids
         )
     )
     # a killed earlier run's output: the last line of an id wins, d's line was cut short
@@ -41,13 +45,16 @@ def test_rerun_retries_ids_whose_last_line_aborted(ray_session, tiny_ckpt, tmp_p
         '{"id": "d", "text": "cut sho',
     ]
     dst.write_text("".join(prior))
-    assert run_job(tiny_ckpt, str(src), str(dst), kv_cache_dtype="fp32") == 0
+    job = JobOptions(replicas=2)
+    assert run_job(tiny_ckpt, str(src), str(dst), job, kv_cache_dtype="fp32") == 0
     err = capsys.readouterr().err
-    assert "2 requests (0 failed, 0 bad lines, 2 already done, 1 retried)" in err, err
+    assert "14 requests (0 failed, 0 bad lines, 2 already done, 1 retried)" in err, err
+    per_replica = [int(n) for n in re.findall(r"replica \S+: (\d+) requests", err)]
+    assert len(per_replica) == 2 and min(per_replica) > 0 and sum(per_replica) == 14, err
     lines = dst.read_text().splitlines()
     assert lines[: len(prior)] == [line.rstrip("\n") for line in prior]  # append-only
     new = [json.loads(line) for line in lines[len(prior) :]]
-    assert sorted(r["id"] for r in new) == ["b", "d"]
+    assert sorted(r["id"] for r in new) == sorted(["b", "d", *ids[4:]])
     assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 3 for r in new), new
 
 

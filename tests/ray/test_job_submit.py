@@ -1,7 +1,9 @@
-"""`ray job submit` against a local `ray start --head` runs `dsv4ray job` end to end."""
+"""`ray job submit` against a local `ray start --head` runs `dsv4ray job --replicas 2` end to
+end: 200 requests resumed from an earlier run's output, both engines busy, the output complete."""
 
 import json
 import os
+import re
 import secrets
 import shutil
 import socket
@@ -10,6 +12,8 @@ import sys
 import time
 
 import pytest
+
+from dsv4ray.entrypoints.job import run_job
 
 BIN = os.path.dirname(sys.executable)
 
@@ -59,7 +63,7 @@ def _start_head(env: dict, temp_dir: str, attempts: int = 2):
             "--head",
             "--block",
             f"--port={_free_port()}",
-            "--num-cpus=2",
+            "--num-cpus=4",  # logical: two replicas and their stages on 2 cores
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dash}",
             # every port of its own: a Ray already running here holds the defaults
@@ -106,31 +110,33 @@ def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None
     raise TimeoutError("the Ray head's job server did not come up")
 
 
-def test_ray_job_submit_runs_the_batch_job(ray_head, tiny_ckpt, tmp_path):
+def _input_line(i: int) -> dict:
+    """Request i: a prompt or chat messages, 1 or 2 tokens."""
+    if i % 3 == 0:
+        return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}
+    return {"id": i, "prompt": f"Hello {i}", "max_tokens": 1 + i % 2, "ignore_eos": True}
+
+
+def _prior_run(num_done: int) -> list[str]:
+    """The output of an earlier run cut short: num_done finished lines, then id num_done
+    aborted, then id num_done + 1 cut mid-line."""
+    done = [{"id": str(i), "text": "x", "token_ids": [7], "finish_reason": "length"}
+            for i in range(num_done)]  # fmt: skip
+    aborted = {"id": str(num_done), "finish_reason": "abort", "error": "stage died"}
+    return [json.dumps(r) + "\n" for r in [*done, aborted]] + [f'{{"id": "{num_done + 1}", "te']
+
+
+def test_ray_job_submit_runs_200_requests_on_two_replicas(ray_head, tiny_ckpt, tmp_path):
     env, address = ray_head
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [
-        {"id": "a", "prompt": "Hello", "max_tokens": 4},
-        {"id": "b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},
-    ]
-    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n{broken\n")
+    lines = [json.dumps(_input_line(i)) for i in range(200)]
+    src.write_text("\n".join(lines[:100] + ["{broken"] + lines[100:]) + "\n")
+    prior = _prior_run(50)
+    dst.write_text("".join(prior))
     cmd = [
-        f"{BIN}/ray",
-        "job",
-        "submit",
-        "--address",
-        address,
-        "--",
-        f"{BIN}/dsv4ray",
-        "job",
-        "--model",
-        tiny_ckpt,
-        "--input",
-        str(src),
-        "--output",
-        str(dst),
-        "--max-tokens",
-        "8",
+        *(f"{BIN}/ray", "job", "submit", "--address", address, "--"),
+        *(f"{BIN}/dsv4ray", "job", "--model", tiny_ckpt, "--replicas", "2"),
+        *("--input", str(src), "--output", str(dst), "--kv-cache-dtype", "fp32"),
     ]
     for _ in range(30):  # the head's job agent registers a little after its dashboard
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
@@ -138,10 +144,26 @@ def test_ray_job_submit_runs_the_batch_job(ray_head, tiny_ckpt, tmp_path):
         if "No available agent to submit job" not in log:
             break
         time.sleep(2)
-    assert "line 3" in log  # the broken line is reported with its number
-    rows = {r["id"]: r for r in map(json.loads, dst.read_text().splitlines())}
-    assert set(rows) == {"a", "b"}
-    assert len(rows["a"]["token_ids"]) == 4 and len(rows["b"]["token_ids"]) == 3
-    assert rows["a"]["finish_reason"] == "length"
-    assert "2 requests" in log and "TTFT p50" in log
+    assert "line 101: not JSON" in log  # the broken line is reported with its number
+    assert "150 requests (0 failed, 1 bad lines, 50 already done, 1 retried)" in log, log[-3000:]
+    # the log may show a line twice (streamed, then the job's logs): one count per replica
+    per_replica = {name: int(n) for name, n in re.findall(r"replica (\S+): (\d+) requests", log)}
+    assert len(per_replica) == 2 and min(per_replica.values()) > 0, log[-3000:]  # both busy
+    assert sum(per_replica.values()) == 150
     assert proc.returncode != 0  # a bad line makes the job fail after the good ones ran
+
+    text = dst.read_text()
+    assert text.startswith("".join(prior))  # append-only
+    last = {}
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # the cut line of the earlier run
+        last[row["id"]] = row
+    assert set(last) == {str(i) for i in range(200)}  # complete: the last line of each id
+    for i in range(50, 200):
+        row, asked = last[str(i)], _input_line(i)["max_tokens"]
+        assert row["finish_reason"] in ("length", "stop") and "error" not in row, row
+        assert len(row["token_ids"]) == asked or row["finish_reason"] == "stop", row
+    assert run_job(tiny_ckpt, str(src), str(dst)) == 1  # the bad line again; nothing to redo

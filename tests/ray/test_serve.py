@@ -6,7 +6,9 @@ exact), bound to 127.0.0.1 on a free port.
 
 import asyncio
 import math
+import re
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -15,6 +17,7 @@ import ray
 from ray import serve
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.entrypoints.openai.metrics import METRICS
 from dsv4ray.entrypoints.serve import APP_NAME
 from dsv4ray.model.chat_encoding import THINK_START, split_reasoning
 from dsv4ray.model.tokenizer import Tokenizer
@@ -301,3 +304,56 @@ def test_prefix_cache_hits_show_in_usage_and_metrics(client, ray_session):
             break
         assert time.monotonic() < deadline, (expected, series)
         time.sleep(1)
+
+
+def documented_series() -> dict[str, str]:
+    """The README's metrics table: {series: kind}."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    rows = re.findall(r"^\| `(ray_dsv4ray_\w+)` \| (counter|gauge|histogram) \|", readme, re.M)
+    return dict(rows)
+
+
+def test_every_documented_series_is_exported_after_traffic(client, base_url, ray_session):
+    assert documented_series() == {m.series: m.kind for m in METRICS}
+    # two prompts that fill the pool between them: the first to grow past its pages preempts
+    # the other, which is recomputed and still finishes
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    num_pages = httpx.get(f"{base_url}/v1/dsv4ray/stats", headers=headers).json()["num_pages"]
+    prompt_len = num_pages // 2 * 256 - 8
+    prompts = [[3 + (i * 7 + j) % 250 for j in range(prompt_len)] for i in range(2)]
+
+    async def run() -> list:
+        aclient = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key=API_KEY, max_retries=0)
+        async with aclient:
+            return await asyncio.gather(
+                *(
+                    aclient.completions.create(
+                        model=MODEL, prompt=p, max_tokens=16, extra_body={"ignore_eos": True}
+                    )
+                    for p in prompts
+                )
+            )
+
+    for got in asyncio.run(run()):
+        assert (got.usage.completion_tokens, got.choices[0].finish_reason) == (16, "length")
+    shared = [5 + i % 240 for i in range(600)]
+    for _ in range(2):  # the second reuses the first's two full pages
+        again = client.completions.create(model=MODEL, prompt=shared, max_tokens=2)
+    assert again.usage.prompt_tokens_details.cached_tokens >= 512
+
+    deadline = time.monotonic() + 30  # Ray exports metrics every few seconds
+    while True:
+        series = scrape_dsv4ray_metrics(ray_session)
+        missing = [
+            m.series
+            for m in METRICS
+            if m.only_with is None  # a series of an option this server runs without
+            and not _total(series, m.series + ("_count" if m.kind == "histogram" else ""))
+            and not (m.kind == "gauge" and any(k.startswith(m.series + "{") for k in series))
+        ]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, (missing, sorted(series))
+        time.sleep(1)
+    assert _total(series, "ray_dsv4ray_preemptions_total") >= 1
+    assert 0 <= _total(series, "ray_dsv4ray_kv_cache_usage") <= 1

@@ -4,14 +4,16 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import httpx
 import pytest
+import ray
 import yaml
 from ray import serve
 
-from dsv4ray.entrypoints.serve import ServeSettings
+from dsv4ray.entrypoints.serve import ServeSettings, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -32,12 +34,46 @@ def test_placement_bundles_give_each_stage_a_bundle_and_the_replica_bundle_0(tin
 
 
 def test_bad_serve_config_names_the_key(tiny_ckpt):
-    with pytest.raises(ValueError, match="max_body_byte"):
-        ServeSettings.from_config({"model": tiny_ckpt, "max_body_byte": 10})
-    with pytest.raises(ValueError, match="kv_cache_dtype"):
-        ServeSettings.from_config({"model": tiny_ckpt, "kv_cache_dtype": "int3"})
-    with pytest.raises(ValueError, match="model"):
-        ServeSettings.from_config({"model": "/nonexistent/checkpoint"})
+    cases = {
+        "max_body_byte": {"max_body_byte": 10},
+        "kv_cache_dtype": {"kv_cache_dtype": "int3"},
+        "accelerator": {"accelerator": "tpu"},
+        "contradicts accelerator": {"accelerator": "gpu", "device": "cpu"},
+        "stage_resources": {"stage_resources": {"GPU": 1}},
+    }
+    for message, config in cases.items():
+        with pytest.raises(ValueError, match=message):
+            ServeSettings.from_config({"model": tiny_ckpt, **config})
+
+
+def test_the_app_builds_without_the_checkpoint_on_this_node():
+    """The head may lack the checkpoint: each replica reads config.json where it runs."""
+    settings = ServeSettings.from_config(
+        {
+            "model": "/models/only-on-workers",
+            "accelerator": "gpu",
+            "pp_size": 2,
+            "stage_resources": {"accelerator_type:H100": 0.001},
+        }
+    )
+    assert settings.served_model_name == "only-on-workers"
+    stage = {"GPU": 1, "CPU": 2, "accelerator_type:H100": 0.001}
+    assert settings.deployment_options()["placement_group_bundles"] == [stage, stage]
+
+
+def test_auto_asks_for_gpus_when_the_cluster_config_declares_them(ray_session, tmp_path):
+    from dsv4ray.cluster.placement import resolve_accelerator
+
+    assert ray_session.cluster_resources().get("GPU", 0) == 0
+    config = tmp_path / "ray_bootstrap_config.yaml"
+    assert resolve_accelerator("auto", str(config)) == "cpu"  # no GPUs, no config
+    types = {"head": {"resources": {}}, "cpu_worker": {"resources": {"CPU": 16}}}
+    config.write_text(yaml.safe_dump({"available_node_types": types}))
+    assert resolve_accelerator("auto", str(config)) == "cpu"
+    types["gpu_worker"] = {"min_workers": 0, "resources": {"CPU": 192, "GPU": 8}}
+    config.write_text(yaml.safe_dump({"available_node_types": types}))
+    assert resolve_accelerator("auto", str(config)) == "gpu"  # scaled to zero, still declared
+    assert resolve_accelerator("cpu", str(config)) == "cpu"
 
 
 def test_serve_yaml_autoscales_the_deployment_that_build_app_makes():
@@ -61,6 +97,7 @@ def test_cli_refuses_a_public_address_without_a_key(tiny_ckpt):
 
 
 def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt, free_port):
+    """vLLM's spelling (the model positional, -pp) over deploy/serve.yaml: flags override it."""
     port = free_port()
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
     cmd = [
@@ -68,8 +105,11 @@ def test_cli_serves_on_the_running_ray_until_ctrl_c(ray_session, tiny_ckpt, free
         "-m",
         "dsv4ray",
         "serve",
-        "--model",
         tiny_ckpt,
+        "--config",
+        str(ROOT / "deploy" / "serve.yaml"),
+        "-pp",
+        "1",
         "--port",
         str(port),
         "--api-key",
@@ -111,3 +151,33 @@ def test_serve_run_deploy_yaml_smoke_script(tiny_ckpt, free_port):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "serve smoke: OK" in done.stdout
     assert f"serving model {os.path.basename(tiny_ckpt)}" in done.stdout
+
+
+def test_a_gpu_app_built_without_gpus_asks_for_gpu_bundles(ray_session, free_port):
+    """No GPU in this cluster and no checkpoint here: the replica's placement group still asks
+    for one GPU bundle per stage (the request that makes an autoscaler start a GPU node)."""
+    assert ray_session.cluster_resources().get("GPU", 0) == 0
+    app = build_app({"model": "/models/on-gpu-nodes", "accelerator": "gpu", "pp_size": 2})
+    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+    try:
+        target = serve.RunTarget(app, name="gpu-bundles", route_prefix="/gpu")
+        serve.run_many(
+            [target],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
+        )
+        deadline = time.monotonic() + 60
+        while not (pending := _gpu_groups()):
+            assert time.monotonic() < deadline, ray.util.placement_group_table()
+            time.sleep(0.5)
+        (group,) = pending
+        stage = {"GPU": 1.0, "CPU": 2.0}
+        assert list(group["bundles"].values()) == [stage, stage]
+        assert (group["strategy"], group["state"]) == ("PACK", "PENDING")
+    finally:
+        serve.shutdown()
+
+
+def _gpu_groups() -> list[dict]:
+    table = ray.util.placement_group_table().values()
+    return [g for g in table if g["state"] != "REMOVED" and "GPU" in g["bundles"].get(0, {})]

@@ -17,7 +17,7 @@ import torch
 from ray import serve
 
 from bench.http_fuzz_cases import Case, Target, check_response, completion, families
-from dsv4ray.entrypoints.serve import API_KEY_ENV, API_KEY_FILE_ENV
+from dsv4ray.entrypoints.serve_config import API_KEY_ENV, API_KEY_FILE_ENV
 
 MODEL = "tiny-test"
 CONTEXT = 2048

@@ -115,4 +115,5 @@ class FakeEngine:
             "num_pages": 16,
             "num_free_pages": 16,
             "num_cached_pages": 0,
+            "num_preemptions": 0,
         }

@@ -1,4 +1,8 @@
-"""The command line a newcomer meets first: make-tiny, generate, a clear error without a model."""
+"""The command line a newcomer meets first: make-tiny, generate, a clear error without a model;
+the conventional spellings, every engine option as a flag, Serve config files."""
+
+import json
+import os
 
 import pytest
 import torch
@@ -41,3 +45,77 @@ def test_tokenizer_round_trips_bytes(tiny_ckpt):
     assert ids[0] == 0 and all(2 <= i < 258 for i in ids[1:])
     assert ids[1:] == [b + 2 for b in text.encode()]
     assert tok.decode(ids) == text
+
+
+def test_serve_help_lists_every_engine_option_with_its_comment():
+    import dataclasses
+
+    from dsv4ray.engine.config import EngineConfig
+    from dsv4ray.entrypoints.cli import build_parser
+
+    parser = build_parser()
+    (serve,) = [a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "serve"]
+    text = serve[1].format_help()
+    for f in dataclasses.fields(EngineConfig):
+        if f.name != "model":
+            assert "--" + f.name.replace("_", "-") in text, f.name
+    assert "per-step token budget (chunked prefill) [2048]" in text  # the field's comment
+    assert "--pipeline-parallel-size" in text and "-pp PP_SIZE" in text
+
+
+def test_conventional_spellings_reach_the_engine_options(tmp_path):
+    from dsv4ray.entrypoints.cli import build_parser
+    from dsv4ray.entrypoints.cli_options import engine_options
+
+    parser = build_parser()
+    for spelling in ("--pp", "--pipeline-parallel-size", "-pp", "--pp-size"):
+        args = parser.parse_args(["serve", "/models/m", spelling, "2"])
+        assert (args.model_pos, engine_options(args)) == ("/models/m", {"pp_size": 2})
+    args = parser.parse_args(
+        ["--log-level", "info", "serve", "--no-enable-prefix-caching", "--use-ray", "true",
+         "--memory-fraction", "0.5", "--log-level", "debug", "--max-model-len", "128"]
+    )  # fmt: skip
+    assert args.log_level == "DEBUG"  # the last one wins, wherever it stands
+    assert engine_options(args) == {
+        "enable_prefix_caching": False,
+        "use_ray": True,
+        "memory_fraction": 0.5,
+        "max_model_len": 128,
+    }
+    assert parser.parse_args(["job", "--input", "i", "--output", "o"]).log_level == "WARNING"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--log-level", "chatty"])
+
+
+def test_serve_config_file_is_read_with_serves_schema(tmp_path):
+    from dsv4ray.entrypoints.serve_file import read_serve_file
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    shipped = read_serve_file(os.path.join(root, "deploy", "serve.yaml"))
+    assert shipped.args["pp_size"] == 2 and shipped.args["accelerator"] == "auto"
+    assert shipped.deployment["autoscaling_config"]["max_replicas"] == 2
+    assert shipped.serve_options["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    bad = tmp_path / "bad.yaml"
+    app = {"name": "x", "import_path": "dsv4ray.entrypoints.serve:build_app"}
+    for extra, message in (
+        ({"runtime_env": {"pip": ["x"]}}, "applications.0.runtime_env"),
+        ({"import_path": "other:app"}, "import_path"),
+        ({"deployments": [{"name": "Other", "num_replicas": 2}]}, "deployments.0.name"),
+    ):
+        bad.write_text(json.dumps({"applications": [{**app, **extra}]}))
+        with pytest.raises(ValueError, match=message):
+            read_serve_file(str(bad))
+
+
+def test_no_model_means_the_demo_checkpoint_said_loudly(tiny_ckpt, tmp_path, monkeypatch, caplog):
+    from dsv4ray.entrypoints.serve_config import ServeSettings
+
+    monkeypatch.delenv("DSV4RAY_MODEL", raising=False)
+    (tmp_path / ".tiny").symlink_to(tiny_ckpt)
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level("WARNING"):
+        settings = ServeSettings.from_config({"accelerator": "cpu"})
+    assert settings.demo_model and "DEMO checkpoint" in caplog.text
+    caplog.clear()
+    assert not ServeSettings.from_config({"model": tiny_ckpt, "device": "cpu"}).demo_model
+    assert "DEMO" not in caplog.text

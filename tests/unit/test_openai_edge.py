@@ -14,7 +14,7 @@ from dsv4ray.entrypoints.openai.edge import (
     is_loopback_origin,
     safe_reason,
 )
-from dsv4ray.entrypoints.serve import API_KEY_ENV, API_KEY_FILE_ENV, resolve_api_key
+from dsv4ray.entrypoints.serve_config import API_KEY_ENV, API_KEY_FILE_ENV, resolve_api_key
 
 LOOPBACK_HOSTS = ["localhost", "LocalHost:8000", "127.0.0.1", "127.0.0.1:80", "127.9.8.7:65535",
                   "[::1]", "[::1]:8000"]  # fmt: skip

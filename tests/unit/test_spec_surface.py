@@ -3,19 +3,22 @@ command, the Serve config key and the startup line, and the option's validation 
 
 import pytest
 
+from dsv4ray.engine.config import EngineConfig
 from dsv4ray.entrypoints.cli import build_parser
+from dsv4ray.entrypoints.cli_options import engine_options
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.entrypoints.serve import ServeSettings, startup_line
 
 
 @pytest.mark.parametrize("command", [["generate", "x"], ["job", "--input", "i", "--output", "o"],
                                      ["serve"]])  # fmt: skip
-def test_every_engine_command_takes_the_flag(command):
+def test_every_engine_command_takes_the_flag(command, tiny_ckpt):
     args = build_parser().parse_args([*command, "--speculative-num-steps", "3"])
-    assert args.speculative_num_steps == 3
-    assert build_parser().parse_args(command).speculative_num_steps == 0
-    with pytest.raises(SystemExit):
-        build_parser().parse_args([*command, "--speculative-num-steps", "-1"])
+    assert engine_options(args)["speculative_num_steps"] == 3
+    assert "speculative_num_steps" not in engine_options(build_parser().parse_args(command))
+    bad = engine_options(build_parser().parse_args([*command, "--speculative-num-steps", "-1"]))
+    with pytest.raises(ValueError, match="speculative_num_steps"):
+        EngineConfig.build(tiny_ckpt, **bad)
 
 
 def test_serve_config_key_and_startup_line(tiny_ckpt):

@@ -1,0 +1,82 @@
+"""One replica of a batch job: an actor of the job's Ray Data pool that owns one engine.
+
+``JobReplica`` is the ``map_batches`` class: Ray Data hands it batches of input rows (``line``,
+``id``, ``request``); it tokenizes each prompt, runs them all at once through its
+``AsyncEngine`` (continuous batching across the batches in flight) and returns one row per
+request: the output line (``result``, JSON) or why the request could not run (``problem``), and
+the replica's name (``replica``) for the job's per-replica counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import ray
+
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+log = logging.getLogger("dsv4ray.job")
+
+
+class JobReplica:
+    def __init__(self, model: str, options: dict) -> None:
+        self.engine = AsyncEngine(model, **options)
+        context = ray.get_runtime_context()
+        self.name = f"{ray.util.get_node_ip_address()}/{context.get_actor_id()[:8]}"
+        log.info("job replica %s: engine up (%s)", self.name, self.engine.describe())
+
+    async def __call__(self, batch: dict) -> dict:
+        lines, ids, requests = batch["line"], batch["id"], batch["request"]
+        done = await asyncio.gather(
+            *(self._one(int(n), str(i), str(r)) for n, i, r in zip(lines, ids, requests))
+        )
+        return {
+            "line": [int(n) for n in lines],
+            "id": [str(i) for i in ids],
+            "result": [result for result, _ in done],
+            "problem": [problem for _, problem in done],
+            "replica": [self.name] * len(done),
+        }
+
+    async def _one(self, line_no: int, req_id: str, request: str) -> tuple[str, str]:
+        """(the output line, "") or ("", why the request did not run)."""
+        item = json.loads(request)
+        try:
+            ids = self._tokenize(item)
+            params = SamplingParams(**item["params"])
+            final = None
+            async for update in self.engine.generate(ids, params, request_id=f"line-{line_no}"):
+                final = update.output
+        except ValueError as exc:
+            return "", f"request {req_id!r}: {exc}"
+        return json.dumps(output_row(req_id, final)), ""
+
+    def _tokenize(self, item: dict) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        try:
+            if "prompt" in item:
+                return tokenizer.encode(item["prompt"])
+            return tokenizer.encode_chat(item["messages"])
+        except Exception as exc:  # a template that cannot render the messages: this request's
+            raise ValueError(f"could not be tokenized: {exc}") from None
+
+    def __del__(self) -> None:
+        if hasattr(self, "engine"):
+            self.engine.shutdown()
+
+
+def output_row(req_id: str, result) -> dict:
+    """An output line: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ error)."""
+    row = {
+        "id": req_id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "metrics": result.metrics.to_dict(),
+    }
+    if result.error:
+        row["error"] = result.error
+    return row
