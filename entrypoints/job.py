@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.job_input import (
     JobStats,
     last_results,
@@ -78,6 +79,8 @@ def run_job(
             problem = str(exc)
     if problem is not None:
         return usage_error(problem)
+    if options.get("speculative_num_steps"):
+        print(f"dsv4ray job: {describe(options['speculative_num_steps'])}", file=sys.stderr)
     stats, rows = JobStats(), None
     start = time.perf_counter()
     _TERMINATED.clear()
