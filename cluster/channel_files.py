@@ -7,7 +7,9 @@ destroyed, on a clean exit.
 An actor killed with ``ray.kill`` (or one that crashed) never gets there, and a live actor keeps
 the files of every graph it ever ran until it exits. A StageGraph (cluster/stage_graph.py)
 therefore records, once built, the channel files that this (driver) process and each of its
-actors map, and removes exactly those when it is torn down.
+actors map, and removes exactly those when it is torn down. Channels a graph grows while it runs
+(a larger message gets a new buffer) are recorded when it is torn down, from what its actors on
+this machine map then, before any of them is killed.
 ``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py).
 """
 
@@ -27,10 +29,11 @@ SEM_PREFIX = "/dev/shm/sem."
 BUILD_LOCK = threading.Lock()
 
 
-def mapped_channel_files() -> set[str]:
-    """Paths of the semaphore files this process maps (empty where there is no /proc)."""
+def mapped_channel_files(pid: int | str = "self") -> set[str]:
+    """Paths of the semaphore files a process of this machine maps (this one by default; empty
+    where there is no /proc or no such process)."""
     try:
-        with open("/proc/self/maps") as f:
+        with open(f"/proc/{pid}/maps") as f:
             lines = f.read().splitlines()
     except OSError:
         return set()

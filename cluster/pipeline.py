@@ -75,8 +75,7 @@ class RayPipeline:
         self.actors = [self._actor(i, start, end) for i, (start, end) in enumerate(self.ranges)]
         self.draft = self._draft_actor() if ec.speculative_num_steps else None
         infos = self.infos = self._get([a.ready.remote() for a in self.actors])
-        if self.draft is not None:
-            self._get(self.draft.ready.remote())
+        draft_info = [self._get(self.draft.ready.remote())] if self.draft is not None else []
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available)
         sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
@@ -91,6 +90,8 @@ class RayPipeline:
                 warmup=encode(StepPlan(step_id=-1)),
                 nccl=self.use_gpu,
                 draft=self.draft,
+                local_pids=self._local_pids(infos + draft_info),
+                buffer_bytes=None if self.use_gpu else self._step_bytes(),
             )
         except Exception as exc:  # a stage died while the graph was compiled or warmed up
             raise PipelineFailure(describe(exc)) from exc
@@ -99,6 +100,19 @@ class RayPipeline:
             len(self.actors),
             [(i["start"], i["end"], i["pid"]) for i in infos],
         )
+
+    @staticmethod
+    def _local_pids(infos: list[dict]) -> list[int]:
+        node = ray.get_runtime_context().get_node_id()
+        return [info["pid"] for info in infos if info["node"] == node]
+
+    def _step_bytes(self) -> int:
+        """A shared-memory channel's first buffer: one full step's residual stack and top-k
+        (a smaller buffer grows while serving, into new /dev/shm files), 1 to 64 MiB."""
+        c = self.cfg
+        tokens = self.config.max_num_batched_tokens
+        need = tokens * (c.hc_mult * c.hidden_size * 4 + c.index_topk * 8) + (1 << 16)
+        return min(max(need, 1 << 20), 64 << 20)
 
     def _get(self, refs):
         return ray.get(refs, timeout=self.config.execution_timeout_s)
@@ -215,6 +229,8 @@ class RayPipeline:
         """After a stage died: the survivors exit first (a clean exit removes every channel
         file they used; a graph whose actors are all gone tears down at once, while Ray's
         teardown can wait on a live one without end), then fresh actors start."""
+        if self.dag is not None:  # before a stuck survivor is killed below
+            self.dag.record_grown_channels()
         _stop_actors(self._all_actors)
         self._teardown()
         self._build()

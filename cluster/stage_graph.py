@@ -39,17 +39,21 @@ class StageGraph:
         warmup,
         nccl: bool = False,
         draft=None,
+        local_pids: list[int] = (),
+        buffer_bytes: int | None = None,
     ) -> None:
         """depth: inputs in flight at most; timeout_s: bound on a submit and on the warm-up;
-        warmup: an input every actor accepts; draft: an actor after the last stage, or None.
-        Raises whatever compiling or the warm-up raised (a dead actor), after removing the
-        channel files made so far."""
+        warmup: an input every actor accepts; draft: an actor after the last stage, or None;
+        local_pids: the processes of the actors on this machine (their channel files are
+        recorded again at teardown); buffer_bytes: the channels' first buffer size (a larger
+        message grows a channel into new files). Raises whatever compiling or the warm-up
+        raised (a dead actor), after removing the channel files made so far."""
         self.actors, self.timeout_s = actors + ([draft] if draft is not None else []), timeout_s
-        self.dag, self.channel_files = None, []
+        self.dag, self.channel_files, self.local_pids = None, [], list(local_pids)
         with BUILD_LOCK:  # no other graph of this process maps channel files meanwhile
             before = mapped_channel_files()
             try:
-                self.dag = self._compile(actors, depth, nccl, draft)
+                self.dag = self._compile(actors, depth, nccl, draft, buffer_bytes)
                 ray.get(self.dag.execute(warmup), timeout=timeout_s)  # channels map on first use
             except BaseException:
                 self.channel_files = self._channel_files(before)
@@ -58,7 +62,7 @@ class StageGraph:
             self.channel_files = self._channel_files(before)
         log.debug("compiled graph: %d channel files", len(self.channel_files))
 
-    def _compile(self, stages: list, depth: int, nccl: bool, draft):
+    def _compile(self, stages: list, depth: int, nccl: bool, draft, buffer_bytes: int | None):
         with InputNode() as data:
             out = stages[0].first.bind(data)
             for actor in stages[1:]:
@@ -70,7 +74,9 @@ class StageGraph:
                     out = out.with_tensor_transport(transport="shm")
                 out = draft.next.bind(data, out)
         return out.experimental_compile(
-            _max_inflight_executions=depth, _submit_timeout=self.timeout_s
+            _max_inflight_executions=depth,
+            _submit_timeout=self.timeout_s,
+            _buffer_size_bytes=buffer_bytes,
         )
 
     def _channel_files(self, before: set[str]) -> list[str]:
@@ -82,11 +88,18 @@ class StageGraph:
     def execute(self, data):
         return self.dag.execute(data)
 
+    def record_grown_channels(self) -> None:
+        """Adds the channel files the graph's actors on this machine map now (channels that
+        grew after the build), while their processes still exist."""
+        grown = set().union(*(mapped_channel_files(pid) for pid in self.local_pids))
+        self.channel_files = sorted(set(self.channel_files) | grown)
+
     def teardown(self) -> None:
         """Stops the graph and removes its channel files. Ray's teardown can wait without end
         for a live actor's loop once another actor of the graph died (the live one never
         sees the dead one's channels close); after TEARDOWN_TIMEOUT_S the actors are killed,
         which ends that wait."""
+        self.record_grown_channels()
         if self.dag is not None:
             waiter = threading.Thread(target=self._teardown_dag, daemon=True)
             waiter.start()
