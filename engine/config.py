@@ -38,6 +38,9 @@ class EngineConfig:
     use_ray: str | bool = "auto"
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
+    enable_hisparse: bool = False  # C4 history in host memory, a few hot rows on the device
+    hisparse_hot_rows: int | None = None  # per request and C4 layer; None: 2 x index_topk
+    hisparse_host_tokens: int | None = None  # C4 history the host holds; None: device capacity
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -66,8 +69,9 @@ class EngineConfig:
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "enable_hisparse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         self._check_combinations()
@@ -92,6 +96,12 @@ class EngineConfig:
             )
         if self.enable_hicache and self.use_ray is False:
             raise ValueError("enable_hicache runs a host tier actor; use_ray=False is not allowed")
+        for name, low in (("hisparse_hot_rows", 2), ("hisparse_host_tokens", PAGE_SIZE)):
+            if getattr(self, name) is None:
+                continue
+            if not self.enable_hisparse:
+                raise ValueError(f"{name} is set but enable_hisparse is False")
+            _int_at_least(self, name, low)
 
     @property
     def uses_ray(self) -> bool:

@@ -121,6 +121,13 @@ class EngineCore:
         """ValueError for anything a plan could not carry: a request is checked whole before it
         reaches the scheduler, so no step ever fails on one request's data."""
         check_request_id(req_id)
+        limit = self.hisparse_host_limit
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ValueError(
+                f"request {req_id!r}: its C4 history ({len(prompt_ids)} prompt tokens and one "
+                f"more) does not fit the HiSparse host store of {limit} tokens "
+                "(hisparse_host_tokens)"
+            )
         self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
         self.outputs.add(req_id, prompt_ids, params)
         if score:
@@ -273,13 +280,26 @@ class EngineCore:
         self.scheduler.drop_host_residency()
         self.pipeline.drop_host()
 
+    @property
+    def hisparse_host_limit(self) -> int | None:
+        """Tokens the HiSparse host store holds when it, not the device, caps the capacity."""
+        host = self.config.hisparse_host_tokens if self.config.enable_hisparse else None
+        if host is None:
+            return None
+        host = host // PAGE_SIZE * PAGE_SIZE
+        return host if host <= self.pipeline.capacity.num_full_tokens else None
+
     def stats(self) -> dict:
-        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds."""
-        return {
+        """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds; with
+        HiSparse the stages' hot-row hits and misses, host bytes and device C4 bytes."""
+        out = {
             **self.scheduler.stats(),
             "num_host_pages": self.host_pages,
             "num_pipeline_rebuilds": self.num_rebuilds,
         }
+        if self.config.enable_hisparse:
+            out.update(hisparse_totals(self.pipeline.stage_stats()))
+        return out
 
     def describe(self) -> dict:
         """Where the stages run and how many tokens their pools hold."""
@@ -315,6 +335,15 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
+
+
+def hisparse_totals(stage_stats: list[dict]) -> dict:
+    """Stage HiSparse counters summed over the pipeline, with the hit rate of the hot rows."""
+    keys = [k for k in stage_stats[0] if k.startswith("hisparse_")] if stage_stats else []
+    out = {k: sum(s.get(k, 0) for s in stage_stats) for k in keys}
+    lookups = out.get("hisparse_hits", 0) + out.get("hisparse_misses", 0)
+    out["hisparse_hit_rate"] = out.get("hisparse_hits", 0) / lookups if lookups else 0.0
+    return out
 
 
 def check_request_id(req_id: object) -> None:

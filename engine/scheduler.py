@@ -88,6 +88,7 @@ class Scheduler:
         self._step_ids = itertools.count()
         self._admit_seq = itertools.count()
         self._rng = random.Random()
+        self.num_preemptions = 0
 
     # ------------------------------------------------------------------ public API
     @property
@@ -200,6 +201,7 @@ class Scheduler:
             "num_cached_window_pages": kv.window_pages.num_cached,
             "num_window_pages": kv.window_pages.num_pages,
             "num_host_pages_used": len(kv.radix.host_held_ids()[0]) if kv.hicache else 0,
+            "num_preemptions": self.num_preemptions,
         }
 
     @property
@@ -339,6 +341,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, step: _Step) -> None:
         """Recompute later: free everything, keep the generated tokens, wait at the front."""
+        self.num_preemptions += 1
         self.kv.release(req)
         step.drop(req)
         if req.known_to_stages:

@@ -30,6 +30,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         pp_size=args.pp,
         seed=args.seed,
         kv_cache_dtype=args.kv_cache_dtype,
+        **hisparse_options(args),
     )
 
 
@@ -44,6 +45,7 @@ def cmd_job(args: argparse.Namespace) -> int:
         pp_size=args.pp,
         default_max_tokens=args.max_tokens,
         kv_cache_dtype=args.kv_cache_dtype,
+        **hisparse_options(args),
     )
 
 
@@ -54,11 +56,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "model": model_path(args.model),
         "pp_size": args.pp,
         "kv_cache_dtype": args.kv_cache_dtype,
+        **hisparse_options(args),
     }
     for name in ("max_total_tokens", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
     return run_server(config, host=args.host, port=args.port)
+
+
+def hisparse_options(args: argparse.Namespace) -> dict:
+    """LLM options of the HiSparse flags (none unless --enable-hisparse)."""
+    if not args.enable_hisparse:
+        return {}
+    out = {"enable_hisparse": True}
+    for name in ("hisparse_hot_rows", "hisparse_host_tokens"):
+        if getattr(args, name) is not None:
+            out[name] = getattr(args, name)
+    return out
 
 
 def _positive_int(text: str) -> int:
@@ -86,6 +100,16 @@ def _engine_parent(pp_help: str = "pipeline-parallel stages") -> argparse.Argume
     )
     parent.add_argument("--pp", type=_positive_int, default=1, help=pp_help)
     parent.add_argument("--kv-cache-dtype", default="fp8", choices=list(KV_DTYPES))
+    parent.add_argument(
+        "--enable-hisparse",
+        action="store_true",
+        help="keep C4 history in host memory and a few hot rows per request on the device",
+    )
+    for flag, what in (
+        ("--hisparse-hot-rows", "hot rows per request and C4 layer (default 2 x index_topk)"),
+        ("--hisparse-host-tokens", "tokens of C4 history in host memory (default: the device's)"),
+    ):
+        parent.add_argument(flag, type=_positive_int, default=None, help=what)
     return parent
 
 

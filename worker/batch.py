@@ -17,6 +17,7 @@ bound 0) and write only into the scratch state slot.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +71,7 @@ class BatchMeta:
     ropes: RopeTables
     rope_len: int  # rope tables cover positions [0, rope_len)
     static: bool = False  # shapes fixed for a CUDA graph: only sync-free paths may run
+    hisparse_step: Any = None  # worker/hisparse_io.ScratchStep of a HiSparse prefill step
 
     @property
     def num_tokens(self) -> int:

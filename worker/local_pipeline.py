@@ -5,7 +5,10 @@ pipeline taking the minimum, since one page id names a page in every stage.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4ray.cache.configurator import pipeline_capacity, size_stage
+from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cache.layout import KINDS, layout_for
 from dsv4ray.cache.pools import PoolSizes
@@ -19,6 +22,7 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     """Pools of every stage from its own layer slice; the pipeline takes the minimum."""
     entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
     skip = [spec.skip_topk for spec in cfg.layers]
+    hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
     caps = [
         size_stage(
             i,
@@ -31,15 +35,21 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
             max_total_tokens=ec.resolved_max_total_tokens,
             max_running_requests=ec.max_running_requests,
             max_num_batched_tokens=ec.max_num_batched_tokens,
+            hisparse_hot_rows=hot_rows,
+            hisparse_host_tokens=ec.hisparse_host_tokens,
         )
         for i, (start, end) in enumerate(split_layers(cfg.num_hidden_layers, ec.pp_size))
     ]
-    return pipeline_capacity(caps)
+    return dataclasses.replace(pipeline_capacity(caps), hisparse_hot_rows=hot_rows)
 
 
 def pool_sizes(cap) -> PoolSizes:
     return PoolSizes(
-        cap.num_pages, cap.num_window_pages, cap.num_state_slots, cap.num_cached_state_slots
+        cap.num_pages,
+        cap.num_window_pages,
+        cap.num_state_slots,
+        cap.num_cached_state_slots,
+        hisparse_hot_rows=cap.hisparse_hot_rows,
     )
 
 
@@ -92,6 +102,9 @@ class LocalPipeline:
     def placement(self) -> dict:
         """Where the stages run: this process."""
         return {"stage_placement_group_id": None}
+
+    def stage_stats(self) -> list[dict]:
+        return [w.stats() for w in self.workers]
 
     def shutdown(self) -> None:
         self.workers = []

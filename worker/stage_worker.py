@@ -21,6 +21,7 @@ from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
+from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
@@ -124,6 +125,11 @@ class StageWorker:
     def detach_host(self) -> None:
         self.host_io = None
 
+    def stats(self) -> dict:
+        """This stage's counters: HiSparse hits, misses and bytes when it is on."""
+        store = self.pools.hisparse if self.pools is not None else None
+        return store.stats() if store is not None else {}
+
     @torch.no_grad()
     def execute(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
         """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
@@ -155,6 +161,9 @@ class StageWorker:
             (x, meta), topk = self.graphs.run(plan, self.tables, key), None
         else:
             meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
+            meta.hisparse_step = scratch_step(
+                plan, self.pools, self.tables, self.cfg.index_topk, self.device, self.stage
+            )
             x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
