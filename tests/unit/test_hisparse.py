@@ -158,8 +158,10 @@ def test_sizing_counts_hot_rows_not_history():
     # pp 2 over [4, 4 | 128, 0]: each stage reserves hot rows for its own C4 layers only
     ratios = [4, 4, 128, 0]
     for stage_idx, (start, end), num_c4 in ((0, (0, 2), 2), (1, (2, 4), 0)):
-        small, large = (size_stage(stage_idx, start, end, ratios, skip, FP8,
-                                   hisparse_hot_rows=rows, **args) for rows in (1024, 2048))  # fmt: skip
+        small, large = (
+            size_stage(stage_idx, start, end, ratios, skip, FP8, hisparse_hot_rows=rows, **args)
+            for rows in (1024, 2048)
+        )
         freed = 8 * 1024 * 585 * num_c4  # 8 running requests x 1024 more rows x C4 layers
         lost = small.num_full_tokens - large.num_full_tokens
         assert abs(lost - freed / small.bytes_per_full_token) <= 256, (stage_idx, lost)
