@@ -216,9 +216,8 @@ def _memory_full_tokens(
 ) -> float:
     """Full tokens that fit in available_bytes after the per-request and snapshot reservations."""
     per_request = state_bytes_per_request(ratios_slice, skip_slice, res.speculative)
-    fixed = res.max_running_requests * (
-        per_request + res.hot_bytes_per_request
-    ) + res.num_cached_state_slots * snapshot_bytes(ratios_slice, skip_slice, res.speculative)
+    fixed = res.max_running_requests * (per_request + res.hot_bytes_per_request)
+    fixed += res.num_cached_state_slots * snapshot_bytes(ratios_slice, skip_slice, res.speculative)
     window_token_bytes = entry_bytes["window"] * len(ratios_slice)
     if res.hosts_draft:
         window_token_bytes *= (len(ratios_slice) + 1) / len(ratios_slice)

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-C4_PER_PAGE = 64  # C4 entries of a 256-token page: host slot = page * 64 + position % 64
+from dsv4ray.cache.hisparse import C4_PER_PAGE  # host slot = page * 64 + position % 64
+
 _BIG = tl.constexpr(2**62)  # sort key of lanes past the last row
 
 
@@ -83,8 +84,8 @@ def _swap_in_kernel(
     res_pos = tl.where(new_pos >= 0, new_pos, tl.load(row_pos_ptr + base + NUM_LRU))
     tl.store(row_pos_ptr + base + NUM_LRU, new_pos, mask=tl.where(active, new_pos >= 0, False))
     row_hit = tl.zeros([LP], tl.int32)
-    num_hits = tl.zeros([], tl.int64)
-    num_miss = tl.zeros([], tl.int64)
+    num_hits = tl.zeros((), tl.int64)
+    num_miss = tl.zeros((), tl.int64)
     for k0 in range(0, num_k, BLOCK_K):  # pass 1: hits
         j, p, at_res, hit_row, miss, eq = _hit_scan(
             topk_ptr, t, k0, num_k, active, pos, res_pos, rows, BLOCK_K, LP
@@ -92,7 +93,7 @@ def _swap_in_kernel(
         row_hit = tl.maximum(row_hit, tl.max(eq.to(tl.int32), axis=0))
         hit = hit_row < LP
         phys = tl.where(at_res, base + NUM_LRU, tl.where(hit, base + hit_row, -1))
-        tl.store(phys_ptr + t * num_k + j, phys, mask=j < num_k)
+        tl.store(phys_ptr + t * num_k + j, phys, mask=(j < num_k) & ~miss)  # misses: pass 2
         num_hits += tl.sum((at_res | hit).to(tl.int64), axis=0)
         num_miss += tl.sum(miss.to(tl.int64), axis=0)
     now = tl.load(clock_ptr + slot) + 1
@@ -101,7 +102,7 @@ def _swap_in_kernel(
     key = (age + 1) * LP + rows  # >= 0 (ages >= -1), so % LP gives the row back
     order = tl.sort(tl.where(in_rows, key, _BIG))  # [LP] keys by LRU rank
     table = page_table_ptr + tl.load(req_row_ptr + t) * stride_pt
-    taken = tl.zeros([], tl.int64)
+    taken = tl.zeros((), tl.int64)
     for k0 in range(0, num_k, BLOCK_K):  # pass 2: the misses take rows in LRU order
         j, p, at_res, hit_row, miss, eq = _hit_scan(
             topk_ptr, t, k0, num_k, active, pos, res_pos, rows, BLOCK_K, LP
