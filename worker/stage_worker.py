@@ -84,6 +84,15 @@ class StageWorker:
             self.pools.nbytes() / 2**20,
             self.kv_cache_dtype,
         )
+        if self.pools.hisparse is not None:
+            log.info(
+                "stage [%d, %d): HiSparse C4 history %.1f MiB in host memory, %d hot rows per "
+                "request and C4 layer",
+                self.model.start,
+                self.model.end,
+                self.pools.hisparse.host_bytes() / 2**20,
+                self.pools.hisparse.hot_rows,
+            )
         return self.pools.nbytes()
 
     def capture_graphs(self, max_batch: int, max_len: int) -> None:

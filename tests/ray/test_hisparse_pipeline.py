@@ -19,7 +19,7 @@ def _prompts(lengths, seed):
 def test_pp2_with_host_tier_preemption_and_restart_equals_all_on_device(
     ray_session, tmp_path_factory
 ):
-    # index_topk 4: hot rows miss at every decode step; 1024 tokens (4 pages) of capacity: the
+    # index_topk 4: decode steps keep missing hot rows; 1024 tokens (4 pages) of capacity: the
     # 600-token prompts evict each other to the host tier and the batch of four preempts
     ckpt = make_tiny(str(tmp_path_factory.mktemp("topk4")), "tiny", seed=3, index_topk=4)
     common = dict(kv_cache_dtype="fp32", max_num_batched_tokens=512)
