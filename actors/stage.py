@@ -55,6 +55,9 @@ class StageActor:
     def detach_host(self) -> None:
         self.worker.detach_host()
 
+    def stats(self) -> dict:
+        return self.worker.stats()
+
     def first(self, plan: bytes) -> StageResult:
         return self.worker.execute(decode(plan))
 

@@ -10,6 +10,8 @@ Bytes per logical full token of a stage, b(kind) = padded bytes per entry of a p
         +  b(indexer) * L_indexer / 4
 
 with S the HiSparse host:device ratio (1 when off) and L_indexer the C4 layers that own an indexer.
+With HiSparse hot rows (cache/hisparse_sizing.py) the C4 term is replaced by hot rows reserved per
+running request, and the host store's tokens cap the capacity.
 The stage that also hosts the MTP draft worker multiplies this by (L_all + 1) / L_all (one more
 layer, priced as an average layer of that stage, as SGLang does after slicing).
 
@@ -27,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
+from dsv4ray.cache.hisparse_sizing import hot_bytes_per_request
 from dsv4ray.cache.layer_mapping import count_kinds
 
 logger = logging.getLogger("dsv4ray.cache")
@@ -166,6 +169,7 @@ class PipelineCapacity:
     num_state_slots: int
     num_cached_state_slots: int
     stages: tuple[StageCapacity, ...]
+    hisparse_hot_rows: int = 0  # per request per C4 layer; 0: HiSparse off
 
 
 def _solve_full_tokens(
@@ -198,6 +202,7 @@ class _Reservations:
     floor_window_pages: int
     speculative: bool
     hosts_draft: bool
+    hot_bytes_per_request: float = 0.0  # HiSparse hot rows of a running request
 
 
 def _memory_full_tokens(
@@ -210,9 +215,9 @@ def _memory_full_tokens(
     res: _Reservations,
 ) -> float:
     """Full tokens that fit in available_bytes after the per-request and snapshot reservations."""
-    fixed = res.max_running_requests * state_bytes_per_request(
-        ratios_slice, skip_slice, res.speculative
-    ) + res.num_cached_state_slots * snapshot_bytes(ratios_slice, skip_slice, res.speculative)
+    per_request = state_bytes_per_request(ratios_slice, skip_slice, res.speculative)
+    fixed = res.max_running_requests * (per_request + res.hot_bytes_per_request)
+    fixed += res.num_cached_state_slots * snapshot_bytes(ratios_slice, skip_slice, res.speculative)
     window_token_bytes = entry_bytes["window"] * len(ratios_slice)
     if res.hosts_draft:
         window_token_bytes *= (len(ratios_slice) + 1) / len(ratios_slice)
@@ -280,6 +285,8 @@ def size_stage(
     hisparse_ratio: float = 1,
     speculative: bool = False,
     hosts_draft: bool = False,
+    hisparse_hot_rows: int = 0,
+    hisparse_host_tokens: int | None = None,
 ) -> StageCapacity:
     """Size the pools of the stage owning layers [start, end) of a model.
 
@@ -290,19 +297,16 @@ def size_stage(
     stages); hosts_draft adds the MTP layer's (L+1)/L (the stage sharing its device with the draft
     worker). num_cached_state_slots defaults to 4 * max_running_requests (a running request holds
     up to two snapshots while a step is in flight; the rest keep finished prefixes reusable).
+    hisparse_hot_rows > 0: C4 entries live in host memory (no per-token C4 term) and each running
+    request reserves its hot rows; hisparse_host_tokens caps the capacity (the host store).
     """
-    _check_stage_args(
-        stage_idx,
-        start,
-        end,
-        len(ratios),
-        max_total_tokens,
-        max_running_requests,
-        max_num_batched_tokens,
-    )
+    _check_stage_args(stage_idx, start, end, len(ratios), max_total_tokens,
+                      max_running_requests, max_num_batched_tokens)  # fmt: skip
     ratios_slice, skip_slice = list(ratios[start:end]), list(skip[start:end])
     if num_cached_state_slots is None:
         num_cached_state_slots = 4 * max_running_requests
+    if hisparse_hot_rows:
+        hisparse_ratio = math.inf  # no C4 entry per token on the device
     per_token = bytes_per_full_token(
         ratios_slice, skip_slice, entry_bytes, r_swa, hisparse_ratio, mtp=hosts_draft
     )
@@ -312,15 +316,16 @@ def size_stage(
         min_window_pages(max_running_requests, max_num_batched_tokens),
         speculative,
         hosts_draft,
+        hot_bytes_per_request(ratios_slice, skip_slice, entry_bytes, hisparse_hot_rows),
     )
-    full_tokens = max_total_tokens or DEFAULT_CPU_MAX_TOTAL_TOKENS
-    if available_bytes is not None:
-        full_tokens = min(
-            max_total_tokens or math.inf,
-            _memory_full_tokens(
-                available_bytes, ratios_slice, skip_slice, entry_bytes, per_token, r_swa, res
-            ),
+    host_cap = hisparse_host_tokens or math.inf  # the HiSparse host store holds the history
+    if available_bytes is None:
+        full_tokens = min(max_total_tokens or DEFAULT_CPU_MAX_TOTAL_TOKENS, host_cap)
+    else:
+        memory = _memory_full_tokens(
+            available_bytes, ratios_slice, skip_slice, entry_bytes, per_token, r_swa, res
         )
+        full_tokens = min(max_total_tokens or math.inf, host_cap, memory)
     num_pages = _whole_pages(full_tokens, stage_idx, start, end, available_bytes)
     cap = StageCapacity(
         stage_idx=stage_idx,
@@ -335,30 +340,21 @@ def size_stage(
         num_cached_state_slots=num_cached_state_slots,
         bytes_per_full_token=per_token,
     )
-    _log_stage(cap, count_kinds(ratios_slice, skip_slice), len(ratios))
+    _log_stage(cap, count_kinds(ratios_slice, skip_slice), len(ratios), hisparse_hot_rows)
     return cap
 
 
-def _log_stage(cap: StageCapacity, counts: Mapping[str, int], num_model_layers: int) -> None:
+def _log_stage(cap: StageCapacity, counts: Mapping[str, int], num_model_layers: int,
+               hot_rows: int) -> None:  # fmt: skip
     logger.info(
         "stage %d layers [%d, %d) (%d of %d model layers: %d C4, %d C128, %d indexers): "
         "%d full tokens (%d pages), %d window pages, %d state slots, %d cached-state slots, "
-        "%.1f bytes/token",
-        cap.stage_idx,
-        cap.start,
-        cap.end,
-        counts["all"],
-        num_model_layers,
-        counts["c4"],
-        counts["c128"],
-        counts["indexer"],
-        cap.num_full_tokens,
-        cap.num_pages,
-        cap.num_window_pages,
-        cap.num_state_slots,
-        cap.num_cached_state_slots,
-        cap.bytes_per_full_token,
-    )
+        "%.1f bytes/token, %d HiSparse hot rows per request and C4 layer",
+        cap.stage_idx, cap.start, cap.end, counts["all"], num_model_layers, counts["c4"],
+        counts["c128"], counts["indexer"], cap.num_full_tokens, cap.num_pages,
+        cap.num_window_pages, cap.num_state_slots, cap.num_cached_state_slots,
+        cap.bytes_per_full_token, hot_rows,
+    )  # fmt: skip
 
 
 def pipeline_capacity(stage_caps: Sequence[StageCapacity]) -> PipelineCapacity:

@@ -41,6 +41,7 @@ class DraftPools:
         self._info = LayerInfo(self.layer_id, 0, ratio, 0 if ratio == 4 else None, None)
         self.c4, self.c4_state = [], []
         self.c128, self.c128_state, self.indexer, self.indexer_state = [], [], [], []
+        self.hisparse = None  # the draft layer's C4 entries stay on the device
         if ratio == 4:
             rows = sizes.num_state_slots + sizes.num_cached_state_slots + 1
             self.c4 = [self._pages("c4", sizes.num_pages, device)]

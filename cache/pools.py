@@ -11,6 +11,8 @@ Index spaces:
         cached-state snapshots (C4 main + indexer rings at a 256-token boundary)
 
 Every page buffer is a uint8 tensor [num_pages, page_bytes] in the layout of cache/layout.py.
+With HiSparse (sizes.hisparse_hot_rows > 0) the C4 buffers c4[i] are the host history of
+cache/hisparse.py (same page ids, host memory) and the device holds only its hot rows.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4ray.cache.hisparse import HiSparseStore
 from dsv4ray.cache.layer_mapping import LayerInfo, build_layer_mapping, stage_layers
 from dsv4ray.cache.layout import layout_for
 from dsv4ray.config import ModelConfig
@@ -33,6 +36,7 @@ class PoolSizes:
     num_state_slots: int
     num_cached_state_slots: int
     ring_scale: int = 1  # 2 with speculative decoding (drafts write ahead of the commit point)
+    hisparse_hot_rows: int = 0  # per request per C4 layer; 0: HiSparse off
 
 
 class StagePools:
@@ -55,9 +59,16 @@ class StagePools:
         }
         infos = list(stage_layers(self.mapping, start, end))
         self.window = [self._pages("window", sizes.num_window_pages, device) for _ in infos]
-        self.c4 = [
-            self._pages("c4", sizes.num_pages, device) for i in infos if i.compress_ratio == 4
-        ]
+        num_c4 = sum(1 for i in infos if i.compress_ratio == 4)
+        self.hisparse: HiSparseStore | None = None
+        if sizes.hisparse_hot_rows:
+            self.hisparse = HiSparseStore(
+                num_c4, sizes.num_state_slots, sizes.hisparse_hot_rows, sizes.num_pages, dtype,
+                device,
+            )  # fmt: skip
+            self.c4 = self.hisparse.history
+        else:
+            self.c4 = [self._pages("c4", sizes.num_pages, device) for _ in range(num_c4)]
         self.c128 = [
             self._pages("c128", sizes.num_pages, device) for i in infos if i.compress_ratio == 128
         ]
@@ -84,9 +95,12 @@ class StagePools:
         return info
 
     def reset_rings(self, slots: list[int]) -> None:
-        """Empty rows: kv = 0, score = -inf (a fresh request, or one restarting from scratch)."""
+        """Empty rows: kv = 0, score = -inf (a fresh request, or one restarting from scratch);
+        with HiSparse its hot rows are emptied too."""
         if not slots:
             return
+        if self.hisparse is not None:
+            self.hisparse.reset_slots(slots)
         idx = torch.tensor(slots, dtype=torch.long, device=self._device)
         for kv, score in self.c4_state + self.indexer_state + self.c128_state:
             kv[idx] = 0.0
@@ -117,11 +131,14 @@ class StagePools:
         return self.window[0].device
 
     def nbytes(self) -> int:
-        tensors = self.window + self.c4 + self.c128 + self.indexer
+        """Device bytes (a HiSparse history lives in host memory and is not counted)."""
+        tensors = self.window + self.c128 + self.indexer
+        tensors += self.c4 if self.hisparse is None else []
         tensors += [
             t for pair in self.c4_state + self.indexer_state + self.c128_state for t in pair
         ]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        hisparse = self.hisparse.device_bytes() if self.hisparse is not None else 0
+        return sum(t.numel() * t.element_size() for t in tensors) + hisparse
 
 
 def _ring(rows: int, ring: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -206,6 +206,10 @@ class RayPipeline:
         """Where the stages run: the placement group that holds their bundles."""
         return {"stage_placement_group_id": self.pg.id.hex()}
 
+    def stage_stats(self) -> list[dict]:
+        """Each stage's counters (a control call beside the compiled graph)."""
+        return self._get([actor.stats.remote() for actor in self.actors])
+
     def drop_host(self) -> None:
         """The host tier is gone: stop using it and remove its files on this node."""
         for region in self.regions:

@@ -43,6 +43,9 @@ class EngineConfig:
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
     # schedule a decode's next token before its last one is read back ("auto": on CUDA)
     overlap_scheduling: str | bool = "auto"
+    enable_hisparse: bool = False  # C4 history in host memory, a few hot rows on the device
+    hisparse_hot_rows: int | None = None  # per request and C4 layer; None: 2 x index_topk
+    hisparse_host_tokens: int | None = None  # C4 history the host holds; None: device capacity
 
     @classmethod
     def build(cls, model: str, check_model: bool = True, **options) -> EngineConfig:
@@ -78,12 +81,14 @@ class EngineConfig:
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if not isinstance(self.cuda_graphs, bool):
-            raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "enable_hisparse"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one
         self._check_combinations()
+        self._check_hisparse()
 
     def _check_combinations(self) -> None:
         if self.pp_size > 1 and self.use_ray is False:
@@ -133,6 +138,14 @@ class EngineConfig:
         else:
             on = bool(self.overlap_scheduling)
         return on and not self.uses_ray and not self.speculative_num_steps
+
+    def _check_hisparse(self) -> None:
+        for name, low in (("hisparse_hot_rows", 2), ("hisparse_host_tokens", PAGE_SIZE)):
+            if getattr(self, name) is None:
+                continue
+            if not self.enable_hisparse:
+                raise ValueError(f"{name} is set but enable_hisparse is False")
+            _int_at_least(self, name, low)
 
     @property
     def uses_ray(self) -> bool:

@@ -30,6 +30,7 @@ from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
+from dsv4ray.engine.warm_up import warm_up
 from dsv4ray.model.tokenizer import Tokenizer
 
 log = logging.getLogger("dsv4ray.engine")
@@ -64,34 +65,15 @@ class EngineCore:
         self.resume: dict[str, spec.Resume] = {}  # requests to resume after a draft worker died
         self.spec_stats = dict.fromkeys(spec.STAT_NAMES, 0)
         if config.device == "cuda":
-            self._warm_up()
+            warm_up(self)
 
-    def _warm_up(self) -> None:
-        """Runs, before the engine serves, prompts whose steps reach every kernel variant a
-        request can (the chunk sizes that pick the indexer's and the experts' tile shapes, a
-        decode step, greedy and filtered sampling with logprobs), so that no kernel compiles
-        while serving. Then the scheduler starts afresh: nothing of the warm-up stays cached."""
-        budget = self.config.max_num_batched_tokens
-        top = min(budget, self.max_model_len - 3)
-        lengths = sorted({n for n in (1, 256, 768, 1280, 2048, top) if n <= top})
-        vocab = self.model_config.vocab_size
-        drawn = SamplingParams(max_tokens=2, temperature=1.0, top_k=50, top_p=0.9, logprobs=2,
-                               seed=0, ignore_eos=True)  # fmt: skip
-        greedy = SamplingParams(max_tokens=2, ignore_eos=True)
-        req_ids = [f"warm-up-{i}" for i in range(len(lengths))]
-        for i, (req_id, n) in enumerate(zip(req_ids, lengths)):
-            prompt = [(7919 * (i * 4096 + j)) % vocab for j in range(n)]
-            self.add_request(req_id, prompt, drawn if i % 2 else greedy)
-        # one plan at a time, eagerly: the decode graphs compiled their kernels when captured
-        while (plan := self.scheduler.schedule()) is not None:  # ends with the finished ids
-            plan.eager = True
-            self._commit(plan, self.pipeline.collect(self.pipeline.submit(plan)))
-        if self.scheduler.has_unfinished():
-            raise RuntimeError("the warm-up prompts did not finish: the pools are too small")
-        for req_id in req_ids:
-            self.outputs.pop(req_id)
+    def run_plan(self, plan) -> list[RequestUpdate]:
+        """Runs one plan to its commit at once (nothing else in flight): the warm-up's steps."""
+        return self._commit(plan, self.pipeline.collect(self.pipeline.submit(plan)))
+
+    def restart_scheduler(self) -> None:
+        """A fresh scheduler over the same pools (after the warm-up: nothing of it stays)."""
         self.scheduler = self._new_scheduler()
-        log.info("warm-up: %d prompts of %s tokens", len(lengths), lengths)
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
@@ -161,6 +143,13 @@ class EngineCore:
         """ValueError for anything a plan could not carry: a request is checked whole before it
         reaches the scheduler, so no step ever fails on one request's data."""
         check_request_id(req_id)
+        limit = self.hisparse_host_limit
+        if limit is not None and len(prompt_ids) >= limit:
+            raise ValueError(
+                f"request {req_id!r}: its C4 history ({len(prompt_ids)} prompt tokens and one "
+                f"more) does not fit the HiSparse host store of {limit} tokens "
+                "(hisparse_host_tokens)"
+            )
         self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
         self.outputs.add(req_id, prompt_ids, params)
         if score:
@@ -340,16 +329,29 @@ class EngineCore:
         self.scheduler.drop_host_residency()
         self.pipeline.drop_host()
 
+    @property
+    def hisparse_host_limit(self) -> int | None:
+        """Tokens the HiSparse host store holds when it, not the device, caps the capacity."""
+        host = self.config.hisparse_host_tokens if self.config.enable_hisparse else None
+        if host is None:
+            return None
+        host = host // PAGE_SIZE * PAGE_SIZE
+        return host if host <= self.pipeline.capacity.num_full_tokens else None
+
     def stats(self) -> dict:
         """Counters for metrics and tests: requests, pages, host pages, pipeline rebuilds,
-        preemptions (of requests the stages had seen)."""
-        return {
+        preemptions (of requests the stages had seen); with HiSparse the stages' hot-row hits
+        and misses, host bytes and device C4 bytes."""
+        out = {
             **self.scheduler.stats(),
             **self.spec_stats,
             "num_host_pages": self.host_pages,
             "num_pipeline_rebuilds": self.num_rebuilds,
             "num_preemptions": self.num_preemptions,
         }
+        if self.config.enable_hisparse:
+            out.update(hisparse_totals(self.pipeline.stage_stats()))
+        return out
 
     def describe(self) -> dict:
         """Where the stages run and how many tokens their pools hold."""
@@ -386,3 +388,12 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
+
+
+def hisparse_totals(stage_stats: list[dict]) -> dict:
+    """Stage HiSparse counters summed over the pipeline, with the hit rate of the hot rows."""
+    keys = [k for k in stage_stats[0] if k.startswith("hisparse_")] if stage_stats else []
+    out = {k: sum(s.get(k, 0) for s in stage_stats) for k in keys}
+    lookups = out.get("hisparse_hits", 0) + out.get("hisparse_misses", 0)
+    out["hisparse_hit_rate"] = out.get("hisparse_hits", 0) / lookups if lookups else 0.0
+    return out

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dsv4ray.kernels import compress, indexer, transfer
+from dsv4ray.kernels import compress, hisparse_swap, indexer, transfer
 from dsv4ray.kernels import sparse_mqa as _sparse_mqa
 from dsv4ray.kernels import store_kv as _store_kv
 
@@ -86,6 +86,13 @@ def transfer_page_rows(src_layers, dst_layers, src_pages, dst_pages) -> None:
     """See kernels/transfer.py."""
     _pick(transfer.transfer_page_rows, transfer.transfer_page_rows_ref)(
         src_layers, dst_layers, src_pages, dst_pages)
+
+
+def hisparse_swap_in(topk, req_slots, new_pos, page_table, req_rows, row_pos, row_age, clock,
+                     counters):
+    """See kernels/hisparse_swap.py."""
+    fn = _pick(hisparse_swap.hisparse_swap_in, hisparse_swap.hisparse_swap_in_ref)
+    return fn(topk, req_slots, new_pos, page_table, req_rows, row_pos, row_age, clock, counters)
 
 
 def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk, layout) -> torch.Tensor:

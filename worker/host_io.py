@@ -5,6 +5,8 @@ overwrites a page before it is copied), snapshot loads (window page and C4 rings
 rings are copied into a request), then page loads. On GPUs page loads run on a side stream one
 layer after another with one event per layer, so layer i's attention waits only for layer i's
 pages; on CPUs they are plain copies. Whole pages move by page rows (transfer_page_rows).
+With HiSparse the C4 pages are the host history, so their copies run on the CPU: they wait for
+the kernels in flight, which read and write that history.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ class HostIO:
             self.by_layer[info.layer_id] = pairs
 
     def run(self, plan: StepPlan) -> LayerEvents:
+        if self.pools.hisparse is not None and self.side is not None:
+            torch.cuda.current_stream(self.device).synchronize()
         if plan.host_backups:
             dev, host = _ids(plan.host_backups, self.device)
             for src, dst in self._page_pairs():

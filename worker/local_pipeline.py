@@ -7,7 +7,10 @@ the last stage, whose device the draft layer shares, prices it as one more layer
 
 from __future__ import annotations
 
+import dataclasses
+
 from dsv4ray.cache.configurator import pipeline_capacity, size_stage
+from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cache.layout import KINDS, layout_for
 from dsv4ray.cache.pools import PoolSizes
@@ -24,6 +27,7 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     skip = [spec.skip_topk for spec in cfg.layers]
     ranges = split_layers(cfg.num_hidden_layers, ec.pp_size)
     speculative = ec.speculative_num_steps > 0
+    hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
     caps = [
         size_stage(
             i,
@@ -38,10 +42,12 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
             max_num_batched_tokens=ec.max_num_batched_tokens,
             speculative=speculative,
             hosts_draft=speculative and i == len(ranges) - 1,
+            hisparse_hot_rows=hot_rows,
+            hisparse_host_tokens=ec.hisparse_host_tokens,
         )
         for i, (start, end) in enumerate(ranges)
     ]
-    return pipeline_capacity(caps)
+    return dataclasses.replace(pipeline_capacity(caps), hisparse_hot_rows=hot_rows)
 
 
 def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
@@ -52,6 +58,7 @@ def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
         cap.num_state_slots,
         cap.num_cached_state_slots,
         ring_scale=2 if speculative else 1,
+        hisparse_hot_rows=cap.hisparse_hot_rows,
     )
 
 
@@ -130,6 +137,9 @@ class LocalPipeline:
     def draft_lost(self) -> bool:
         """A draft worker in process fails with the process, never alone."""
         return False
+
+    def stage_stats(self) -> list[dict]:
+        return [w.stats() for w in self.workers]
 
     def shutdown(self) -> None:
         self.workers, self.draft = [], None

@@ -18,6 +18,7 @@ from dsv4ray.model.layers.attention import Attention
 from dsv4ray.model.layers.compressor import Compressor
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta
+from dsv4ray.worker.hisparse_io import c4_cache
 
 
 def paged_block(
@@ -63,19 +64,20 @@ def paged_attention(
     comp_pages = comp_slots = comp_layout = topk = None
     ratio = spec.compress_ratio
     if ratio == 4:
-        kind, comp_pages = "c4", pools.c4[info.compress_layer_id]
+        kind, c4 = "c4", c4_cache(pools, meta, info)  # all on the device, or HiSparse hot rows
         state = pools.c4_state[info.compress_layer_id]
         _compress(
             attn.compressor,
             x,
             meta,
             state,
-            comp_pages,
+            c4.pages,
             pools.layouts[kind],
-            meta.c4_out,
+            c4.out_loc,
             cos_t,
             sin_t,
         )
+        c4.written()
         topk = (
             _indexer(attn, x, qr, meta, pools, info, tables)
             if info.indexer_layer_id is not None
@@ -83,7 +85,7 @@ def paged_attention(
         )
         if topk is None:
             raise RuntimeError(f"layer {spec.layer_id} shares a top-k but none reached it")
-        comp_slots, comp_layout = meta.c4_slots(topk), pools.layouts[kind]
+        (comp_pages, comp_slots), comp_layout = c4.read(topk), pools.layouts[kind]
     elif ratio == 128:
         comp_pages = pools.c128[info.compress_layer_id]
         state = pools.c128_state[info.compress_layer_id]

@@ -22,6 +22,7 @@ from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
+from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.overlap import fill_lookahead, record_samples
 from dsv4ray.worker.paged import paged_block
@@ -89,6 +90,15 @@ class StageWorker:
             self.pools.nbytes() / 2**20,
             self.kv_cache_dtype,
         )
+        if self.pools.hisparse is not None:
+            log.info(
+                "stage [%d, %d): HiSparse C4 history %.1f MiB in host memory, %d hot rows per "
+                "request and C4 layer",
+                self.model.start,
+                self.model.end,
+                self.pools.hisparse.host_bytes() / 2**20,
+                self.pools.hisparse.hot_rows,
+            )
         return self.pools.nbytes()
 
     def capture_graphs(self, max_batch: int, max_len: int) -> None:
@@ -130,6 +140,11 @@ class StageWorker:
 
     def detach_host(self) -> None:
         self.host_io = None
+
+    def stats(self) -> dict:
+        """This stage's counters: HiSparse hits, misses and bytes when it is on."""
+        store = self.pools.hisparse if self.pools is not None else None
+        return store.stats() if store is not None else {}
 
     @torch.no_grad()
     def execute(
@@ -184,6 +199,9 @@ class StageWorker:
             self._sample(plan, meta, None, result, logits[meta.sample_idx])
             return
         meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
+        meta.hisparse_step = scratch_step(
+            plan, self.pools, self.tables, self.cfg.index_topk, self.device, self.stage
+        )
         fill(meta.token_ids)
         x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)

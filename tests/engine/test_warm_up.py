@@ -1,6 +1,7 @@
 """The startup warm-up (run on GPUs before serving) leaves the engine as it found it."""
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.engine.warm_up import warm_up
 from tests.oracle import reference_greedy
 
 
@@ -9,7 +10,7 @@ def test_warm_up_leaves_no_request_page_or_cache_entry_behind(tiny_ckpt, tiny_mo
     try:
         core = llm.core
         before = core.stats()
-        core._warm_up()
+        warm_up(core)
         after = core.stats()
         assert after["num_free_pages"] == after["num_pages"] == before["num_pages"]
         assert after["num_cached_pages"] == 0 and after["num_running"] == 0
