@@ -35,5 +35,8 @@ def ensure_ray() -> None:
     )
 
 
-def stage_bundle(use_gpu: bool) -> dict:
-    return dict(GPU_BUNDLE if use_gpu else CPU_BUNDLE)
+def stage_bundle(use_gpu: bool, num_gpus: float = 1.0) -> dict:
+    """num_gpus: the stage's GPU share (below 1, pipelines share GPUs)."""
+    if not use_gpu:
+        return dict(CPU_BUNDLE)
+    return {**GPU_BUNDLE, "GPU": num_gpus}

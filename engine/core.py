@@ -46,6 +46,8 @@ class RequestUpdate:
 
 
 class EngineCore:
+    scheduler_class = Scheduler  # a decode engine of a prefill/decode pair uses a subclass
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, pipeline: Pipeline) -> None:
         """pipeline: built by the caller for this config (in-process stages or Ray stage
         actors); the core drives it and rebuilds it when a stage dies."""
@@ -123,7 +125,7 @@ class EngineCore:
             self.max_model_len,
             spec.describe(ec.speculative_num_steps),
         )
-        return Scheduler(
+        return self.scheduler_class(
             SchedulerConfig(
                 num_pages=cap.num_pages,
                 num_window_pages=cap.num_window_pages,
@@ -186,7 +188,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if plan is None:
                 break
-            plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+            self._prepare(plan)
             if plan.has_host_ops and not self.pipeline.host_alive():
                 self._host_tier_lost()  # this plan's copies still reach the stages' mappings
             try:
@@ -203,6 +205,10 @@ class EngineCore:
         except PipelineFailure as exc:
             return self._recover(exc)
         return self._commit(plan, result)
+
+    def _prepare(self, plan) -> None:
+        """What the engine adds to a scheduled plan before the stages get it."""
+        plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
         updates: dict[str, RequestUpdate] = {}
@@ -380,4 +386,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
-
