@@ -45,10 +45,9 @@ class HandoffError(ValueError):
     """A destination this stage cannot write without corrupting something: nothing is sent."""
 
 
-def trailing_windows(num_tokens: int) -> range:
+def trailing_windows(num_tokens: int, window: int = WINDOW_PAGE_SIZE) -> range:
     """Window page indices holding positions [n - 127, n): what position n's window reads."""
-    first = max(0, num_tokens - WINDOW_PAGE_SIZE + 1) // WINDOW_PAGE_SIZE
-    return range(first, (num_tokens - 1) // WINDOW_PAGE_SIZE + 1)
+    return range(max(0, num_tokens - window + 1) // window, (num_tokens - 1) // window + 1)
 
 
 def _layer_buffers(info: LayerInfo) -> list[tuple[str, int]]:

@@ -97,6 +97,7 @@ class DecodeCore(EngineCore):
         self.handoffs: dict[int, Handoff] = {}
         self.pd_stats = dict.fromkeys(PD_STAT_NAMES, 0)
         self.corrupt_transfers = config.pd_test_corrupt_transfers  # test hook (see EngineConfig)
+        self.timeout_s = config.pd_timeout_s
         self._tag = uuid.uuid4().hex[:8]
         self._remote_on = False  # the warm-up runs here
         super().__init__(config, model_config, pipeline)
@@ -214,9 +215,8 @@ class DecodeCore(EngineCore):
 
     def _expire(self, now: float) -> None:
         for h in list(self.handoffs.values()):
-            timeout = self.config.pd_timeout_s
-            if h.state == "prefill" and now - h.started > timeout:
-                self._fall_back(h, f"no answer from the prefill engine in {timeout} s")
+            if h.state == "prefill" and now - h.started > self.timeout_s:
+                self._fall_back(h, f"no answer from the prefill engine in {self.timeout_s} s")
             elif h.release_at is not None and now >= h.release_at:
                 self.scheduler.answered(h.transfer_id)
                 del self.handoffs[h.transfer_id]

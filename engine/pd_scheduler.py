@@ -74,7 +74,7 @@ class DecodeScheduler(Scheduler):
         return started
 
     def _reserve(self, req: Request) -> bool:
-        windows = list(trailing_windows(req.num_tokens))
+        windows = list(trailing_windows(req.num_tokens, self.config.window_page_size))
         num_pages = cdiv(req.num_tokens, self.config.page_size)
         if self.kv.state_slots.num_free < 1 or not self.kv.ensure_free(num_pages, len(windows)):
             return False

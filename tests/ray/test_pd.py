@@ -101,6 +101,28 @@ def test_a_byte_flipped_on_the_wire_is_caught_and_prefilled_locally(pd_engine, p
     assert_nothing_held(llm)
 
 
+def test_a_late_answer_after_a_timeout_writes_only_into_held_ids(pd_engine, prompts, colocated):
+    llm = pd_engine(1, 1)
+    before = llm.core.stats()
+    llm.core.timeout_s = 0.0  # every handoff times out before its answer: prefilled here
+    try:
+        outs = llm.generate(prompts[4:7], GREEDY)
+    finally:
+        llm.core.timeout_s = llm.config.pd_timeout_s
+    assert [o.token_ids for o in outs] == colocated[0][4:7]
+    assert llm.core.stats()["pd_local_prefills"] - before["pd_local_prefills"] == 3
+    drain(llm)  # the late answers free the held ids
+    assert_nothing_held(llm)
+
+
+def drain(llm: LLM, timeout_s: float = 30.0) -> None:
+    """Steps the idle engine until every handoff got its answer (held ids are freed then)."""
+    deadline = time.monotonic() + timeout_s
+    while llm.core.handoffs and time.monotonic() < deadline:
+        llm.core.step()
+        time.sleep(0.05)
+
+
 def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, prompts, colocated):
     llm = pd_engine(1, 1)
     before = llm.core.stats()
@@ -112,10 +134,7 @@ def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, promp
     assert all(o.finish_reason == "length" for o in outs)
     assert llm.core.stats()["pd_local_prefills"] - before["pd_local_prefills"] >= 1
     assert not llm.core.prefill.alive
-    deadline = time.monotonic() + 30  # ids a dead engine's stages might still write: held a while
-    while llm.core.handoffs and time.monotonic() < deadline:
-        llm.core.step()
-        time.sleep(0.1)
+    drain(llm)  # ids a dead engine's stages might still write are held a while
     assert_nothing_held(llm)
     again = llm.generate([prompts[3]], GREEDY)[0]  # later requests run here from the start
     assert again.token_ids == colocated[0][3]
