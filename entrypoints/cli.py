@@ -58,6 +58,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_num_steps": args.speculative_num_steps,
     }
+    if args.prefill_pp:
+        config["prefill_pp_size"] = args.prefill_pp
     for name in ("max_total_tokens", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
@@ -159,6 +161,14 @@ def _add_serve(sub) -> None:
     )
     key.add_argument(
         "--api-key", default=None, help="the key itself (visible in ps: prefer --api-key-file)"
+    )
+    srv.add_argument(
+        "--prefill-pp",
+        type=_steps,
+        default=0,
+        metavar="P",
+        help="prefill/decode disaggregation: a prefill pipeline of P stages hands its KV to "
+        "this --pp decode pipeline over Mooncake (0: off)",
     )
     srv.add_argument("--max-total-tokens", type=int, default=None, help="KV capacity cap")
     srv.add_argument("--served-model-name", default=None, help="default: the folder name")

@@ -14,6 +14,13 @@ from ray.util.metrics import Counter, Gauge, Histogram
 TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
 TPOT_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 STATUS_CLIENT_CLOSED = "499"
+PD_COUNTERS = {  # engine stats key (engine/pd_core.py) -> metric name, description
+    "pd_transfer_bytes": ("dsv4ray_pd_transfer_bytes", "KV bytes prefill stages wrote to decode"),
+    "pd_transfer_seconds": ("dsv4ray_pd_transfer_seconds", "seconds prefill stages spent writing"),
+    "pd_checksum_failures": ("dsv4ray_pd_checksum_failures", "handoffs that failed the checksum"),
+    "pd_local_prefills": ("dsv4ray_pd_local_prefills", "requests prefilled on the decode engine"),
+    "pd_remote_prefills": ("dsv4ray_pd_remote_prefills", "requests whose KV came verified"),
+}
 
 
 class ServeMetrics:
@@ -51,8 +58,11 @@ class ServeMetrics:
         self.waiting = _gauge("dsv4ray_waiting_requests", "requests waiting for pages or budget")
         self.free_pages = _gauge("dsv4ray_free_kv_pages", "KV pages free or held only by the cache")
         self.pending = _gauge("dsv4ray_pending_http_requests", "generation requests in the replica")
+        self.pd = {key: _counter(name, text) for key, (name, text) in PD_COUNTERS.items()}
+        self._pd_seen: dict[str, float] = {}
         self._model = model_name
         for metric in (
+            *self.pd.values(),
             self.ttft,
             self.tpot,
             self.prompt_tokens,
@@ -98,6 +108,10 @@ class ServeMetrics:
         self.waiting.set(stats["num_waiting"])
         self.free_pages.set(stats["num_free_pages"] + stats["num_cached_pages"])
         self.pending.set(num_pending)
+        for key, counter in self.pd.items():  # engine totals -> counter increments
+            if key in stats and stats[key] > self._pd_seen.get(key, 0):
+                counter.inc(float(stats[key] - self._pd_seen.get(key, 0)))
+                self._pd_seen[key] = stats[key]
 
 
 def _counter(name: str, description: str) -> Counter:
