@@ -5,16 +5,17 @@ the KV transfer's share of it, and the transfer's bandwidth against the Mooncake
                        [--commit SHA] [--out-dir DIR]
 
 On a GPU (default --model /tmp/dsv4-mini, made with make_tiny(dir, "dsv4-mini") when missing;
-8192-token prompts) both engines share the one GPU: each stage takes half of it
-(num_gpus_per_stage 0.5) and 0.4 of the free memory. On CPU it is a smoke run on the tiny
-preset (1024-token prompts). In one run it measures:
+8192-token prompts) every engine shares the one GPU: each stage takes 0.3 of it
+(num_gpus_per_stage) and 0.3 of the memory free when it starts. On CPU it is a smoke run on the
+tiny preset (1024-token prompts). In one run it measures:
   - the ceiling: one raw 256 MiB Mooncake TCP write between two buffers registered in this
     process (device buffers on a GPU, as the pools are), median of 3;
-  - TTFT of an engine without PD (one Ray stage actor, the same options), median over R fresh
-    prompts (no prefix hits) after a warm-up prompt of the same length;
-  - TTFT with PD (prefill pp 1 -> decode pp 1) over other fresh prompts, each request's
-    transfer time (the prefill stages' write time, RequestOutput.metrics.kv_transfer_s) and the
-    handoff's bytes; their greedy tokens are compared with the engine's without PD.
+  - TTFT of an engine without PD (one Ray stage actor) and of a PD pair (prefill pp 1 ->
+    decode pp 1) with the same options, both up at once, each fresh prompt (no prefix hits) on
+    one then the other, medians over R prompts after a warm-up prompt of the same length;
+  - each PD request's transfer time (the prefill stages' write time,
+    RequestOutput.metrics.kv_transfer_s) and the handoff's bytes; greedy tokens of the two
+    engines are compared.
 Writes bench/results/pd-<device>.json (PERF.md's format).
 """
 
@@ -73,28 +74,29 @@ def _raw_write_gbs(device: torch.device) -> float:
     return CEILING_BYTES / statistics.median(times) / 1e9
 
 
-def run_prompts(llm: LLM, prompts: list) -> list:
-    """One request at a time (TTFT is then prefill, not queueing); the first warms up."""
-    llm.generate([prompts[0]], FOUR)
-    return [llm.generate([p], FOUR)[0] for p in prompts[1:]]
-
-
 def measure(model: str, gpu: bool, prompt_len: int, reps: int, kv_dtype: str) -> dict:
+    """Both engines up at once (on a GPU a third of it and 0.3 of the free memory per stage);
+    each prompt runs on one, then on the other, one request at a time, so that TTFT is the
+    prefill and load on a shared machine hits both alike. The first prompt warms up."""
     options = dict(kv_cache_dtype=kv_dtype, max_num_batched_tokens=max(2048, prompt_len))
     if gpu:
-        options.update(num_gpus_per_stage=0.5, memory_fraction=0.4)
+        options.update(num_gpus_per_stage=0.3, memory_fraction=0.3)
     prompts = random_prompts(reps + 1, prompt_len, seed=11)
     plain = LLM(model, use_ray=True, **options)
     try:
-        base = run_prompts(plain, prompts)
+        pd = LLM(model, prefill_pp_size=1, pp_size=1, **options)
+        try:
+            base, outs = [], []
+            for i, prompt in enumerate(prompts):
+                pair = plain.generate([prompt], FOUR)[0], pd.generate([prompt], FOUR)[0]
+                if i:
+                    base.append(pair[0])
+                    outs.append(pair[1])
+            stats = pd.core.stats()
+        finally:
+            pd.shutdown()
     finally:
         plain.shutdown()
-    pd = LLM(model, prefill_pp_size=1, pp_size=1, **options)
-    try:
-        outs = run_prompts(pd, prompts)  # the same prompts: each engine meets them fresh
-        stats = pd.core.stats()
-    finally:
-        pd.shutdown()
     return {"base": base, "pd": outs, "stats": stats}
 
 

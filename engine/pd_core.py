@@ -157,6 +157,8 @@ class DecodeCore(EngineCore):
         if waiting:
             for handle in self.prefill.wait(list(waiting), timeout):
                 updates += self._on_answer(waiting[handle], self.prefill.result(handle))
+        elif timeout:
+            time.sleep(timeout)  # only held ids of a lost engine are left: their grace runs
         self._expire(time.monotonic())
         return updates
 
@@ -215,7 +217,9 @@ class DecodeCore(EngineCore):
 
     def _expire(self, now: float) -> None:
         for h in list(self.handoffs.values()):
-            if h.state == "prefill" and now - h.started > self.timeout_s:
+            if h.state == "prefill" and not self._current(h):
+                h.state = "orphan"  # its request ended: the ids wait for the answer
+            elif h.state == "prefill" and now - h.started > self.timeout_s:
                 self._fall_back(h, f"no answer from the prefill engine in {self.timeout_s} s")
             elif h.release_at is not None and now >= h.release_at:
                 self.scheduler.answered(h.transfer_id)

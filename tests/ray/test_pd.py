@@ -115,6 +115,19 @@ def test_a_late_answer_after_a_timeout_writes_only_into_held_ids(pd_engine, prom
     assert_nothing_held(llm)
 
 
+def test_a_request_aborted_during_its_handoff_leaves_nothing_behind(pd_engine, prompts):
+    llm = pd_engine(1, 1)
+    core = llm.core
+    core.add_request("gone", prompts[-1], GREEDY)
+    core.step()  # reserves its ids, asks the prefill engine, waits 50 ms (a prefill takes longer)
+    assert not core.scheduler.transfers["gone"].answered
+    assert core.abort("gone", "the caller left").finish_reason == "abort"
+    core.pop_output("gone")
+    assert core.scheduler.held  # a write may still come: the ids wait for the answer
+    drain(llm)  # its ids are held until the prefill engine's answer, then freed
+    assert_nothing_held(llm)
+
+
 def drain(llm: LLM, timeout_s: float = 30.0) -> None:
     """Steps the idle engine until every handoff got its answer (held ids are freed then)."""
     deadline = time.monotonic() + timeout_s
