@@ -138,16 +138,20 @@ def drain(llm: LLM, timeout_s: float = 30.0) -> None:
 
 def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, prompts, colocated):
     llm = pd_engine(1, 1)
-    before = llm.core.stats()
-    ray.kill(llm.core.prefill.actor, no_restart=True)
+    core, before = llm.core, llm.core.stats()
+    core.add_request("in-flight", prompts[-1], GREEDY)
+    core.step()  # its prefill is running on the prefill engine when the engine dies
+    assert not core.scheduler.transfers["in-flight"].answered
+    ray.kill(core.prefill.actor, no_restart=True)
     start = time.monotonic()
-    outs = llm.generate(prompts[:3], GREEDY)
+    core.run_until_done({"in-flight"})
+    out = core.pop_output("in-flight")
     assert time.monotonic() - start < 60
+    assert (out.token_ids, out.finish_reason) == (colocated[0][-1], "length")
+    assert not core.prefill.alive
+    outs = llm.generate(prompts[:3], GREEDY)  # later requests run here from the start
     assert [o.token_ids for o in outs] == colocated[0][:3]
-    assert all(o.finish_reason == "length" for o in outs)
-    assert llm.core.stats()["pd_local_prefills"] - before["pd_local_prefills"] >= 1
-    assert not llm.core.prefill.alive
-    drain(llm)  # ids a dead engine's stages might still write are held a while
+    assert core.stats()["pd_local_prefills"] - before["pd_local_prefills"] == 1
+    assert core.stats()["pd_remote_prefills"] == before["pd_remote_prefills"]
+    drain(llm)  # ids the dead engine's stages might still have written are held a while
     assert_nothing_held(llm)
-    again = llm.generate([prompts[3]], GREEDY)[0]  # later requests run here from the start
-    assert again.token_ids == colocated[0][3]
