@@ -1,8 +1,8 @@
 """StageActor: the Ray actor shell over ``StageWorker`` (all logic lives in the plain class).
 
-Control calls (ready, available_bytes, allocate) are plain ``.remote()`` calls; the per-step
-methods ``first`` / ``next`` are bound into the pipeline's compiled graph. Plans arrive as
-msgpack bytes; results carry the residual stack and top-k tensors to the next stage.
+Control calls (ready, available_bytes, allocate, open_transfer) are plain ``.remote()`` calls;
+the per-step methods ``first`` / ``next`` are bound into the pipeline's compiled graph. Plans
+arrive as msgpack bytes; results carry the residual stack and top-k tensors to the next stage.
 """
 
 from __future__ import annotations
@@ -57,6 +57,13 @@ class StageActor:
 
     def stats(self) -> dict:
         return self.worker.stats()
+
+    def open_transfer(self, protocol: str) -> dict:
+        """Starts this stage's Mooncake engine on its node's address and registers its pools."""
+        from dsv4ray.worker.transfer import MooncakeTransport
+
+        transport = MooncakeTransport(ray.util.get_node_ip_address(), protocol)
+        return self.worker.open_transfer(transport)
 
     def first(self, plan: bytes) -> StageResult:
         return self.worker.execute(decode(plan))

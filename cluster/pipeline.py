@@ -32,6 +32,7 @@ from dsv4ray.cluster.placement import ensure_ray, stage_bundle
 from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure
 from dsv4ray.engine.plan import StageResult, StepPlan, encode
 from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
@@ -47,7 +48,10 @@ class RayPipeline:
         config: EngineConfig,
         cfg: ModelConfig,
         placement: ray.util.placement_group.PlacementGroup | None = None,
+        kv_transfer: bool = False,
     ) -> None:
+        """kv_transfer: every stage opens a Mooncake engine for prefill/decode handoffs and
+        reports its endpoint (``kv_endpoints``, renewed by every rebuild)."""
         ensure_ray()
         self.config, self.cfg = config, cfg
         self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
@@ -55,7 +59,8 @@ class RayPipeline:
         self.depth = config.pp_size
         self.own_pg = placement is None
         self.pg = placement or placement_group(
-            [stage_bundle(self.use_gpu) for _ in self.ranges], strategy="PACK"
+            [stage_bundle(self.use_gpu, num_gpus=config.num_gpus_per_stage) for _ in self.ranges],
+            strategy="PACK",
         )
         ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
         self.actors: list = []
@@ -65,6 +70,8 @@ class RayPipeline:
         self.tiers, self.regions = [], []
         self.host_lost = False  # a rebuild found the host tier's regions empty
         self.key = uuid.uuid4().hex[:12]
+        self.kv_transfer = kv_transfer
+        self.kv_endpoints: tuple[StageEndpoint, ...] = ()
         self._build()
 
     def _build(self) -> None:
@@ -80,6 +87,9 @@ class RayPipeline:
         self.capacity = size_pipeline(self.cfg, ec, available)
         sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
+        if self.kv_transfer:
+            opened = self._get([a.open_transfer.remote(ec.pd_protocol) for a in self.actors])
+            self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
         if self.host_args is not None:
             self._attach_regions()
         try:
@@ -124,9 +134,12 @@ class RayPipeline:
     def _actor(self, idx: int, start: int, end: int):
         ec = self.config
         strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=idx)
-        resources = {"num_gpus": 1, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.5}
+        gpus = ec.num_gpus_per_stage
+        resources = {"num_gpus": gpus, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.5}
         if ec.speculative_num_steps and idx == len(self.ranges) - 1:  # the draft shares it
-            resources = {"num_gpus": 0.9, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
+            resources = (
+                {"num_gpus": 0.9 * gpus, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
+            )
         return StageActor.options(scheduling_strategy=strategy, **resources).remote(
             ec.model,
             start,
@@ -145,7 +158,8 @@ class RayPipeline:
         strategy = PlacementGroupSchedulingStrategy(
             self.pg, placement_group_bundle_index=len(self.ranges) - 1
         )
-        resources = {"num_gpus": 0.1, "num_cpus": 0} if self.use_gpu else {"num_cpus": 0.25}
+        gpus = 0.1 * ec.num_gpus_per_stage
+        resources = {"num_gpus": gpus, "num_cpus": 0} if self.use_gpu else {"num_cpus": 0.25}
         return DraftActor.options(scheduling_strategy=strategy, **resources).remote(
             ec.model,
             ec.speculative_num_steps,

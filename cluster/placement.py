@@ -47,9 +47,13 @@ def ensure_ray() -> None:
     )
 
 
-def stage_bundle(use_gpu: bool, extra: Mapping[str, float] | None = None) -> dict:
-    """One stage's bundle; ``extra``: custom resources that pin stages to a node type."""
-    return {**(GPU_BUNDLE if use_gpu else CPU_BUNDLE), **(extra or {})}
+def stage_bundle(
+    use_gpu: bool, extra: Mapping[str, float] | None = None, num_gpus: float = 1.0
+) -> dict:
+    """One stage's bundle; ``extra``: custom resources that pin stages to a node type;
+    num_gpus: the stage's GPU share (below 1, pipelines share GPUs)."""
+    device = {**GPU_BUNDLE, "GPU": num_gpus} if use_gpu else CPU_BUNDLE
+    return {**device, **(extra or {})}
 
 
 def check_accelerator(accelerator: object) -> str:

@@ -17,6 +17,7 @@ from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
 from dsv4ray.cache.hicache import WRITE_POLICIES
 from dsv4ray.config_error import is_int
+from dsv4ray.engine.handoff import PD_PROTOCOLS
 from dsv4ray.engine.spec import SpecConfig
 
 
@@ -46,6 +47,13 @@ class EngineConfig:
     enable_hisparse: bool = False  # C4 history in host memory, a few hot rows on the device
     hisparse_hot_rows: int | None = None  # per request and C4 layer; None: 2 x index_topk
     hisparse_host_tokens: int | None = None  # C4 history the host holds; None: device capacity
+    num_gpus_per_stage: float = 1.0  # below 1, pipelines share GPUs (split memory_fraction too)
+    # prefill/decode disaggregation (engine/pd_core.py): > 0 runs a prefill pipeline of this many
+    # stages beside this one, which decodes
+    prefill_pp_size: int = 0
+    pd_protocol: str = "tcp"  # Mooncake transport: "tcp", or "rdma" where NICs have it
+    pd_timeout_s: float = 120.0  # a prefill not answered by then is done here instead
+    pd_test_corrupt_transfers: int = 0  # test hook: the next N handoffs flip a byte on the wire
 
     @classmethod
     def build(cls, model: str, check_model: bool = True, **options) -> EngineConfig:
@@ -87,8 +95,31 @@ class EngineConfig:
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one
+        self._check_pd()
         self._check_combinations()
         self._check_hisparse()
+
+    def _check_pd(self) -> None:
+        _int_at_least(self, "prefill_pp_size", 0)
+        _int_at_least(self, "pd_test_corrupt_transfers", 0)
+        if self.pd_protocol not in PD_PROTOCOLS:
+            raise ValueError(f"pd_protocol must be one of {PD_PROTOCOLS}, got {self.pd_protocol!r}")
+        for name in ("pd_timeout_s", "num_gpus_per_stage"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        if self.num_gpus_per_stage > 1:
+            raise ValueError(f"num_gpus_per_stage must be <= 1, got {self.num_gpus_per_stage}")
+        if not self.prefill_pp_size:
+            return
+        if self.use_ray is False:
+            raise ValueError("prefill_pp_size runs both pipelines as Ray actors; use_ray=False")
+        for name in ("speculative_num_steps", "enable_hicache"):
+            if getattr(self, name):
+                raise ValueError(
+                    f"prefill_pp_size with {name} is not supported: a handoff moves neither "
+                    "the draft layer's pools nor host-tier residency"
+                )
 
     def _check_combinations(self) -> None:
         if self.pp_size > 1 and self.use_ray is False:
@@ -149,10 +180,11 @@ class EngineConfig:
 
     @property
     def uses_ray(self) -> bool:
-        """In-process when pp_size == 1 and no actor feature (host tier, draft worker) is on, Ray
-        actors otherwise (use_ray=False runs a draft worker in process too)."""
+        """In-process when pp_size == 1 and no actor feature (host tier, draft worker, a prefill
+        pipeline) is on, Ray actors otherwise (use_ray=False runs a draft worker in process too)."""
         if self.use_ray == "auto":
-            return self.pp_size > 1 or self.enable_hicache or self.speculative_num_steps > 0
+            actors = self.enable_hicache or self.speculative_num_steps > 0 or self.prefill_pp_size
+            return self.pp_size > 1 or bool(actors)
         return bool(self.use_ray)
 
     @property

@@ -30,6 +30,7 @@ from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
+from dsv4ray.engine.stats import hisparse_totals
 from dsv4ray.engine.warm_up import warm_up
 from dsv4ray.model.tokenizer import Tokenizer
 
@@ -47,6 +48,8 @@ class RequestUpdate:
 
 
 class EngineCore:
+    scheduler_class = Scheduler  # a decode engine of a prefill/decode pair uses a subclass
+
     def __init__(self, config: EngineConfig, model_config: ModelConfig, pipeline: Pipeline) -> None:
         """pipeline: built by the caller for this config (in-process stages or Ray stage
         actors); the core drives it and rebuilds it when a stage dies."""
@@ -106,7 +109,7 @@ class EngineCore:
             self.max_model_len,
             spec.describe(ec.speculative_num_steps),
         )
-        return Scheduler(
+        return self.scheduler_class(
             SchedulerConfig(
                 num_pages=cap.num_pages,
                 num_window_pages=cap.num_window_pages,
@@ -177,9 +180,7 @@ class EngineCore:
             plan = self.scheduler.schedule()
             if plan is None:
                 break
-            plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
-            self.outputs.on_scheduled(e.req_id for e in plan.batch)
-            self.num_preemptions += len(plan.preempted_ids)
+            self._prepare(plan)
             if plan.has_host_ops and not self.pipeline.host_alive():
                 self._host_tier_lost()  # this plan's copies still reach the stages' mappings
             try:
@@ -196,6 +197,12 @@ class EngineCore:
         except PipelineFailure as exc:
             return self._recover(exc)
         return self._commit(plan, result)
+
+    def _prepare(self, plan) -> None:
+        """What the engine adds to a scheduled plan before the stages get it, and counts of it."""
+        plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+        self.outputs.on_scheduled(e.req_id for e in plan.batch)
+        self.num_preemptions += len(plan.preempted_ids)
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
         updates: dict[str, RequestUpdate] = {}
@@ -388,12 +395,3 @@ class EngineCore:
 
     def shutdown(self) -> None:
         self.pipeline.shutdown()
-
-
-def hisparse_totals(stage_stats: list[dict]) -> dict:
-    """Stage HiSparse counters summed over the pipeline, with the hit rate of the hot rows."""
-    keys = [k for k in stage_stats[0] if k.startswith("hisparse_")] if stage_stats else []
-    out = {k: sum(s.get(k, 0) for s in stage_stats) for k in keys}
-    lookups = out.get("hisparse_hits", 0) + out.get("hisparse_misses", 0)
-    out["hisparse_hit_rate"] = out.get("hisparse_hits", 0) / lookups if lookups else 0.0
-    return out

@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
+from dsv4ray.engine.handoff import KVCheck, KVSend
+
 if TYPE_CHECKING:
     import torch
 
@@ -45,7 +47,8 @@ class NewRequest:
     """A request a stage has not seen (or sees again after preemption), in full.
 
     window_page_ids[i] holds positions [128 i, 128 i + 128); -1 = not resident. state_copy_from:
-    cached-state slot to copy into the rings, -1 = start from empty rings. sampling: the
+    cached-state slot to copy into the rings, -1 = start from empty rings, STATE_TRANSFERRED
+    (engine/handoff.py) = a prefill engine wrote the rings: keep them. sampling: the
     SamplingParams fields (``SamplingParams.to_dict``); seed: the request's generator seed.
     """
 
@@ -114,6 +117,9 @@ class StepPlan:
     host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
     host_loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
     host_snapshot_loads: list[tuple[int, int, int]] = field(default_factory=list)
+    # prefill/decode handoffs (engine/handoff.py), run after the step: writes, then checks
+    kv_sends: list[KVSend] = field(default_factory=list)
+    kv_checks: list[KVCheck] = field(default_factory=list)
 
     @property
     def has_host_ops(self) -> bool:
@@ -157,6 +163,8 @@ class StageResult:
     accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     draft_stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
+    kv_reports: list = field(default_factory=list)  # SendReports of this and earlier stages
+    kv_checks: list = field(default_factory=list)  # CheckReports of this and earlier stages
     # the last stage's sampling still on the device (a deferred step): StageWorker.finish reads
     # it into sampled / logprobs / errors; never set on a result that leaves the process
     pending: Any = None
@@ -195,6 +203,8 @@ def decode(data: bytes) -> StepPlan:
         lookahead=raw["lookahead"],
         draft=raw["draft"],
         next_tokens=raw["next_tokens"],
+        kv_sends=[KVSend.from_dict(item) for item in raw["kv_sends"]],
+        kv_checks=[KVCheck.from_dict(item) for item in raw["kv_checks"]],
         **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},
     )
 

@@ -22,7 +22,10 @@ from dsv4ray.cache.hicache import WRITE_POLICIES
 from dsv4ray.engine.config import EngineConfig
 
 # conventional spellings beside the generated one (vLLM and SGLang users type these)
-ALIASES = {"pp_size": ("--pp", "--pipeline-parallel-size", "-pp")}
+ALIASES = {
+    "pp_size": ("--pp", "--pipeline-parallel-size", "-pp"),
+    "prefill_pp_size": ("--prefill-pp",),
+}
 CHOICES = {"kv_cache_dtype": KV_DTYPES, "hicache_write_policy": WRITE_POLICIES}
 NOT_FLAGS = ("model",)  # a positional argument or --model, per subcommand
 

@@ -36,6 +36,10 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
     if config.speculative_num_steps:  # a checkpoint that cannot draft fails here, by name
         missing = missing_draft_tensors(config.model, model_config)
         config.spec.check_draft_layer(model_config.mtp_ratio, missing)
+    if config.prefill_pp_size:
+        from dsv4ray.cluster.pd import build_pd_core  # a prefill engine actor beside this one
+
+        return build_pd_core(config, model_config, placement)
     if config.uses_ray or placement is not None:
         from dsv4ray.cluster.pipeline import RayPipeline  # Ray starts only when actors are wanted
 

@@ -22,6 +22,9 @@
     num_replicas | autoscaling_config   passed to the deployment as they are
     pp_size, kv_cache_dtype, max_total_tokens, ... any other EngineConfig option (use_ray is
                          always True: the stages are Ray actors in the replica's placement group)
+    prefill_pp_size      > 0: the replica owns a prefill engine too (a prefill actor with its own
+                         placement group of that many stages); its pipeline decodes
+                         (cluster/pd.py)
 
 Each replica is a FastAPI ingress (``@serve.ingress``): the app that ``OpenAIServer`` builds over
 the replica's engine (entrypoints/openai/api.py: routes, caller check, OpenAI error bodies) is
@@ -89,6 +92,7 @@ class OpenAIDeployment:
             "model": config.model,
             "served_model_name": self.settings.served_model_name,
             "pp_size": config.pp_size,
+            "prefill_pp_size": config.prefill_pp_size,
             "kv_cache_dtype": config.kv_cache_dtype,
             "speculative_num_steps": config.speculative_num_steps,
             "device": config.device,
@@ -174,9 +178,12 @@ def startup_line(info: dict, host: str, port: int) -> str:
     url = f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
     steps = info.get("speculative_num_steps", 0)
     drafts = f"{describe(steps)}, " if steps else ""
+    pp = f"pp {info['pp_size']}"
+    if info.get("prefill_pp_size"):
+        pp = f"prefill pp {info['prefill_pp_size']} -> decode {pp}"
     return (
         f"dsv4ray serve: model {info['model']} (as {info['served_model_name']!r}), "
-        f"pp {info['pp_size']}, kv {info['kv_cache_dtype']} on {info['device']}, capacity "
+        f"{pp}, kv {info['kv_cache_dtype']} on {info['device']}, capacity "
         f"{info['capacity_tokens']} tokens (max_model_len {info['max_model_len']}), "
         f"{drafts}listening on {url}"
     )

@@ -21,5 +21,18 @@ else
 fi
 python -m pip install -q -e ".[test,$extra]"
 
+# The Mooncake engine (prefill/decode handoffs) links libibverbs even for TCP; a fresh Debian
+# machine lacks it. Installed only when the import fails (root, or passwordless sudo).
+if ! python -c "import mooncake.engine" 2>/dev/null; then
+  sudo=""; [ "$(id -u)" = 0 ] || sudo="sudo -n"
+  apt_quiet() { DEBIAN_FRONTEND=noninteractive $sudo apt-get "$@" >/dev/null 2>&1; }
+  if command -v apt-get >/dev/null; then
+    apt_quiet install -y -q libibverbs1 \
+      || { apt_quiet update -q && apt_quiet install -y -q libibverbs1; } || true
+  fi
+  python -c "import mooncake.engine" 2>/dev/null \
+    || echo "setup: the Mooncake engine does not load (needs libibverbs1): no prefill/decode" >&2
+fi
+
 [ -f .tiny/config.json ] || dsv4ray make-tiny --out .tiny
 dsv4ray generate --pp 2 --model checkpoints/stdlib-tiny --max-tokens 96 "def fibonacci(n):"

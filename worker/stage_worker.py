@@ -17,6 +17,7 @@ import torch
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
+from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
@@ -24,6 +25,7 @@ from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
+from dsv4ray.worker.kv_export import KVPort, run_handoffs
 from dsv4ray.worker.overlap import fill_lookahead, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
@@ -58,6 +60,7 @@ class StageWorker:
         ops.prepare(self.model.block(i) for i in range(start, end))
         self.pools: StagePools | None = None
         self.host_io = None
+        self.kv_port: KVPort | None = None  # prefill/decode handoffs, once open_transfer ran
         self.tables: dict[str, ReqTable] = {}
         self.sampling: dict[str, SamplingRow | str] = {}  # str: why the parameters were refused
         specs = [self.cfg.layers[i].rope for i in range(start, end)]
@@ -146,6 +149,12 @@ class StageWorker:
         store = self.pools.hisparse if self.pools is not None else None
         return store.stats() if store is not None else {}
 
+    def open_transfer(self, transport) -> dict:
+        """Registers the pools with a transfer engine (worker/transfer.py) for prefill/decode
+        handoffs; returns the stage's endpoint (``engine.handoff.StageEndpoint`` as a dict)."""
+        self.kv_port = KVPort(self.pools, transport)
+        return to_dict(self.kv_port.endpoint)
+
     @torch.no_grad()
     def execute(
         self, plan: StepPlan, inputs: StageResult | None = None, defer_sampling: bool = False
@@ -164,6 +173,8 @@ class StageWorker:
             self._compute(plan, inputs, events, result)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
             self._fail(plan.step_id, exc, result)
+        if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
+            run_handoffs(self.kv_port, plan, self.tables, inputs, self.finish(result))
         return result if defer_sampling else self.finish(result)
 
     def finish(self, result: StageResult) -> StageResult:
@@ -295,11 +306,10 @@ class StageWorker:
         self.tables[new.req_id] = ReqTable(
             new.state_slot, list(new.page_ids), list(new.window_page_ids)
         )
-        if new.state_copy_from >= 0:
+        if new.state_copy_from != STATE_TRANSFERRED:  # else a handoff wrote the rings
             self.pools.reset_rings([new.state_slot])  # C128 ring: empty at a page boundary
+        if new.state_copy_from >= 0:
             self.pools.copy_c4_rings([self.pools.cached_row(new.state_copy_from)], [new.state_slot])
-        else:
-            self.pools.reset_rings([new.state_slot])
         if self.is_last:
             try:
                 self.sampling[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)

@@ -20,6 +20,13 @@ TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 TPOT_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 REQUEST_BOUNDARIES_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 STATUS_CLIENT_CLOSED = "499"
+PD_STATS = {  # engine stats key (engine/pd_core.py) -> the counter it feeds
+    "pd_transfer_bytes": "dsv4ray_pd_transfer_bytes",
+    "pd_transfer_seconds": "dsv4ray_pd_transfer_seconds",
+    "pd_checksum_failures": "dsv4ray_pd_checksum_failures",
+    "pd_local_prefills": "dsv4ray_pd_local_prefills",
+    "pd_remote_prefills": "dsv4ray_pd_remote_prefills",
+}
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,16 @@ METRICS = (
         "MTP draft tokens the model accepted",
         only_with="speculative_num_steps",
     ),
+    *(
+        Metric(name, "counter", text, only_with="prefill_pp_size")
+        for name, text in (
+            ("dsv4ray_pd_transfer_bytes", "KV bytes prefill stages wrote to decode"),
+            ("dsv4ray_pd_transfer_seconds", "seconds prefill stages spent writing KV"),
+            ("dsv4ray_pd_checksum_failures", "handoffs that failed the checksum or signature"),
+            ("dsv4ray_pd_local_prefills", "requests prefilled on the decode engine instead"),
+            ("dsv4ray_pd_remote_prefills", "requests whose KV came from the prefill engine"),
+        )
+    ),
     Metric("dsv4ray_running_requests", "gauge", "requests the engine is running"),
     Metric("dsv4ray_waiting_requests", "gauge", "requests waiting for pages or budget"),
     Metric(
@@ -96,6 +113,7 @@ class ServeMetrics:
         self._model = model_name
         self.m = {spec.name: _make(spec, model_name) for spec in METRICS}
         self._preemptions_seen = 0
+        self._pd_seen: dict[str, float] = {}
 
     def request_done(self, endpoint: str, status: int | str) -> None:
         tags = {"model": self._model, "endpoint": endpoint, "status": str(status)}
@@ -149,6 +167,10 @@ class ServeMetrics:
         if new > 0:
             self.m["dsv4ray_preemptions"].inc(float(new))
         self._preemptions_seen = stats["num_preemptions"]
+        for key, name in PD_STATS.items():  # engine totals -> counter increments
+            if stats.get(key, 0) > self._pd_seen.get(key, 0):
+                self.m[name].inc(float(stats[key] - self._pd_seen.get(key, 0)))
+                self._pd_seen[key] = stats[key]
 
 
 def _between(start: float | None, end: float | None) -> float | None:

@@ -10,6 +10,7 @@ assertion, and outputs must equal a plain generation loop over the same hash (``
 
 from collections import deque
 
+from dsv4ray.engine.handoff import STATE_TRANSFERRED
 from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, decode, encode
 from dsv4ray.engine.scheduler import SchedulerConfig
 
@@ -70,6 +71,8 @@ class FakeStage:
             windows = {i: p for i, p in enumerate(new.window_page_ids) if p >= 0}
             self.reqs[new.req_id] = [list(new.page_ids), windows, new.num_computed_tokens, new]
             ring = self.cached[new.state_copy_from] if new.state_copy_from >= 0 else ()
+            if new.state_copy_from == STATE_TRANSFERRED:  # a handoff wrote it (test_pd_scheduler)
+                ring = self.rings[new.state_slot]
             assert len(ring) == new.num_computed_tokens
             self.rings[new.state_slot] = ring
         for diff in plan.diffs:

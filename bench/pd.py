@@ -1,0 +1,192 @@
+"""Prefill/decode disaggregation benchmark: time to first token with and without a prefill engine,
+the KV transfer's share of it, and the transfer's bandwidth against the Mooncake TCP ceiling.
+
+    python bench/pd.py [--model DIR] [--prompt-len N] [--reps R] [--kv-cache-dtype fp8]
+                       [--commit SHA] [--out-dir DIR]
+
+On a GPU (default --model /tmp/dsv4-mini, made with make_tiny(dir, "dsv4-mini") when missing;
+8192-token prompts) every engine shares the one GPU: each stage takes 0.3 of it
+(num_gpus_per_stage) and 0.3 of the memory free when it starts. On CPU it is a smoke run on the
+tiny preset (1024-token prompts). In one run it measures:
+  - the ceiling: one raw 256 MiB Mooncake TCP write between two buffers registered in this
+    process (device buffers on a GPU, as the pools are), median of 3;
+  - TTFT of an engine without PD (one Ray stage actor) and of a PD pair (prefill pp 1 ->
+    decode pp 1) with the same options, both up at once, each fresh prompt (no prefix hits) on
+    one then the other, medians over R prompts after a warm-up prompt of the same length;
+  - each PD request's transfer time (the prefill stages' write time,
+    RequestOutput.metrics.kv_transfer_s) and the handoff's bytes; greedy tokens of the two
+    engines are compared.
+Writes bench/results/pd-<device>.json (PERF.md's format).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
+
+from dsv4ray import LLM, SamplingParams  # noqa: E402
+from dsv4ray.worker.transfer import MooncakeTransport, TransferError  # noqa: E402
+
+CEILING_BYTES = 256 << 20
+FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
+
+
+def mooncake_ceiling(device: torch.device) -> tuple[float, str]:
+    """(GB/s, buffer kind) of a raw 256 MiB write between two registered buffers on device
+    (loopback TCP); host buffers when this Mooncake build cannot reach device memory."""
+    try:
+        return _raw_write_gbs(device), device.type
+    except TransferError as exc:
+        print(f"raw write between {device.type} buffers failed ({exc}); host buffers instead")
+        return _raw_write_gbs(torch.device("cpu")), "host (device failed)"
+
+
+def _raw_write_gbs(device: torch.device) -> float:
+    sender, receiver = MooncakeTransport("127.0.0.1"), MooncakeTransport("127.0.0.1")
+    src = torch.randint(0, 256, (CEILING_BYTES,), dtype=torch.uint8, device=device)
+    dst = torch.zeros_like(src)
+    sender.register(src)
+    receiver.register(dst)
+    try:
+        write = [(src.data_ptr(), dst.data_ptr(), CEILING_BYTES)]
+        sender.write(receiver.session, write)  # connects
+        times = []
+        for _ in range(3):
+            dst.zero_()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            sender.write(receiver.session, write)
+            times.append(time.perf_counter() - start)
+        if not torch.equal(src[-4096:], dst[-4096:]):
+            raise RuntimeError("the raw Mooncake write did not arrive")
+    finally:
+        sender.close()
+        receiver.close()
+    return CEILING_BYTES / statistics.median(times) / 1e9
+
+
+def measure(model: str, gpu: bool, prompt_len: int, reps: int, kv_dtype: str) -> dict:
+    """Both engines up at once (on a GPU a third of it and 0.3 of the free memory per stage);
+    each prompt runs on one, then on the other, one request at a time, so that TTFT is the
+    prefill and load on a shared machine hits both alike. The first prompt warms up."""
+    options = dict(kv_cache_dtype=kv_dtype, max_num_batched_tokens=max(2048, prompt_len))
+    if gpu:
+        options.update(num_gpus_per_stage=0.3, memory_fraction=0.3)
+    prompts = random_prompts(reps + 1, prompt_len, seed=11)
+    plain = LLM(model, use_ray=True, **options)
+    try:
+        pd = LLM(model, prefill_pp_size=1, pp_size=1, **options)
+        try:
+            base, outs = [], []
+            for i, prompt in enumerate(prompts):
+                pair = plain.generate([prompt], FOUR)[0], pd.generate([prompt], FOUR)[0]
+                if i:
+                    base.append(pair[0])
+                    outs.append(pair[1])
+            stats = pd.core.stats()
+        finally:
+            pd.shutdown()
+    finally:
+        plain.shutdown()
+    return {"base": base, "pd": outs, "stats": stats}
+
+
+def _median(values) -> float:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else float("nan")
+
+
+def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> tuple[list, float]:
+    base_ttft = _median(o.metrics.ttft_s for o in m["base"])
+    pd_ttft = _median(o.metrics.ttft_s for o in m["pd"])
+    transfer = _median(o.metrics.kv_transfer_s for o in m["pd"])
+    share = _median(
+        o.metrics.kv_transfer_s / o.metrics.ttft_s for o in m["pd"] if o.metrics.kv_transfer_s
+    )
+    stats = m["stats"]
+    num_bytes = stats["pd_transfer_bytes"] / max(1, stats["pd_remote_prefills"])
+    seconds = stats["pd_transfer_seconds"]
+    bandwidth = stats["pd_transfer_bytes"] / seconds / 1e9 if seconds else float("nan")
+    same = [o.token_ids for o in m["pd"]] == [o.token_ids for o in m["base"]]
+    handoffs = (
+        f"{stats['pd_remote_prefills']} verified handoffs, {stats['pd_local_prefills']} local "
+        f"fallbacks, {stats['pd_checksum_failures']} checksum failures"
+    )
+    out = [
+        result(
+            f"KV transfer share of TTFT with PD ({prompt_len} tokens)",
+            transfer, "s", pd_ttft, 0.10, "<=",
+            f"median write time of the prefill stages over median PD TTFT (median per-request "
+            f"share {share:.3g}); {num_bytes / 2**20:.1f} MiB of {kv_dtype} pages and rings per "
+            f"request; {handoffs}",
+        ),
+        result(
+            f"TTFT with PD / without ({prompt_len} tokens)",
+            pd_ttft, "s", base_ttft, 1.10, "<=",
+            f"prefill pp 1 -> decode pp 1 vs one engine (both Ray stage actors); greedy tokens "
+            f"{'equal' if same else 'DIFFER'}"
+            + ("" if gpu else "; CPU smoke run: on shared cores the ratio swings both ways"),
+        ),
+        result(
+            "KV handoff bandwidth / raw Mooncake TCP write",
+            bandwidth, "GB/s", ceiling, 0.5, ">=",
+            "bytes the prefill stages wrote over their write time, coalesced page runs per "
+            "buffer and layer; no PERF.md target (informational)",
+        ),
+    ]  # fmt: skip
+    return out, base_ttft
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--prompt-len", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--commit", default=None)
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+    gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if gpu else "cpu")
+    name = torch.cuda.get_device_name() if gpu else "cpu"
+    model = args.model or ("/tmp/dsv4-mini" if gpu else ".tiny")
+    if not os.path.isfile(os.path.join(model, "config.json")):
+        from dsv4ray.model.tiny import make_tiny
+
+        make_tiny(model, "dsv4-mini" if gpu else "tiny", device=device.type)
+    prompt_len = args.prompt_len or (8192 if gpu else 1024)
+    reps = args.reps or (5 if gpu else 2)
+    ceiling, kind = mooncake_ceiling(device)
+    if gpu:
+        torch.cuda.empty_cache()  # the stage actors size their pools from what is free
+    m = measure(model, gpu, prompt_len, reps, args.kv_cache_dtype)
+    out, base_ttft = rows(m, ceiling, prompt_len, args.kv_cache_dtype, gpu)
+    ceilings = {
+        "Mooncake TCP write, 256 MiB": {
+            "value": ceiling, "unit": "GB/s", "note": f"loopback, {kind} buffers, median of 3",
+        },
+        "TTFT without PD": {"value": base_ttft, "unit": "s", "note": f"{prompt_len} tokens"},
+    }  # fmt: skip
+    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
+    path = write_results("pd", name, args.commit or git_commit(), ceilings, out, **kwargs)
+    if not args.out_dir:
+        write_benchmarks_md()
+    for row in out:
+        print(
+            f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, target "
+            f"{row['op']} {row['target']}; {row['note']})"
+        )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""Prefill/decode disaggregation over the real Mooncake engine (TCP on loopback): a decode
+engine's greedy tokens equal the colocated engine's with fp32 pages, every handoff verified; a
+byte flipped on the wire or a killed prefill engine ends in a local prefill, with the same tokens
+and no ids left behind."""
+
+import time
+
+import pytest
+import ray
+import torch
+
+from dsv4ray import LLM, SamplingParams
+
+# around the window (128) and page (256) edges, as one batch of mixed lengths
+LENGTHS = [1, 127, 128, 129, 255, 256, 257, 300]
+GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
+WITH_LOGPROBS = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=2)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, 258, (n,), generator=g).tolist() for n in LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_ckpt, prompts):
+    """The colocated engine's outputs (in process, fp32 pages): the oracle."""
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32")
+    try:
+        tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+        logprobs = llm.generate(prompts[-2:], WITH_LOGPROBS)
+    finally:
+        llm.shutdown()
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def pd_engine(ray_session, tiny_ckpt):
+    """pd_engine(prefill_pp, decode_pp) -> LLM; one pair at a time (the last one is kept for
+    the next test that asks for the same split)."""
+    held = {}
+
+    def get(prefill_pp: int, decode_pp: int) -> LLM:
+        key = (prefill_pp, decode_pp)
+        if key not in held:
+            for llm in held.values():
+                llm.shutdown()
+            held.clear()
+            held[key] = LLM(
+                tiny_ckpt, kv_cache_dtype="fp32", prefill_pp_size=prefill_pp, pp_size=decode_pp
+            )
+        return held[key]
+
+    yield get
+    for llm in held.values():
+        llm.shutdown()
+
+
+def assert_nothing_held(llm: LLM) -> None:
+    llm.core.check_integrity()
+    stats = llm.core.stats()
+    assert stats["num_transferring"] == 0 and not llm.core.handoffs
+    assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
+    assert not llm.scheduler.held
+
+
+@pytest.mark.parametrize(("prefill_pp", "decode_pp"), [(2, 1), (1, 2), (1, 1)])
+def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefill_pp, decode_pp):
+    llm = pd_engine(prefill_pp, decode_pp)
+    before = llm.core.stats()
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == colocated[0]
+    stats = llm.core.stats()
+    assert stats["pd_remote_prefills"] - before["pd_remote_prefills"] == len(prompts)
+    assert stats["pd_local_prefills"] == before["pd_local_prefills"]
+    assert stats["pd_checksum_failures"] == 0 and stats["pd_transfer_bytes"] > 0
+    assert all(o.metrics.kv_transfer_s > 0 for o in outs)
+    assert len(llm.core.pipeline.actors) == decode_pp
+    assert llm.core.describe()["prefill_pp_size"] == prefill_pp
+    assert_nothing_held(llm)
+    # the first token's logprobs travel with the handoff
+    got = llm.generate(prompts[-2:], WITH_LOGPROBS)
+    for out, ref in zip(got, colocated[1]):
+        assert out.token_ids == ref.token_ids
+        for step, ref_step in zip(out.logprobs, ref.logprobs):
+            assert step.keys() == ref_step.keys()
+            assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step)
+
+
+def test_a_byte_flipped_on_the_wire_is_caught_and_prefilled_locally(pd_engine, prompts, colocated):
+    llm = pd_engine(1, 1)
+    before = llm.core.stats()
+    llm.core.corrupt_transfers = 1  # test hook: the next handoff flips one byte on the wire
+    out = llm.generate([prompts[-1]], GREEDY)[0]
+    stats = llm.core.stats()
+    assert out.token_ids == colocated[0][-1]
+    assert stats["pd_checksum_failures"] - before["pd_checksum_failures"] == 1
+    assert stats["pd_local_prefills"] - before["pd_local_prefills"] == 1
+    assert stats["pd_remote_prefills"] == before["pd_remote_prefills"]
+    assert_nothing_held(llm)
+
+
+def test_a_late_answer_after_a_timeout_writes_only_into_held_ids(pd_engine, prompts, colocated):
+    llm = pd_engine(1, 1)
+    before = llm.core.stats()
+    llm.core.timeout_s = 0.0  # every handoff times out before its answer: prefilled here
+    try:
+        outs = llm.generate(prompts[4:7], GREEDY)
+    finally:
+        llm.core.timeout_s = llm.config.pd_timeout_s
+    assert [o.token_ids for o in outs] == colocated[0][4:7]
+    assert llm.core.stats()["pd_local_prefills"] - before["pd_local_prefills"] == 3
+    drain(llm)  # the late answers free the held ids
+    assert_nothing_held(llm)
+
+
+def test_a_request_aborted_during_its_handoff_leaves_nothing_behind(pd_engine, prompts):
+    llm = pd_engine(1, 1)
+    core = llm.core
+    core.add_request("gone", prompts[-1], GREEDY)
+    core.step()  # reserves its ids, asks the prefill engine, waits 50 ms (a prefill takes longer)
+    assert not core.scheduler.transfers["gone"].answered
+    assert core.abort("gone", "the caller left").finish_reason == "abort"
+    core.pop_output("gone")
+    assert core.scheduler.held  # a write may still come: the ids wait for the answer
+    drain(llm)  # its ids are held until the prefill engine's answer, then freed
+    assert_nothing_held(llm)
+
+
+def drain(llm: LLM, timeout_s: float = 30.0) -> None:
+    """Steps the idle engine until every handoff got its answer (held ids are freed then)."""
+    deadline = time.monotonic() + timeout_s
+    while llm.core.handoffs and time.monotonic() < deadline:
+        llm.core.step()
+        time.sleep(0.05)
+
+
+def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, prompts, colocated):
+    llm = pd_engine(1, 1)
+    core, before = llm.core, llm.core.stats()
+    core.add_request("in-flight", prompts[-1], GREEDY)
+    core.step()  # its prefill is running on the prefill engine when the engine dies
+    assert not core.scheduler.transfers["in-flight"].answered
+    ray.kill(core.prefill.actor, no_restart=True)
+    start = time.monotonic()
+    core.run_until_done({"in-flight"})
+    out = core.pop_output("in-flight")
+    assert time.monotonic() - start < 60
+    assert (out.token_ids, out.finish_reason) == (colocated[0][-1], "length")
+    assert not core.prefill.alive
+    outs = llm.generate(prompts[:3], GREEDY)  # later requests run here from the start
+    assert [o.token_ids for o in outs] == colocated[0][:3]
+    assert core.stats()["pd_local_prefills"] - before["pd_local_prefills"] == 1
+    assert core.stats()["pd_remote_prefills"] == before["pd_remote_prefills"]
+    drain(llm)  # ids the dead engine's stages might still have written are held a while
+    assert_nothing_held(llm)
