@@ -19,6 +19,8 @@ from dsv4ray.cache.hicache import WRITE_POLICIES
 from dsv4ray.config_error import is_int
 from dsv4ray.engine.spec import SpecConfig
 
+WEIGHT_FORMATS = ("auto", "dequantized", "native")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -41,6 +43,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
+    # quantized checkpoints: "native" keeps FP8 / FP4 weights (kernels compute with them),
+    # "dequantized" converts them to the compute dtype at load; "auto": native on CUDA
+    weight_format: str = "auto"
 
     @classmethod
     def build(cls, model: str, **options) -> EngineConfig:
@@ -71,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.cuda_graphs, bool):
             raise ValueError(f"cuda_graphs must be True or False, got {self.cuda_graphs!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one
