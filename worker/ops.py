@@ -66,9 +66,12 @@ def prepare(blocks, dtype: torch.dtype | None = None) -> None:
     if not fused():
         return
     for block in blocks:
-        block.ffn.stack_experts()
-        for layer in block.modules():
-            if isinstance(layer, QuantLinear) and layer.kind == "fp8":
+        ffn = block.ffn
+        ffn.stack_experts()
+        stacked = list(ffn.experts) + ([ffn.shared_experts] if ffn.shared_in_stack else [])
+        in_stack = {id(layer) for expert in stacked for layer in expert.modules()}
+        for layer in block.modules():  # the rest run one by one
+            if isinstance(layer, QuantLinear) and layer.kind == "fp8" and id(layer) not in in_stack:
                 layer.matmul = fp8_kernels.fp8_linear
                 if layer.weight.is_cuda and dtype is not None:
                     fp8_kernels.compile_variants(
