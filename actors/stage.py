@@ -30,10 +30,12 @@ class StageActor:
         device: str,
         num_threads: int,
         log_level: str = "INFO",
+        weight_format: str = "auto",
     ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
-        self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device)
+        self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
+                                  weight_format=weight_format)  # fmt: skip
 
     def ready(self) -> dict:
         return {

@@ -2,6 +2,7 @@
 
     python bench/decode.py [--model DIR] [--batches 1,16,64] [--contexts 4096,16384,65536]
                            [--prefill-len 8192] [--no-hf] [--profile DIR] [--commit SHA]
+    python bench/decode.py --quantize fp8+fp4-experts [--batches 1,64]   (see bench/quantized.py)
 
 Makes the dsv4-mini checkpoint when --model does not exist, measures the device copy ceiling and
 the bf16 matmul peak, then in the same run: decode tokens/s of the engine and of transformers
@@ -243,6 +244,10 @@ def profile_decode(llm: LLM, out_dir: str, batch: int = 16, steps: int = 16) -> 
 
 def main() -> None:
     args = parse_args()
+    if args.quantize:
+        from quantized import main as quantized_main
+
+        return quantized_main(args)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from dsv4ray.model.tiny import make_tiny
 
@@ -304,6 +309,9 @@ def parse_args():
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="engine without overlap scheduling")
     p.add_argument("--profile", default=None, help="write a decode profile table here")
+    p.add_argument("--quantize", default=None, choices=["fp8", "fp8+fp4-experts"],
+                   help="native FP8/FP4 weights vs dequantised bf16 (bench/quantized.py)")
+    p.add_argument("--preset", default="dsv4-mini", help="make_tiny preset for --quantize")
     p.add_argument("--commit", default=None)
     p.add_argument("--out-dir", default=None)
     return p.parse_args()

@@ -2,9 +2,10 @@
 
 Weight bytes of a decode step at batch B: every non-expert matrix of the layers, the lm head and
 the hc head once, B embedding rows, and per MoE layer the routed experts that B tokens touch on
-average under uniform routing, E * (1 - (1 - k/E)^B), plus the shared expert. KV bytes of one
-request at context L per layer: the 128-entry window, then for C4 layers min(topk, L/4) entries
-(and L/4 indexer keys where the layer runs the indexer), for C128 layers L/128 entries.
+average under uniform routing, E * (1 - (1 - k/E)^B), plus the shared expert; in bf16, or with
+weight_format "native" in the formats a release checkpoint stores them (FP8, FP4, bf16). KV bytes
+of one request at context L per layer: the 128-entry window, then for C4 layers min(topk, L/4)
+entries (and L/4 indexer keys where the layer runs the indexer), for C128 layers L/128 entries.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import torch
 
 from dsv4ray.cache.layout import layout_for
 from dsv4ray.config import ModelConfig
+from dsv4ray.config_quant import FP4_GROUP
+from dsv4ray.model.release import release_format
 from dsv4ray.model.stage import StageModel
 
 
@@ -41,13 +44,16 @@ def median_s(fn, reps: int = 10) -> float:
     return sorted(times)[reps // 2]
 
 
-def _param_groups(cfg: ModelConfig) -> dict:
-    """Parameter counts of the model by group."""
+def _param_groups(cfg: ModelConfig, weight_format: str = "count") -> dict:
+    """Parameter counts of the model by group ("count"), or the bytes a decode step reads of them:
+    2 per value ("dequantized": bf16), except, with "native", the weights a release checkpoint
+    stores quantised (FP8: 1 byte plus the value's share of its block scale; FP4: half a byte plus
+    a ue8m0 byte per 32 values). Norms and mixers count 2 bytes either way."""
     with torch.device("meta"):
         model = StageModel(cfg)
     groups = {"embed": 0, "head": 0, "expert": 0, "other": 0}
     for name, p in model.named_parameters():
-        size = p.numel()
+        size = p.numel() * _bytes_per_value(name, p, cfg, weight_format)
         if name.startswith("embed."):
             groups["embed"] += size
         elif name.startswith("head."):
@@ -59,12 +65,26 @@ def _param_groups(cfg: ModelConfig) -> dict:
     return groups
 
 
-def weight_bytes_per_step(cfg: ModelConfig, batch: int) -> float:
-    g = _param_groups(cfg)
+def _bytes_per_value(name: str, p: torch.Tensor, cfg: ModelConfig, weight_format: str) -> float:
+    if weight_format == "count":
+        return 1
+    quant = cfg.quantization
+    fmt = release_format(name, p, quant) if weight_format == "native" and quant else "bf16"
+    if fmt == "fp4":
+        return 0.5 + 1 / FP4_GROUP
+    if fmt == "fp8":
+        scale = 1 if quant.scale_fmt == "ue8m0" else 4
+        return 1 + scale / (quant.weight_block_size[0] * quant.weight_block_size[1])
+    return 2
+
+
+def weight_bytes_per_step(cfg: ModelConfig, batch: int, weight_format: str = "dequantized"):
+    """Weight bytes a decode step at `batch` reads (bf16, or the stored formats with "native")."""
+    g = _param_groups(cfg, weight_format)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
     touched = e * (1 - (1 - k / e) ** batch)
     embed_rows = batch * cfg.hidden_size * 2
-    return 2 * (g["other"] + g["head"] + g["expert"] * touched / e) + embed_rows  # bf16
+    return g["other"] + g["head"] + g["expert"] * touched / e + embed_rows
 
 
 def kv_bytes_per_step(cfg: ModelConfig, context: int, kv_dtype: str) -> float:

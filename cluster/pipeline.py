@@ -149,6 +149,7 @@ class RayPipeline:
             ec.device,
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
+            ec.weight_format,
         )
 
     def _draft_actor(self):

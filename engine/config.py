@@ -20,6 +20,8 @@ from dsv4ray.config_error import is_int
 from dsv4ray.engine.handoff import PD_PROTOCOLS
 from dsv4ray.engine.spec import SpecConfig
 
+WEIGHT_FORMATS = ("auto", "dequantized", "native")
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -54,6 +56,9 @@ class EngineConfig:
     pd_protocol: str = "tcp"  # Mooncake transport: "tcp", or "rdma" where NICs have it
     pd_timeout_s: float = 120.0  # a prefill not answered by then is done here instead
     pd_test_corrupt_transfers: int = 0  # test hook: the next N handoffs flip a byte on the wire
+    # quantized checkpoints: "native" keeps FP8 / FP4 weights (kernels compute with them),
+    # "dequantized" converts them to the compute dtype at load; "auto": native on CUDA
+    weight_format: str = "auto"
 
     @classmethod
     def build(cls, model: str, check_model: bool = True, **options) -> EngineConfig:
@@ -92,6 +97,10 @@ class EngineConfig:
         for name in ("cuda_graphs", "enable_hisparse"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {self.weight_format!r}"
+            )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
         SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one

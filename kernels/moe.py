@@ -1,13 +1,22 @@
 """Routed experts as two grouped GEMMs over the (token, slot) pairs grouped by expert, sync-free.
 
     fused_moe(x [N, hidden], ids [N, S] int64, weights [N, S] fp32, w13 [E, 2 * inter, hidden],
-              w2 [E, hidden, inter], limit) -> [N, hidden] in x's dtype
+              w2 [E, hidden, inter], limit, scales=None, fmt="dense", block=(128, 128))
+        -> [N, hidden] in x's dtype
     out[t] = sum_s weights[t, s] * expert_{ids[t, s]}(x[t]),
     expert_e(v) = w2[e] (silu(min(g, limit)) * clamp(u, -limit, limit)), g | u = w13[e] v
 
 w13 holds each expert's gate rows (w1) then its up rows (w3). A slot may name any expert, the
 shared expert included when the caller stacks it as one more expert with weight 1. Pairs are
 numbered p = token * S + slot.
+
+Weight formats (kernels/quant_tiles.py decodes them in registers; x stays bf16, fp16 or fp32):
+  - "dense": w13, w2 in x's dtype, scales None;
+  - "fp8": e4m3 w13 [E, 2 * inter, hidden] and w2 [E, hidden, inter] with block scales (s13, s2):
+    s13 [E, 2 * ceil(inter / bn), ceil(hidden / bk)] (w1's block rows, then w3's), s2 [E,
+    ceil(hidden / bn), ceil(inter / bk)], fp32 or ue8m0, for block = (bn, bk);
+  - "fp4": e2m1 pairs packed along K, w13 [E, 2 * inter, hidden / 2] and w2 [E, hidden, inter / 2]
+    (int8 or uint8), ue8m0 s13 [E, 2 * inter, hidden / 32] and s2 [E, hidden, inter / 32].
 
 Plan (no host synchronisation, so a CUDA graph can capture it; grids are fixed by the shapes and
 programs with no pairs exit at once): the pairs are grouped by expert, then `_gate_up_kernel`
@@ -20,23 +29,27 @@ slot order. Two ways to group, by the number of pairs P:
     [m * BLOCK_M, (m + 1) * BLOCK_M) of expert e's row;
   - sort (prefills): `align` sorts the pairs by expert and cuts each expert's run into blocks of
     BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks).
-fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 accumulation.
+fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 accumulation (under
+the interpreter every dot runs in fp32). `fused_moe_ref` is the torch reference.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.quant_tiles import (
+    FORMATS,
+    FP4_GROUP,
+    dequantize_ref,
+    k_tile,
+    kernel_bytes,
+    load_x,
+    scale_shape,
+    weight_dot,
+)
+
 LIST_MAX_PAIRS = 1024
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        out = tl.dot(a, b, input_precision="ieee")
-    else:
-        out = tl.dot(a, b)
-    return out
 
 
 @triton.jit
@@ -76,9 +89,11 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_kernel(x_ptr, w13_ptr, list_ptr, blocks_ptr, counts_ptr, h_ptr, num_pairs, hidden,
-                    inter, num_slots, limit, LISTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, list_ptr, blocks_ptr, counts_ptr, h_ptr, num_pairs,
+                    hidden, inter, num_slots, limit, stride_w, stride_s, s_per_expert, s_up,
+                    block_n, block_k, LISTED: tl.constexpr, FMT: tl.constexpr,
+                    SCALE_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     # program (pair block, column block n): h[pairs, n] for the pairs' expert
     expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED,
                                       BLOCK_M)
@@ -87,19 +102,17 @@ def _gate_up_kernel(x_ptr, w13_ptr, list_ptr, blocks_ptr, counts_ptr, h_ptr, num
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         w_rows = expert.to(tl.int64) * 2 * inter + n
+        s_rows = expert.to(tl.int64) * s_per_expert + n // block_n  # gate rows; up: + s_up
+        x_rows = x_ptr + token[:, None] * hidden
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < hidden
-            xk = tl.load(x_ptr + token[:, None] * hidden + k[None, :],
-                         mask=ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(w13_ptr + w_rows[None, :] * hidden + k[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(w13_ptr + (w_rows + inter)[None, :] * hidden + k[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc_g += _dot(xk, wg, IEEE)
-            acc_u += _dot(xk, wu, IEEE)
+            xa, xb = load_x(x_rows, ok[:, None], k0, hidden, FMT, BLOCK_K)
+            acc_g += weight_dot(xa, xb, k0, hidden, w13_ptr, w_rows, n_ok, stride_w, s13_ptr,
+                                s_rows, stride_s, block_k, FMT, SCALE_BYTES, BLOCK_K, IEEE)
+            acc_u += weight_dot(xa, xb, k0, hidden, w13_ptr, w_rows + inter, n_ok, stride_w,
+                                s13_ptr, s_rows + s_up, stride_s, block_k, FMT, SCALE_BYTES,
+                                BLOCK_K, IEEE)
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = gate * tl.sigmoid(gate) * up
@@ -108,9 +121,11 @@ def _gate_up_kernel(x_ptr, w13_ptr, list_ptr, blocks_ptr, counts_ptr, h_ptr, num
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _down_kernel(h_ptr, w2_ptr, list_ptr, blocks_ptr, counts_ptr, weight_ptr, out_ptr, num_pairs,
-                 hidden, inter, LISTED: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, list_ptr, blocks_ptr, counts_ptr, weight_ptr, out_ptr,
+                 num_pairs, hidden, inter, stride_w, stride_s, s_per_expert, block_n, block_k,
+                 LISTED: tl.constexpr, FMT: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
     # program (pair block, column block n): out[pair, n] = weight[pair] * h[pair] w2[e, n]^T
     expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED,
                                       BLOCK_M)
@@ -118,15 +133,13 @@ def _down_kernel(h_ptr, w2_ptr, list_ptr, blocks_ptr, counts_ptr, weight_ptr, ou
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_rows = expert.to(tl.int64) * hidden + n
+        s_rows = expert.to(tl.int64) * s_per_expert + n // block_n
+        h_rows = h_ptr + pair[:, None] * inter
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inter, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < inter
-            hk = tl.load(h_ptr + pair[:, None] * inter + k[None, :],
-                         mask=ok[:, None] & k_ok[None, :], other=0.0)
-            wk = tl.load(w2_ptr + w_rows[None, :] * inter + k[:, None],
-                         mask=n_ok[None, :] & k_ok[:, None], other=0.0)
-            acc += _dot(hk, wk, IEEE)
+            xa, xb = load_x(h_rows, ok[:, None], k0, inter, FMT, BLOCK_K)
+            acc += weight_dot(xa, xb, k0, inter, w2_ptr, w_rows, n_ok, stride_w, s2_ptr, s_rows,
+                              stride_s, block_k, FMT, SCALE_BYTES, BLOCK_K, IEEE)
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
         tl.store(out_ptr + pair[:, None] * hidden + n[None, :], acc * w[:, None],
                  mask=ok[:, None] & n_ok[None, :])
@@ -176,21 +189,53 @@ def _tiles(listed: bool) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def fused_moe(x, ids, weights, w13, w2, limit: float) -> torch.Tensor:
+def _layout(fmt: str, scale, rows: int, cols: int, block) -> tuple[int, int, int, int]:
+    """(stride_w, stride_s, s_per_expert, block_n) of a stacked weight of logical [E, rows, cols]:
+    elements (bytes) per weight row, scales per scale row, scale rows per expert, and the weight
+    rows one scale row covers."""
+    if fmt == "fp4":
+        return cols // 2, cols // FP4_GROUP, rows, 1
+    if fmt == "fp8":
+        return cols, scale.shape[2], scale.shape[1], block[0]
+    return cols, 0, 0, 1
+
+
+def _check(x, w13, w2, scales, fmt, block) -> int:
+    """Shapes and dtypes of the stacked weights (see the module docstring); returns inter."""
+    num_experts, inter, hidden = w13.shape[0], w13.shape[1] // 2, x.shape[1]
+    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
+    assert fmt in FORMATS, fmt
+    if fmt == "dense":
+        assert x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype, w2.dtype)
+    else:
+        assert w13.element_size() == w2.element_size() == 1, (w13.dtype, w2.dtype)
+        assert x.dtype in (torch.bfloat16, torch.float16, torch.float32), x.dtype
+    packed = 2 if fmt == "fp4" else 1
+    assert w13.shape == (num_experts, 2 * inter, hidden // packed), w13.shape
+    assert w2.shape == (num_experts, hidden, inter // packed), w2.shape
+    if fmt != "dense":
+        s13, s2 = scales
+        assert s13.is_contiguous() and s2.is_contiguous()
+        gate = scale_shape(fmt, inter, hidden, block)
+        assert s13.shape == (num_experts, 2 * gate[0], gate[1]), s13.shape
+        assert s2.shape == (num_experts, *scale_shape(fmt, hidden, inter, block)), s2.shape
+    return inter
+
+
+def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "dense",
+              block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """See the module docstring."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = w13.shape
-    inter = two_inter // 2
-    assert x.is_contiguous() and w13.is_contiguous() and w2.is_contiguous()
-    assert w13.shape == (num_experts, 2 * inter, hidden), w13.shape
-    assert w2.shape == (num_experts, hidden, inter), w2.shape
+    inter = _check(x, w13, w2, scales, fmt, block)
     assert ids.shape == weights.shape and ids.shape[0] == num_tokens, (ids.shape, weights.shape)
-    assert x.dtype == w13.dtype == w2.dtype, (x.dtype, w13.dtype, w2.dtype)
+    num_experts = w13.shape[0]
     num_slots, num_pairs = ids.shape[1], ids.numel()
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     listed = num_pairs <= LIST_MAX_PAIRS
     tiles = _tiles(listed)
+    if fmt == "fp8":
+        tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:
         pair_list, counts = list_pairs(ids, num_experts)
         blocks = counts  # unused
@@ -199,13 +244,45 @@ def fused_moe(x, ids, weights, w13, w2, limit: float) -> torch.Tensor:
         pair_list, blocks = align(ids, num_experts, tiles["BLOCK_M"])
         counts = blocks  # unused
         num_blocks = blocks.shape[0]
+    s13, s2 = (kernel_bytes(s) for s in scales) if fmt != "dense" else (w13, w2)
+    layout13 = _layout(fmt, s13, 2 * inter, hidden, block)
+    layout2 = _layout(fmt, s2, hidden, inter, block)
+    s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    ieee = x.dtype == torch.float32
+    flags = dict(LISTED=listed, FMT=FORMATS[fmt], SCALE_BYTES=s13.element_size() == 1,
+                 IEEE=x.dtype == torch.float32 or interpreting(), **tiles)
+    w13, w2 = kernel_bytes(w13), kernel_bytes(w2)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
-        x, w13, pair_list, blocks, counts, h, num_pairs, hidden, inter, num_slots, limit,
-        LISTED=listed, IEEE=ieee, **tiles)
+        x, w13, s13, pair_list, blocks, counts, h, num_pairs, hidden, inter, num_slots, limit,
+        layout13[0], layout13[1], layout13[2], s_up, layout13[3], block[1], **flags)
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
-        h, w2, pair_list, blocks, counts, weights.float().contiguous(), out, num_pairs, hidden,
-        inter, LISTED=listed, IEEE=ieee, **tiles)
+        h, w2, s2, pair_list, blocks, counts, weights.float().contiguous(), out, num_pairs,
+        hidden, inter, *layout2, block[1], **flags)
     return out.view(num_tokens, num_slots, hidden).sum(dim=1).to(x.dtype)
+
+
+def fused_moe_ref(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "dense",
+                  block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """The torch reference of `fused_moe`: stacked weights dequantised to fp32, a loop over the
+    experts in fp32, h rounded to x's dtype between the two products as the kernels store it."""
+    inter = _check(x, w13, w2, scales, fmt, block)
+    if fmt == "dense":
+        w13, w2 = w13.float(), w2.float()
+    else:
+        s13, s2 = scales
+        half = s13.shape[1] // 2  # w1's scale rows, then w3's (their own block grids)
+        w13 = torch.cat([dequantize_ref(w13[:, :inter], s13[:, :half], fmt, block),
+                         dequantize_ref(w13[:, inter:], s13[:, half:], fmt, block)], dim=1)
+        w2 = dequantize_ref(w2, s2, fmt, block)
+    flat, coef = ids.reshape(-1), weights.reshape(-1).float()
+    token = torch.arange(flat.numel(), device=x.device) // ids.shape[1]
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in torch.unique(flat).tolist():
+        pairs = (flat == e).nonzero().squeeze(1)
+        gate_up = x[token[pairs]].float() @ w13[e].t()  # [pairs, 2 * inter]
+        gate = gate_up[:, :inter].clamp(max=limit)
+        up = gate_up[:, inter:].clamp(min=-limit, max=limit)
+        h = (torch.nn.functional.silu(gate) * up).to(x.dtype).float()
+        out.index_add_(0, token[pairs], (h @ w2[e].t()) * coef[pairs, None])
+    return out.to(x.dtype)

@@ -13,13 +13,22 @@ import logging
 import torch
 
 from dsv4ray.config import ModelConfig
+from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.mtp import DraftModel, MTPBlock
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.stage import StageModel
-from dsv4ray.model.weights import checkpoint_index, has_mtp, iter_tensors, load_state
+from dsv4ray.model.weights import (
+    CheckpointError,
+    checkpoint_index,
+    has_mtp,
+    iter_tensors,
+    load_state,
+    quantized_weights,
+)
 
 log = logging.getLogger("dsv4ray.model")
 
+WEIGHT_FORMATS = ("dequantized", "native")
 # Kept in fp32 whatever the model dtype (as the release and transformers keep them).
 _FP32_SUFFIXES = ("norm.weight", "attn_sink", "ape", "gate.bias", "_base", "_scale", "_fn")
 
@@ -62,14 +71,46 @@ def load_stage(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     cfg: ModelConfig | None = None,
+    weight_format: str = "dequantized",
 ) -> StageModel:
-    """Loads only the tensors of layers [start, end) (plus embed / head on the end stages)."""
+    """Loads only the tensors of layers [start, end) (plus embed / head on the end stages).
+
+    weight_format "native": every linear whose weight the checkpoint stores quantised becomes a
+    ``QuantLinear`` holding the stored bytes and scale; "dequantized": all are dequantised into
+    ``dtype``. Tensors stored in bf16 or fp32 load the same way in both.
+    """
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     dtype = _dtype(dtype)
     cfg = cfg or ModelConfig.from_hf(path)
     with torch.device("meta"):
         module = StageModel(cfg, start, end, dtype)
+        if weight_format == "native":
+            keep_quantized(module, path, cfg, module.owns)
     _materialise(module, path, dtype, device, want=module.owns)
     return module
+
+
+def keep_quantized(module: torch.nn.Module, path: str, cfg: ModelConfig, want=None) -> int:
+    """Replaces each linear whose weight ``path`` stores quantised by a ``QuantLinear`` of the
+    stored kind (on the module's device, normally meta); returns how many."""
+    quant = cfg.quantization
+    if quant is None:
+        raise ValueError(f"weight_format 'native' needs a quantized checkpoint; {path!r} has none")
+    kinds = quantized_weights(path, quant, want)
+    for name, kind in kinds.items():
+        parent_name, _, attr = name[: -len(".weight")].rpartition(".")
+        parent = module.get_submodule(parent_name)
+        old = getattr(parent, attr, None)
+        if not isinstance(old, torch.nn.Linear):
+            raise CheckpointError(f"tensor {name!r} is stored quantised but is no linear's weight")
+        groups = cfg.o_groups if attr == "wo_a" else 1  # the grouped output projection
+        scale_bytes = kind == "fp4" or quant.scale_fmt == "ue8m0"
+        layer = QuantLinear(old.in_features, old.out_features, kind, quant.weight_block_size,
+                            scale_bytes, groups)  # fmt: skip
+        setattr(parent, attr, layer)
+    log.info("%d linear layers keep their quantised weights", len(kinds))
+    return len(kinds)
 
 
 def missing_draft_tensors(path: str, cfg: ModelConfig | None = None) -> list[str]:

@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4ray.config import QuantConfig
-from dsv4ray.model.quant import QuantizedWeight
+from dsv4ray.model.quant import QuantizedWeight, scale_to_float
 
 _RENAMES = (
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
@@ -170,6 +170,19 @@ def _check_scales(index: dict[str, _Entry], want) -> None:
             )
 
 
+def quantized_weights(path: str, quant: QuantConfig | None, want=None) -> dict[str, str]:
+    """Official name -> "fp8" or "fp4" of every weight the checkpoint stores quantised."""
+    index = checkpoint_index(path)
+    kinds = {}
+    for name, entry in index.items():
+        if name.endswith(SCALE_SUFFIX) or (want is not None and not want(name)):
+            continue
+        kind = _quant_kind(name, entry, quant)
+        if kind is not None:
+            kinds[name] = kind
+    return kinds
+
+
 def has_mtp(path: str) -> bool:
     return any(name.startswith("mtp.") for name in checkpoint_index(path))
 
@@ -190,6 +203,11 @@ def load_state(
         if local not in expected:
             raise CheckpointError(f"unexpected tensor {name!r} in the checkpoint")
         target = expected[local]
+        if isinstance(tensor, QuantizedWeight) and target.element_size() == 1:
+            scale_local = local[: -len(".weight")] + SCALE_SUFFIX  # a layer kept quantised
+            _load_stored(tensor, target, expected[scale_local])
+            seen.update((local, scale_local))
+            continue
         if tuple(tensor.shape) != tuple(target.shape):
             raise CheckpointError(
                 f"tensor {name!r} has shape {tuple(tensor.shape)}, the model expects "
@@ -209,6 +227,38 @@ def load_state(
             f"checkpoint is missing tensor {prefix + missing[0]!r}"
             + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
         )
+
+
+@torch.no_grad()
+def _load_stored(weight: QuantizedWeight, target: torch.Tensor, scale: torch.Tensor) -> None:
+    """Copies a quantised weight's bytes and scale into a layer that keeps them (QuantLinear)."""
+    _check_scale_shape(weight)
+    packed = torch.float8_e4m3fn if weight.kind == "fp8" else torch.int8
+    if target.dtype != packed or tuple(weight.data.shape) != tuple(target.shape):
+        raise CheckpointError(
+            f"tensor {weight.name!r} ({weight.kind}, {tuple(weight.data.shape)}) does not fit "
+            f"the layer's {target.dtype} {tuple(target.shape)}"
+        )
+    target.copy_(weight.data.view(target.dtype))
+    scale.copy_(_scale_as(weight, scale.dtype))
+
+
+def _scale_as(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """The weight's scale as fp32 multipliers or as uint8 ue8m0 exponent bytes (b: 2^(b-127))."""
+    values = scale_to_float(weight.scale)
+    if dtype == torch.float32:
+        return values
+    if weight.scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
+        return weight.scale.view(torch.uint8)
+    exponent = torch.log2(values).round()
+    if not torch.equal(torch.exp2(exponent), values) or not (
+        (exponent > -127) & (exponent < 128)
+    ).all():
+        raise CheckpointError(
+            f"scale tensor {weight.name[: -len('.weight')] + SCALE_SUFFIX!r} holds values that "
+            "are not powers of two between 2^-126 and 2^127 (ue8m0 exponent bytes)"
+        )
+    return (exponent + 127).to(torch.uint8)
 
 
 def _check_scale_shape(weight: QuantizedWeight) -> None:

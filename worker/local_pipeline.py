@@ -89,7 +89,8 @@ class LocalPipeline:
     def _build(self) -> None:
         ec, cfg = self.config, self.cfg
         self.workers = [
-            StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg, ec.cuda_graphs)
+            StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg, ec.cuda_graphs,
+                        ec.weight_format)  # fmt: skip
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None

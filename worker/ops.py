@@ -3,15 +3,20 @@ otherwise (kernels/dispatch.py picks the backend once).
 
 Each op is one kernel (or two) on GPUs where the model's torch code is a chain of small ones:
 mHC (kernels/mhc.py), norms and RoPE (kernels/norm.py), the routed and shared experts
-(kernels/moe.py). The torch side is the reference these kernels are tested against, and what CPU
-machines run.
+(kernels/moe.py, on bf16, FP8 or FP4 expert weights). Linears that keep a checkpoint's FP8 weights
+(``QuantLinear``, see ``resolve_weight_format``) are bound to kernels/fp8_linear.py in `prepare`.
+The torch side is the reference these kernels are tested against, and what CPU machines run.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from dsv4ray.config import ModelConfig
 from dsv4ray.kernels import dispatch
+from dsv4ray.kernels import fp8_linear as fp8_kernels
 from dsv4ray.kernels import mhc as mhc_kernels
 from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels import norm as norm_kernels
@@ -20,19 +25,58 @@ from dsv4ray.model.layers.common import RMSNorm, unweighted_rms_norm
 from dsv4ray.model.layers.common import rms_norm as torch_rms_norm
 from dsv4ray.model.layers.mhc import hc_post
 from dsv4ray.model.layers.moe import MoE
+from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.layers.rope import apply_rope
+
+log = logging.getLogger("dsv4ray.worker")
 
 
 def fused() -> bool:
     return dispatch.backend() == "triton"
 
 
-def prepare(blocks) -> None:
+def resolve_weight_format(requested: str, cfg: ModelConfig, device: torch.device) -> str:
+    """EngineConfig.weight_format -> how a stage loads its linears, "native" or "dequantized".
+
+    "auto": native (FP8 / FP4 weights kept, the kernels of kernels/fp8_linear.py and
+    kernels/moe.py) on CUDA with the Triton backend for a quantized checkpoint; else dequantized.
+    """
+    quant = cfg.quantization
+    if requested == "native" and quant is None:
+        raise ValueError("weight_format 'native' needs a quantized checkpoint (config.json has no "
+                         "quantization_config)")  # fmt: skip
+    if quant is not None and quant.weight_block_size[1] % 16 and fused():
+        if requested == "native":
+            raise ValueError(f"weight_format 'native': the FP8 kernels need scale blocks of a "
+                             f"multiple of 16 columns, weight_block_size is "
+                             f"{list(quant.weight_block_size)}")  # fmt: skip
+        requested = "dequantized"
+    if requested == "auto":
+        native = quant is not None and device.type == "cuda" and fused()
+        requested = "native" if native else "dequantized"
+    log.info("weights: %s (%s)", requested, "quantized checkpoint" if quant else "bf16/fp32")
+    return requested
+
+
+def prepare(blocks, dtype: torch.dtype | None = None) -> None:
     """One-time weight layouts the fused ops read: each MoE's experts stacked (the experts'
-    parameters become views, so nothing is held twice). Call before sizing pools."""
-    if fused():
-        for block in blocks:
-            block.ffn.stack_experts()
+    parameters become views, so nothing is held twice), and FP8 linears kept quantised bound to
+    their kernel (compiled here on CUDA for the model dtype, so serving compiles nothing). Call
+    before sizing pools."""
+    if not fused():
+        return
+    for block in blocks:
+        ffn = block.ffn
+        ffn.stack_experts()
+        stacked = list(ffn.experts) + ([ffn.shared_experts] if ffn.shared_in_stack else [])
+        in_stack = {id(layer) for expert in stacked for layer in expert.modules()}
+        for layer in block.modules():  # the rest run one by one
+            if isinstance(layer, QuantLinear) and layer.kind == "fp8" and id(layer) not in in_stack:
+                layer.matmul = fp8_kernels.fp8_linear
+                if layer.weight.is_cuda and dtype is not None:
+                    fp8_kernels.compile_variants(
+                        layer.weight, layer.scale, layer.block, layer.groups, dtype
+                    )
 
 
 def pre_mix(block: Block, x: torch.Tensor, site: str):
@@ -94,5 +138,8 @@ def moe(ffn: MoE, x: torch.Tensor, token_ids: torch.Tensor, static: bool) -> tor
     if ffn.shared_in_stack:
         ids = torch.cat([ids, torch.full_like(ids[:, :1], len(ffn.experts))], dim=1)
         weights = torch.cat([weights, torch.ones_like(weights[:, :1])], dim=1)
-    out = moe_kernels.fused_moe(x.contiguous(), ids, weights, w13, w2, ffn.limit)
+    fmt, block = ffn.expert_format
+    out = moe_kernels.fused_moe(
+        x.contiguous(), ids, weights, w13, w2, ffn.limit, ffn.stacked_scales, fmt, block
+    )
     return out if ffn.shared_in_stack else out + ffn.shared_experts(x)

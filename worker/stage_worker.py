@@ -50,14 +50,15 @@ class StageWorker:
         device: str | torch.device = "cpu",
         cfg: ModelConfig | None = None,
         cuda_graphs: bool = False,
+        weight_format: str = "auto",
     ) -> None:
         self.cfg = cfg or ModelConfig.from_hf(model_path)
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
-        self.model = load_stage(
-            model_path, start, end, dtype or self.cfg.torch_dtype, device, self.cfg
-        )
-        ops.prepare(self.model.block(i) for i in range(start, end))
+        self.weight_format = ops.resolve_weight_format(weight_format, self.cfg, self.device)
+        self.model = load_stage(model_path, start, end, dtype or self.cfg.torch_dtype, device,
+                                self.cfg, self.weight_format)  # fmt: skip
+        ops.prepare((self.model.block(i) for i in range(start, end)), self.model.dtype)
         self.pools: StagePools | None = None
         self.host_io = None
         self.kv_port: KVPort | None = None  # prefill/decode handoffs, once open_transfer ran

@@ -123,6 +123,8 @@ class Attention(nn.Module):
     def project_out(self, o: torch.Tensor) -> torch.Tensor:
         """Grouped output projection: o [B, t, H, D] -> [B, t, hidden]."""
         groups, lead = self.cfg.o_groups, o.shape[:-2]
+        if not isinstance(self.wo_a, nn.Linear):  # kept quantised: block-diagonal over groups
+            return self.wo_b(self.wo_a(o.reshape(*lead, -1)))
         grouped = o.reshape(-1, groups, o.shape[-2] * o.shape[-1] // groups)  # [N, G, H*D/G]
         w = self.wo_a.weight.view(groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
         # one strided batched GEMM over the groups (an einsum here picked a slow unaligned kernel)

@@ -14,6 +14,7 @@ from torch import nn
 
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.layers.common import linear
+from dsv4ray.model.layers.quant_linear import QuantLinear
 
 
 class Expert(nn.Module):
@@ -70,27 +71,32 @@ class MoE(nn.Module):
         self.shared_experts = Expert(hidden, inter * cfg.n_shared_experts, limit)
         self.limit = limit
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.stacked_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def shared_in_stack(self) -> bool:
-        """The shared expert has the routed experts' width, so it stacks as one more expert."""
-        return self.shared_experts.w1.weight.shape == self.experts[0].w1.weight.shape
+        """The shared expert has the routed experts' width and storage format (a shared FP8
+        expert beside FP4 experts does not), so it stacks as one more expert."""
+        return _storage(self.shared_experts.w1) == _storage(self.experts[0].w1)
+
+    @property
+    def expert_format(self) -> tuple[str, tuple[int, int]]:
+        """("dense", "fp8" or "fp4", FP8 block) of the routed experts' weights."""
+        w1 = self.experts[0].w1
+        return (w1.kind, w1.block) if isinstance(w1, QuantLinear) else ("dense", (128, 128))
 
     @torch.no_grad()
     def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E', 2 * inter, hidden]: each expert's w1 rows then its w3 rows, w2 [E', hidden,
         inter]) with E' = E + 1 when the shared expert stacks last. The experts' parameters become
-        views of these tensors, so the weights are held once. Idempotent."""
+        views of these tensors, so the weights are held once. Idempotent. Quantised experts stack
+        their stored bytes the same way (FP4: hidden / 2 and inter / 2 bytes per row), and their
+        scales into ``stacked_scales`` (s13: w1's scale rows then w3's, s2)."""
         if self.stacked is None:
             experts = list(self.experts) + ([self.shared_experts] if self.shared_in_stack else [])
-            w13 = torch.stack([torch.cat([e.w1.weight, e.w3.weight]) for e in experts])
-            w2 = torch.stack([e.w2.weight for e in experts])
-            inter = experts[0].w1.weight.shape[0]
-            for i, e in enumerate(experts):
-                e.w1.weight = nn.Parameter(w13[i, :inter], requires_grad=False)
-                e.w3.weight = nn.Parameter(w13[i, inter:], requires_grad=False)
-                e.w2.weight = nn.Parameter(w2[i], requires_grad=False)
-            self.stacked = (w13, w2)
+            self.stacked = _stack(experts, "weight")
+            if isinstance(experts[0].w1, QuantLinear):
+                self.stacked_scales = _stack(experts, "scale")
         return self.stacked
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -115,3 +121,22 @@ class MoE(nn.Module):
         for e, expert in enumerate(self.experts):
             routed = routed + expert(flat) * dense[:, e, None]
         return (routed + self.shared_experts(flat)).view_as(x)
+
+
+def _storage(layer: nn.Module) -> list:
+    """(name, shape, dtype) of each tensor a linear layer holds."""
+    return [(name, t.shape, t.dtype) for name, t in layer.state_dict().items()]
+
+
+def _stack(experts: list[Expert], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacks tensor ``name`` of the experts' linears into (w1 | w3 [E', 2 * rows, ...], w2) and
+    makes each expert's tensor a view of the stack."""
+    rows = getattr(experts[0].w1, name).shape[0]
+    t13 = torch.stack([torch.cat([getattr(e.w1, name), getattr(e.w3, name)]) for e in experts])
+    t2 = torch.stack([getattr(e.w2, name) for e in experts])
+    for i, e in enumerate(experts):
+        for layer, view in ((e.w1, t13[i, :rows]), (e.w3, t13[i, rows:]), (e.w2, t2[i])):
+            if isinstance(getattr(layer, name), nn.Parameter):
+                view = nn.Parameter(view, requires_grad=False)
+            setattr(layer, name, view)
+    return t13, t2

@@ -1,0 +1,174 @@
+"""Block-scaled weight tiles decoded in registers, and the torch decode they are tested against.
+
+Weight formats (a weight is [N, K]: N output rows, K input columns; kernels take every 1-byte
+tensor as uint8 bytes):
+
+- dense: the values themselves (bf16, fp16 or fp32).
+- fp8: e4m3 bytes [N, K] with one scale per (block_n x block_k) block, scale [ceil(N /
+  block_n), ceil(K / block_k)], either fp32 or ue8m0 exponent bytes (b means 2^(b - 127), b in
+  [1, 254]). Value = e4m3 * scale.
+- fp4: e2m1 codes packed two per byte [N, K / 2], the even column in the LOW nibble; one ue8m0
+  byte per 32 values of a row, scale [N, K / 32]. Value = e2m1 * scale. Code bits: sign (3),
+  exponent (2..1), mantissa (0): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+
+`weight_dot` multiplies an activation tile by one K step of a weight tile, in fp32. FP8 runs the dot
+on the unscaled e4m3 numbers (exact in bf16 and fp16) and scales the [BLOCK_M, BLOCK_N] product by
+the block's scale, so a K step must not cross a scale block (BLOCK_K divides block_k). FP4 decodes
+value * scale (exact in bf16: two significant bits times a power of two) and splits the activations
+into even and odd columns, so each nibble multiplies its own column without interleaving.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ray.kernels.bits import f32_to_bf16_bits, pow2_from_byte
+
+FORMATS = {"dense": 0, "fp8": 1, "fp4": 2}  # the kernels' FMT argument
+FMT_FP8 = tl.constexpr(FORMATS["fp8"])
+FP4_GROUP = 32  # values of a row sharing one ue8m0 scale
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+@triton.jit
+def e2m1_to_f32(code):
+    """e2m1 codes (int32, 0..15) -> fp32 values, built as bits: exponent field e > 0 gives
+    (1 + m / 2) * 2^(e - 1), e = 0 gives m / 2."""
+    e = (code >> 1) & 3
+    m = code & 1
+    normal = ((e + 126) << 23) | (m << 22)
+    bits = tl.where(e == 0, m * (126 << 23), normal) | ((code & 8) << 28)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_scale(ptrs, mask, SCALE_BYTES: tl.constexpr):
+    """Scales at ptrs -> fp32 (ue8m0 bytes when SCALE_BYTES, else fp32); 0 where masked."""
+    if SCALE_BYTES:
+        byte = tl.load(ptrs, mask=mask, other=0).to(tl.int32)
+        out = tl.where(mask, pow2_from_byte(byte), 0.0)
+    else:
+        out = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return out
+
+
+@triton.jit
+def dot_f32(a, b, IEEE: tl.constexpr):
+    """a [M, K] @ b [K, N] with fp32 accumulation: exact fp32 operands (fp32 models, and the
+    interpreter, whose 16-bit dot multiplies raw bits), else b in a's 16-bit type on tensor
+    cores."""
+    if IEEE:
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(a, b.to(a.dtype))
+    return out
+
+
+@triton.jit
+def load_x(x_rows, x_ok, k0, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Activations x[:, k0:k0 + BLOCK_K] as `weight_dot` takes them: (xa, xb) = the even and odd
+    columns [BLOCK_M, BLOCK_K / 2] for FP4, else the tile [BLOCK_M, BLOCK_K] twice. x_rows
+    [BLOCK_M, 1]: pointers to the rows (contiguous along K), x_ok their mask; 0 past K."""
+    if FMT == 2:
+        col = k0 + 2 * tl.arange(0, BLOCK_K // 2)
+        xm = x_ok & (col < K)[None, :]  # K is a multiple of 32: col < K means col + 1 < K
+        xa = tl.load(x_rows + col[None, :], mask=xm, other=0.0)
+        xb = tl.load(x_rows + col[None, :] + 1, mask=xm, other=0.0)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        xa = tl.load(x_rows + k[None, :], mask=x_ok & (k < K)[None, :], other=0.0)
+        xb = xa
+    return xa, xb
+
+
+@triton.jit
+def weight_dot(xa, xb, k0, K, w_ptr, w_rows, n_ok, stride_w, s_ptr, s_rows, stride_s, block_k,
+               FMT: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_K: tl.constexpr,
+               IEEE: tl.constexpr):
+    """(xa, xb) from `load_x` times W[w_rows, k0:k0 + BLOCK_K]^T -> [BLOCK_M, BLOCK_N] fp32.
+
+    w_rows [BLOCK_N] int64 weight rows (n_ok: in range), stride_w elements (bytes for FP8 and FP4)
+    per row; s_rows [BLOCK_N] int64 scale rows, stride_s scales per scale row; k0 a multiple of
+    BLOCK_K. Columns past K count as zero.
+    """
+    if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
+        j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        wm = n_ok[None, :] & (2 * j < K)[:, None]
+        byte = tl.load(w_ptr + w_rows[None, :] * stride_w + j[:, None], mask=wm, other=0)
+        byte = byte.to(tl.int32) & 0xFF
+        scale = load_scale(s_ptr + s_rows[None, :] * stride_s + (j // 16)[:, None], wm, True)
+        lo = e2m1_to_f32(byte & 0xF) * scale  # [BLOCK_K / 2, BLOCK_N]
+        hi = e2m1_to_f32(byte >> 4) * scale
+        out = dot_f32(xa, lo, IEEE) + dot_f32(xb, hi, IEEE)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        wm = n_ok[None, :] & (k < K)[:, None]
+        w = tl.load(w_ptr + w_rows[None, :] * stride_w + k[:, None], mask=wm, other=0)
+        if FMT == 1:  # FP8: the dot on the e4m3 numbers, then the block's scale per column
+            w = w.to(tl.float8e4nv, bitcast=True)
+            if IEEE:
+                w = w.to(tl.float32)
+            else:
+                w = w.to(xa.dtype)
+            scale = load_scale(s_ptr + s_rows * stride_s + k0 // block_k, n_ok, SCALE_BYTES)
+            out = dot_f32(xa, w, IEEE) * scale[None, :]
+        else:
+            out = dot_f32(xa, w, IEEE)
+    return out
+
+
+def k_tile(preferred: int, block_k: int) -> int:
+    """The largest power-of-two K step <= preferred that divides block_k (so a step never
+    crosses an FP8 scale block); at least 16 (tl.dot's minimum)."""
+    step = preferred
+    while step > 16 and block_k % step:
+        step //= 2
+    if block_k % step:
+        raise ValueError(f"FP8 scale blocks of {block_k} columns need a K step of at least 16")
+    return step
+
+
+def kernel_bytes(t: torch.Tensor) -> torch.Tensor:
+    """1-byte tensors (fp8, packed fp4, ue8m0) as the uint8 bytes the kernels read; others as is."""
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def scale_float_ref(scale: torch.Tensor) -> torch.Tensor:
+    """Stored scales (fp32, float8_e8m0fnu or uint8 exponent bytes) -> fp32 multipliers."""
+    if scale.element_size() == 1:
+        return torch.exp2(scale.view(torch.uint8).float() - 127.0)
+    return scale.float()
+
+
+def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, fmt: str,
+                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """[..., N, K'] stored weight -> [..., N, K] fp32 values (leading dims: stacked experts)."""
+    s = scale_float_ref(scale)
+    if fmt == "fp4":
+        codes = weight.view(torch.uint8).long()
+        pairs = torch.stack((codes & 0xF, codes >> 4), dim=-1).flatten(-2)  # [..., N, K]
+        lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), device=weight.device)
+        return lut[pairs] * s.repeat_interleave(FP4_GROUP, dim=-1)
+    assert fmt == "fp8", fmt
+    rows, cols = weight.shape[-2:]
+    expand = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return weight.float() * expand[..., :rows, :cols]
+
+
+def scale_shape(fmt: str, rows: int, cols: int, block: tuple[int, int]) -> tuple[int, int]:
+    """Scale grid of a logical [rows, cols] weight."""
+    if fmt == "fp4":
+        return rows, cols // FP4_GROUP
+    return math.ceil(rows / block[0]), math.ceil(cols / block[1])
+
+
+@triton.jit
+def store_rounded(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
+    """Stores fp32 x at ptr + offs in ptr's element type; bf16 as round-to-nearest-even bits (the
+    interpreter's fp32 -> bf16 cast truncates)."""
+    if OUT_BF16:
+        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, f32_to_bf16_bits(x), mask=mask)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)

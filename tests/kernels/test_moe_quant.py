@@ -1,0 +1,131 @@
+"""Grouped-GEMM experts on FP8 and FP4 weights: the kernels against `fused_moe_ref`, the reference
+against the loader's dequantisation, and the engine's fused MoE op on layers kept quantised
+against the same layers' torch forward."""
+
+import pytest
+import torch
+
+from dsv4ray.kernels import dispatch
+from dsv4ray.kernels.moe import LIST_MAX_PAIRS, fused_moe, fused_moe_ref
+from dsv4ray.kernels.testing import assert_close
+from dsv4ray.model.layers.moe import MoE
+from dsv4ray.model.layers.quant_linear import QuantLinear
+from dsv4ray.model.quant import QuantizedWeight, quantize_fp4, quantize_fp8
+from dsv4ray.model.tiny import tiny_config
+from dsv4ray.worker import ops
+
+HIDDEN, INTER, EXPERTS = 96, 64, 5  # not multiples of the 128-wide FP8 scale blocks
+LAYOUTS = [("fp8", "float"), ("fp8", "ue8m0"), ("fp4", "ue8m0")]
+
+
+def _quantize(w, fmt, scale_fmt):
+    return quantize_fp4(w) if fmt == "fp4" else quantize_fp8(w, (128, 128), scale_fmt)
+
+
+def _stacks(fmt, scale_fmt, device, seed=0):
+    """(w13, w2, (s13, s2), dequantised w13, dequantised w2) of EXPERTS random experts."""
+    g = torch.Generator().manual_seed(seed)
+
+    def one(rows, cols):
+        q = _quantize(torch.randn(rows, cols, generator=g) * cols**-0.5, fmt, scale_fmt)
+        return q, QuantizedWeight("w", *q, fmt).dequantize()
+
+    experts = [(one(INTER, HIDDEN), one(INTER, HIDDEN), one(HIDDEN, INTER)) for _ in range(EXPERTS)]
+    w13 = torch.stack([torch.cat([w1[0][0], w3[0][0]]) for w1, w3, _ in experts])
+    s13 = torch.stack([torch.cat([w1[0][1], w3[0][1]]) for w1, w3, _ in experts])
+    w2 = torch.stack([e[2][0][0] for e in experts])
+    s2 = torch.stack([e[2][0][1] for e in experts])
+    dense13 = torch.stack([torch.cat([w1[1], w3[1]]) for w1, w3, _ in experts])
+    dense2 = torch.stack([e[2][1] for e in experts])
+    to = lambda t: t.to(device)  # noqa: E731
+    return to(w13), to(w2), (to(s13), to(s2)), to(dense13), to(dense2)
+
+
+def _routing(num_tokens, device, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_tokens, HIDDEN, generator=g)
+    ids = torch.randint(0, EXPERTS, (num_tokens, 3), generator=g)
+    return x.to(device), ids.to(device), torch.rand(num_tokens, 3, generator=g).to(device)
+
+
+# 1 and 5 tokens group their pairs by list; 400 tokens (1,200 pairs) sort them
+@pytest.mark.parametrize("num_tokens", [1, 5, 400])
+@pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
+def test_quantized_experts_match_reference(fmt, scale_fmt, num_tokens, device):
+    assert 400 * 3 > LIST_MAX_PAIRS >= 5 * 3
+    w13, w2, scales, _, _ = _stacks(fmt, scale_fmt, device)
+    x, ids, weights = _routing(num_tokens, device)
+    out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
+    assert_close(f"moe {fmt}", out, ref, 1e-5, 1e-4)  # fp32: reordered sums only
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
+def test_reference_decodes_as_the_loader(fmt, scale_fmt, device):
+    """The quantised reference equals the dense reference on the loader's dequantised weights."""
+    w13, w2, scales, dense13, dense2 = _stacks(fmt, scale_fmt, device)
+    x, ids, weights = _routing(7, device)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
+    assert torch.equal(ref, fused_moe_ref(x, ids, weights, dense13, dense2, 1.0))
+
+
+def test_bf16_activations(device):
+    """bf16 x and h: the kernels and the reference round h to bf16 at one place each."""
+    w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+    x, ids, weights = _routing(5, device)
+    x = x.bfloat16()
+    out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4")
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, "fp4")
+    assert out.dtype == torch.bfloat16
+    assert_close("moe bf16", out, ref, 2e-2, 2e-2)
+
+
+def test_no_tokens(device):
+    w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+    ids = torch.zeros(0, 3, dtype=torch.int64, device=device)
+    x, weights = torch.zeros(0, HIDDEN, device=device), torch.zeros(0, 3, device=device)
+    assert fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4").shape == (0, HIDDEN)
+
+
+def _quantized_moe(fmt, scale_fmt, device) -> MoE:
+    """A MoE layer whose experts (and, for FP8, the shared expert) keep quantised weights."""
+    cfg = tiny_config("tiny", hidden_size=HIDDEN, moe_intermediate_size=INTER)
+    moe = MoE(cfg, hashed=False)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) * 0.3)
+    for expert in list(moe.experts) + [moe.shared_experts]:
+        for name in ("w1", "w2", "w3"):
+            old = getattr(expert, name)
+            kind = "fp8" if expert is moe.shared_experts else fmt
+            layer = QuantLinear(old.in_features, old.out_features, kind, (128, 128),
+                                scale_bytes=scale_fmt == "ue8m0" or kind == "fp4")  # fmt: skip
+            data, scale = _quantize(old.weight.detach(), kind, scale_fmt)
+            layer.weight.copy_(data.view(layer.weight.dtype))
+            layer.scale.copy_(scale.view(torch.uint8) if scale.element_size() == 1 else scale)
+            setattr(expert, name, layer)
+    return moe.to(device)
+
+
+@pytest.mark.parametrize("fmt,scale_fmt", [("fp8", "float"), ("fp4", "ue8m0")])
+def test_engine_moe_op_on_quantized_layers(fmt, scale_fmt, device):
+    """ops.moe on the Triton backend (stacked quantised experts; FP8 stacks the FP8 shared
+    expert with them, FP4 runs it through the FP8 linear kernel) equals the layer's torch forward,
+    which dequantises each weight as the loader does."""
+    moe = _quantized_moe(fmt, scale_fmt, device)
+    x, _, _ = _routing(6, device)
+    token_ids = torch.randint(0, 512, (6,), device=device)
+    want = moe(x, token_ids)
+    with dispatch.use_backend("triton"):
+        ops.prepare([_Block(moe)])
+        assert moe.shared_in_stack == (fmt == "fp8")
+        got = ops.moe(moe, x, token_ids, static=False)
+    assert_close(f"ops.moe {fmt}", got, want, 1e-5, 1e-4)
+
+
+class _Block(torch.nn.Module):
+    """The part of a Block that ops.prepare reads."""
+
+    def __init__(self, ffn: MoE) -> None:
+        super().__init__()
+        self.ffn = ffn
