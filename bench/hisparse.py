@@ -105,14 +105,14 @@ class StepClock:
         self.commit, self.last, self.steps = self.scheduler.commit, None, []
         self.scheduler.commit = self._commit
 
-    def _commit(self, plan, sampled):
+    def _commit(self, plan, *args):
         _sync()
         now = time.perf_counter()
         full = len(plan.batch) == self.batch and all(e.num_tokens == 1 for e in plan.batch)
         if self.last is not None and full:
             self.steps.append(now - self.last)
         self.last = now
-        return self.commit(plan, sampled)
+        return self.commit(plan, *args)
 
     def close(self) -> None:
         self.scheduler.commit = self.commit

@@ -1,7 +1,7 @@
 """Where a step's GPU time goes: kernels by name for eager decode steps and for one prefill.
 
     python bench/profile_step.py [--model DIR] [--batch 64] [--steps 4] [--prefill-len 8192]
-                                 [--out DIR]
+                                 [--out DIR] [--weight-format auto|native]
 
 Makes dsv4-mini when --model does not exist, runs the engine eagerly (no CUDA graphs, so every
 launch shows), and writes two tables to --out: decode (kernels per step and GPU time by kernel
@@ -50,13 +50,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prefill-len", type=int, default=8192)
     p.add_argument("--out", default=".")
+    p.add_argument("--weight-format", default="auto", help="native: FP8/FP4 weights as stored")
     args = p.parse_args()
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from dsv4ray.model.tiny import make_tiny
 
         make_tiny(args.model, "dsv4-mini", seed=0, device="cuda")
     llm = LLM(args.model, device="cuda", max_running_requests=args.batch, cuda_graphs=False,
-              max_num_batched_tokens=max(8192, args.prefill_len))  # fmt: skip
+              max_num_batched_tokens=max(8192, args.prefill_len),
+              weight_format=args.weight_format)  # fmt: skip
     prompts = random_prompts(args.batch, 512, 1)
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm, cache prompts
     core = llm.core

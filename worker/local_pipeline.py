@@ -8,6 +8,9 @@ the last stage, whose device the draft layer shares, prices it as one more layer
 from __future__ import annotations
 
 import dataclasses
+import gc
+
+import torch
 
 from dsv4ray.cache.configurator import pipeline_capacity, size_stage
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
@@ -143,4 +146,8 @@ class LocalPipeline:
         return [w.stats() for w in self.workers]
 
     def shutdown(self) -> None:
+        on_cuda = any(w.device.type == "cuda" for w in self.workers)
         self.workers, self.draft = [], None
+        if on_cuda:  # hand the pools and graph memory back, for the next engine of this process
+            gc.collect()
+            torch.cuda.empty_cache()

@@ -78,6 +78,7 @@ class StageWorker:
         """Free device memory for pools after the weights (None on CPU: size by tokens)."""
         if self.device.type != "cuda":
             return None
+        torch.cuda.empty_cache()  # blocks this process cached but no longer uses count as free
         free, _ = torch.cuda.mem_get_info(self.device)
         return free * memory_fraction
 

@@ -45,10 +45,10 @@ def test_every_batch_bucket_equals_eager_and_reference(tiny_ckpt, tiny_model):
 
 
 def test_batch_shrinking_mid_generation_and_long_context_bucket(tiny_ckpt, tiny_model):
-    # prefill, then requests finish after 2, 4, 7 and 9 tokens: decode runs 4 requests (the
-    # 4200-token one in the 16k context bucket), then fewer, down to 1 in the 4k bucket
+    # prefill, then requests finish after 2, 4, 7 and 12 tokens: decode runs up to 4 requests
+    # (the 4200-token one in the 16k context bucket), then fewer, down to 1 in the 4k bucket
     prompts = _prompts([3, 129, 300, 4200], seed=7)
-    max_tokens = [9, 2, 7, 4]
+    max_tokens = [12, 2, 7, 4]
     outs, replays = _run(tiny_ckpt, True, [prompts], [max_tokens], max_running_requests=4,
                          max_model_len=20000, max_num_batched_tokens=8192)  # fmt: skip
     # the batch shrinks 4 -> 2 -> 1 (which steps fall in which context bucket depends on when
