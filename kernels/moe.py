@@ -181,9 +181,19 @@ def list_pairs(ids: torch.Tensor, num_experts: int):
     return table, counts
 
 
-def _tiles(listed: bool) -> dict:
+SMALL_PAIRS = 16  # quantized experts at most this many pairs: narrow tiles (SMALL_TILES)
+SMALL_TILES = {"fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+               "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
+
+
+def _tiles(listed: bool, fmt: str = "dense", num_pairs: int = 0) -> dict:
     """Tile shapes: decode batches stream each expert's weights once (a 64-pair block is a whole
-    expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores."""
+    expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores. Quantized
+    weights decoded in registers cost ALU time per byte, so a few pairs (batch-1 decode) spread
+    each expert over twice the column programs: 2.3x (FP4) and 1.7x (FP8) faster there on an H100
+    (bench/quant_sweep.py), while 64-pair blocks stay best for 64 tokens."""
+    if listed and fmt in SMALL_TILES and num_pairs <= SMALL_PAIRS:
+        return dict(SMALL_TILES[fmt])
     if listed:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -233,7 +243,7 @@ def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "d
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     listed = num_pairs <= LIST_MAX_PAIRS
-    tiles = _tiles(listed)
+    tiles = _tiles(listed, fmt, num_pairs)
     if fmt == "fp8":
         tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:

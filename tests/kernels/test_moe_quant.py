@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4ray.kernels import dispatch
-from dsv4ray.kernels.moe import LIST_MAX_PAIRS, fused_moe, fused_moe_ref
+from dsv4ray.kernels.moe import LIST_MAX_PAIRS, SMALL_PAIRS, fused_moe, fused_moe_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -48,11 +48,12 @@ def _routing(num_tokens, device, seed=1):
     return x.to(device), ids.to(device), torch.rand(num_tokens, 3, generator=g).to(device)
 
 
-# 1 and 5 tokens group their pairs by list; 400 tokens (1,200 pairs) sort them
-@pytest.mark.parametrize("num_tokens", [1, 5, 400])
+# 1 and 5 tokens group their pairs by list on the narrow tiles, 7 tokens (21 pairs) by list on the
+# 64-pair tiles; 400 tokens (1,200 pairs) sort them
+@pytest.mark.parametrize("num_tokens", [1, 5, 7, 400])
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
 def test_quantized_experts_match_reference(fmt, scale_fmt, num_tokens, device):
-    assert 400 * 3 > LIST_MAX_PAIRS >= 5 * 3
+    assert 400 * 3 > LIST_MAX_PAIRS >= 7 * 3 > SMALL_PAIRS >= 5 * 3
     w13, w2, scales, _, _ = _stacks(fmt, scale_fmt, device)
     x, ids, weights = _routing(num_tokens, device)
     out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
