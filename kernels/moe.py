@@ -272,6 +272,18 @@ def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "d
     return out.view(num_tokens, num_slots, hidden).sum(dim=1).to(x.dtype)
 
 
+def compile_variants(w13, w2, scales, fmt: str, block: tuple[int, int], num_slots: int,
+                     dtype: torch.dtype) -> None:
+    """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
+    pairs, listed, sorted), so that serving compiles nothing whatever batches arrive."""
+    hidden, device = w2.shape[1], w13.device
+    for num_tokens in (1, SMALL_PAIRS // num_slots + 1, LIST_MAX_PAIRS // num_slots + 1):
+        x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
+        ids = torch.zeros(num_tokens, num_slots, dtype=torch.long, device=device)
+        weights = torch.zeros(num_tokens, num_slots, dtype=torch.float32, device=device)
+        fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt, block)
+
+
 def fused_moe_ref(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "dense",
                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
     """The torch reference of `fused_moe`: stacked weights dequantised to fp32, a loop over the

@@ -61,13 +61,18 @@ def resolve_weight_format(requested: str, cfg: ModelConfig, device: torch.device
 def prepare(blocks, dtype: torch.dtype | None = None) -> None:
     """One-time weight layouts the fused ops read: each MoE's experts stacked (the experts'
     parameters become views, so nothing is held twice), and FP8 linears kept quantised bound to
-    their kernel (compiled here on CUDA for the model dtype, so serving compiles nothing). Call
-    before sizing pools."""
+    their kernel; on CUDA the experts' and the FP8 linears' kernel variants are compiled here for
+    the model dtype, so serving compiles nothing. Call before sizing pools."""
     if not fused():
         return
     for block in blocks:
         ffn = block.ffn
-        ffn.stack_experts()
+        w13, w2 = ffn.stack_experts()
+        if w13.is_cuda and dtype is not None:
+            num_slots = ffn.gate.k + int(ffn.shared_in_stack)
+            fmt, block_shape = ffn.expert_format
+            moe_kernels.compile_variants(w13, w2, ffn.stacked_scales, fmt, block_shape,
+                                         num_slots, dtype)  # fmt: skip
         stacked = list(ffn.experts) + ([ffn.shared_experts] if ffn.shared_in_stack else [])
         in_stack = {id(layer) for expert in stacked for layer in expert.modules()}
         for layer in block.modules():  # the rest run one by one

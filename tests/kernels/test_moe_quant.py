@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv4ray.kernels import dispatch
+from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels.moe import LIST_MAX_PAIRS, SMALL_PAIRS, fused_moe, fused_moe_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
@@ -86,6 +87,29 @@ def test_no_tokens(device):
     ids = torch.zeros(0, 3, dtype=torch.int64, device=device)
     x, weights = torch.zeros(0, HIDDEN, device=device), torch.zeros(0, 3, device=device)
     assert fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4").shape == (0, HIDDEN)
+
+
+@pytest.mark.parametrize("num_slots", [3, 17])
+def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, device, monkeypatch):
+    """The start-up compile runs each tile variant that some batch with num_slots slots per token
+    would take (few pairs, listed, sorted), so no batch size compiles a kernel while serving."""
+    w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+    taken, real = set(), moe_kernels._tiles
+
+    def record(listed, fmt="dense", num_pairs=0):
+        tiles = real(listed, fmt, num_pairs)
+        taken.add(tuple(sorted(tiles.items())))
+        return tiles
+
+    monkeypatch.setattr(moe_kernels, "_tiles", record)
+    moe_kernels.compile_variants(w13, w2, scales, "fp4", (128, 128), num_slots, torch.float32)
+    compiled = set(taken)
+    taken.clear()
+    for pairs in (1, SMALL_PAIRS, SMALL_PAIRS + 1, LIST_MAX_PAIRS, LIST_MAX_PAIRS + 1):
+        tokens = -(-pairs // num_slots)
+        record(tokens * num_slots <= LIST_MAX_PAIRS, "fp4", tokens * num_slots)
+    assert taken <= compiled
+    assert len(compiled) == (3 if num_slots <= SMALL_PAIRS else 2)
 
 
 def _quantized_moe(fmt, scale_fmt, device) -> MoE:
