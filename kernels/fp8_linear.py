@@ -16,9 +16,9 @@ of M's bucket only, so a bucket compiles once):
   - M <= 16 (16 x 64 output tiles) and 16 < M <= 64 (64 x 64), K steps of 64 and 8 warps
     (decode batches; 3.6x and 4.1x faster than K steps of 128 on 4 warps over the dsv4-mini
     linears on an H100, bench/quant_sweep.py): memory-bound, every weight tile is read by one
-    program (per 64 rows of M); when the output
-    tiles are too few to fill the GPU twice over, K is split across programs, each writing an fp32
-    partial [splits, M, G N] that torch sums (deterministic, no atomics);
+    program (per 64 rows of M); when the output tiles are too few to fill the GPU twice over, K
+    is split across programs, each writing an fp32 partial [splits, M, G N] that torch sums
+    (deterministic, no atomics);
   - M > 64 (prefill chunks): 128 x 128 tiles, K steps of 64; split only while the tiles are too few.
 With one split the kernel writes the result directly (bf16 rounded to nearest even as bits). M and
 the split are runtime values (not specialised): `compile_variants` compiles all of a layer's

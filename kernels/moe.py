@@ -181,7 +181,7 @@ def list_pairs(ids: torch.Tensor, num_experts: int):
     return table, counts
 
 
-SMALL_PAIRS = 16  # quantized experts at most this many pairs: narrow tiles (SMALL_TILES)
+SMALL_PAIRS = 16  # quantized experts over at most this many pairs take SMALL_TILES
 SMALL_TILES = {"fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
                "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
 
