@@ -14,12 +14,14 @@ import argparse
 import itertools
 import json
 import os
+from functools import partial
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 from report import RESULTS_DIR, git_commit, result, write_results
+from roofline import ceilings
 
 from dsv4ray.kernels import fp8_linear as fp8
 from dsv4ray.kernels import moe
@@ -34,7 +36,8 @@ HIDDEN, INTER, EXPERTS, TOPK = 4096, 2048, 8, 2
 
 
 def graph_ms(fn, reps: int = 20, iters: int = 10) -> float:
-    """Median ms of one fn call, replayed from a CUDA graph of `reps` calls."""
+    """Median ms of one fn call, replayed from a CUDA graph of `reps` calls (bench/kernels.py's
+    Timer graphs one call per replay: at ~10 us kernels the replay's own launch would count)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -153,10 +156,11 @@ def sweep_linear(name, n, k, groups, m, copy_gbps, rows_out):
 
 def sweep_moe(fmt, m, copy_gbps, rows_out):
     g = torch.Generator().manual_seed(0)
-    q13 = [(quantize_fp4 if fmt == "fp4" else lambda t: quantize_fp8(t, (128, 128), "ue8m0"))(
-        torch.randn(2 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5) for _ in range(EXPERTS)]
-    q2 = [(quantize_fp4 if fmt == "fp4" else lambda t: quantize_fp8(t, (128, 128), "ue8m0"))(
-        torch.randn(HIDDEN, INTER, generator=g) * INTER**-0.5) for _ in range(EXPERTS)]
+    quantize = quantize_fp4 if fmt == "fp4" else partial(quantize_fp8, block=(128, 128),
+                                                         scale_fmt="ue8m0")
+    q13 = [quantize(torch.randn(2 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5)
+           for _ in range(EXPERTS)]
+    q2 = [quantize(torch.randn(HIDDEN, INTER, generator=g) * INTER**-0.5) for _ in range(EXPERTS)]
     w13 = torch.stack([a for a, _ in q13]).cuda()
     s13 = torch.stack([b for _, b in q13]).cuda()
     w2 = torch.stack([a for a, _ in q2]).cuda()
@@ -189,7 +193,8 @@ def sweep_moe(fmt, m, copy_gbps, rows_out):
         if fmt == "fp8" and bk > 128:
             continue
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        moe._tiles = lambda listed, cfg=cfg: dict(cfg) if listed else orig(listed)
+        moe._tiles = lambda listed, fmt, pairs, cfg=cfg: (
+            dict(cfg) if listed else orig(listed, fmt, pairs))
         try:
             row(f"{bm}x{bn}x{bk} w{warps} s{stages}",
                 lambda: moe.fused_moe(x, ids, wts, w13, w2, 10.0, (s13, s2), fmt), moved)
@@ -254,9 +259,7 @@ def main() -> None:
         with open(args.from_json) as f:
             print(write_summary(json.load(f), args.out_dir or RESULTS_DIR))
         return
-    src = torch.empty(2**28, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_gbps = 2 * src.numel() / graph_ms(lambda: dst.copy_(src), reps=5) / 1e6
+    copy_gbps = ceilings()["copy"] / 1e9
     print("copy GB/s (read + write)", copy_gbps)
     rows = []
     if "linear" in args.only:

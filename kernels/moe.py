@@ -186,7 +186,7 @@ SMALL_TILES = {"fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num
                "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
 
 
-def _tiles(listed: bool, fmt: str = "dense", num_pairs: int = 0) -> dict:
+def _tiles(listed: bool, fmt: str, num_pairs: int) -> dict:
     """Tile shapes: decode batches stream each expert's weights once (a 64-pair block is a whole
     expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores. Quantized
     weights decoded in registers cost ALU time per byte, so a few pairs (batch-1 decode) spread

@@ -96,7 +96,7 @@ def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, de
     w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
     taken, real = set(), moe_kernels._tiles
 
-    def record(listed, fmt="dense", num_pairs=0):
+    def record(listed, fmt, num_pairs):
         tiles = real(listed, fmt, num_pairs)
         taken.add(tuple(sorted(tiles.items())))
         return tiles
