@@ -31,11 +31,12 @@ class StageActor:
         num_threads: int,
         log_level: str = "INFO",
         weight_format: str = "auto",
+        cuda_graphs: bool = False,
     ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
         self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
-                                  weight_format=weight_format)  # fmt: skip
+                                  cuda_graphs=cuda_graphs, weight_format=weight_format)  # fmt: skip
 
     def ready(self) -> dict:
         return {
@@ -50,6 +51,9 @@ class StageActor:
 
     def allocate(self, sizes: dict) -> int:
         return self.worker.allocate(PoolSizes(**sizes))
+
+    def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int) -> None:
+        self.worker.capture_graphs(max_batch, max_len, draft_steps)
 
     def attach_host(self, layout_args: dict, path: str) -> int:
         return self.worker.attach_host(layout_args, path)

@@ -35,7 +35,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure
 from dsv4ray.engine.plan import StageResult, StepPlan, encode
-from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
+from dsv4ray.worker.local_pipeline import graph_shapes, pool_sizes, size_pipeline
 
 log = logging.getLogger("dsv4ray.pipeline")
 
@@ -87,6 +87,12 @@ class RayPipeline:
         self.capacity = size_pipeline(self.cfg, ec, available)
         sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
+        graphs = graph_shapes(ec, self.cfg, self.capacity)
+        if graphs is not None:  # one whole-model stage (and its draft worker) on CUDA
+            k = ec.speculative_num_steps
+            refs = [a.capture_graphs.remote(*graphs, k) for a in self.actors]
+            refs += [self.draft.capture_graphs.remote(*graphs)] if self.draft is not None else []
+            self._get(refs)
         if self.kv_transfer:
             opened = self._get([a.open_transfer.remote(ec.pd_protocol) for a in self.actors])
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
@@ -150,6 +156,7 @@ class RayPipeline:
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
             ec.weight_format,
+            ec.cuda_graphs and len(self.ranges) == 1,
         )
 
     def _draft_actor(self):

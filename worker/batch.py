@@ -14,7 +14,9 @@ Derived on the device (`derive`), as a prefill chunk's would be most of the uplo
 Every index is computed in numpy and the whole set travels to the device as one int64 buffer
 (pinned and non-blocking on CUDA), so building a batch never waits for the device. A `Padding`
 fixes T, P and K (CUDA graphs replay over fixed shapes): padded tokens read nothing (-1 slots,
-bound 0) and write only into the scratch state slot.
+bound 0) and write only into the scratch state slot. Tokens are packed (pad tokens after the
+last request's), or slotted: request i owns rows i*n .. i*n + n - 1 whatever its token count, so
+a step of up to n tokens per request (a verification step, a draft pass) keeps fixed shapes.
 """
 
 from __future__ import annotations
@@ -49,12 +51,14 @@ class ReqTable:
 @dataclass(frozen=True)
 class Padding:
     """Fixed shapes of a captured step: tokens (= rows), page-table columns, C128 columns; pad
-    tokens use `scratch_slot` as their compressor state slot."""
+    tokens use `scratch_slot` as their compressor state slot. tokens_per_entry n > 0: slotted
+    rows (request i's tokens from row i * n, pad rows after them); 0: packed."""
 
     num_tokens: int
     page_cols: int
     c128_cols: int
     scratch_slot: int
+    tokens_per_entry: int = 0
 
     @property
     def window_cols(self) -> int:
@@ -145,9 +149,49 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
         "c128_cols": c128_cols,  # an int: the width of the derived c128_slots
     }
     sample_idx = np.cumsum(counts)[[i for i, e in enumerate(entries) if e.sample]] - 1
+    if padding is not None and padding.tokens_per_entry:
+        rows = slotted_rows(counts, padding.tokens_per_entry)
+        return _slot_tokens(out, rows, padding), rows[sample_idx]
     if padding is not None:
         out = _pad_tokens(out, padding)
     return out, sample_idx.astype(np.int64)
+
+
+def slotted_rows(counts, n: int) -> np.ndarray:
+    """Row of each packed token when request i's tokens start at row i * n (counts[i] <= n)."""
+    counts = np.asarray(counts, dtype=np.int64)
+    if len(counts) and int(counts.max()) > n:
+        raise ValueError(f"a request of {int(counts.max())} tokens does not fit {n} rows")
+    firsts = np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(np.arange(len(counts), dtype=np.int64) * n, counts) + (
+        np.arange(int(counts.sum()), dtype=np.int64) - firsts
+    )
+
+
+_PAD_FILL = {"positions": 0, "seq_start": 0, "token_ids": 0, "c4_bound": 0}  # others: -1
+
+
+def _slot_tokens(arrays: dict, rows: np.ndarray, padding: Padding) -> dict:
+    """Packed per-token fields scattered to their slotted rows; every other row is a pad token
+    whose request row is the last one (request rows past the step's requests are all -1)."""
+    total, num_reqs = padding.num_tokens, len(arrays["page_table"])
+    has_pads = len(rows) < total
+    if num_reqs * padding.tokens_per_entry > total or (has_pads and num_reqs >= total):
+        raise ValueError(f"{num_reqs} requests do not fit a slotted batch of "
+                         f"{total // padding.tokens_per_entry}")  # fmt: skip
+    out = {}
+    for name, a in arrays.items():
+        if name in ("page_table", "window_table"):
+            pad = np.full((total - a.shape[0], a.shape[1]), -1, dtype=np.int64)
+            out[name] = np.concatenate([a, pad])
+        elif isinstance(a, np.ndarray):
+            fill = {"state_slots": padding.scratch_slot, "req_rows": total - 1}.get(name)
+            full = np.full(total, _PAD_FILL.get(name, -1) if fill is None else fill, np.int64)
+            full[rows] = a
+            out[name] = full
+        else:
+            out[name] = a
+    return out
 
 
 def _pad_tokens(arrays: dict, padding: Padding) -> dict:
@@ -155,8 +199,7 @@ def _pad_tokens(arrays: dict, padding: Padding) -> dict:
     n, total = len(arrays["positions"]), padding.num_tokens
     if n > total:
         raise ValueError(f"{n} tokens do not fit a padded batch of {total}")
-    fill = {"state_slots": padding.scratch_slot, "req_rows": 0, "positions": 0,
-            "seq_start": 0, "token_ids": 0, "c4_bound": 0}  # fmt: skip
+    fill = {**_PAD_FILL, "state_slots": padding.scratch_slot, "req_rows": 0}
     out = {}
     for name, a in arrays.items():
         if not isinstance(a, np.ndarray):

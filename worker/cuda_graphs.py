@@ -12,8 +12,14 @@ every index tensor of worker/batch.py at fixed shapes:
 A step fills its bucket's buffer with one non-blocking upload and replays the graph; the step's
 logits [b, V] fp32 (head included) come back in the graph's output tensor (valid until the next
 replay).
+With a draft worker the buckets are verification steps instead: n = k + 1 slotted rows per
+request (worker/batch.py), every request a decode whose last token is followed by up to k
+drafts, and the graph returns the logits of every row, the pre-head residual stack and the
+running top-k the draft worker reads (VERIFY_MAX_BATCH bounds those buckets: their logits are
+n times a decode graph's).
 Prefill, mixed and longer-context steps run eagerly. Graphs are captured once at startup, so no
-Triton compilation or capture happens while serving.
+Triton compilation or capture happens while serving. capture=False keeps the static buffers
+and runs the forward on them eagerly at each step: the same padded layouts on any device.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from dsv4ray.worker.rope_tables import RopeTables
 
 log = logging.getLogger("dsv4ray.worker")
 CONTEXT_BUCKETS = (4096, 16384, 65536)
+VERIFY_MAX_BATCH = 64
 
 
 def batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -47,22 +54,53 @@ def context_buckets(max_len: int) -> tuple[int, ...]:
     return sizes or (-(-max_len // PAGE) * PAGE,)
 
 
-class _Graph:
-    def __init__(self, padding: Padding, static: torch.Tensor, layout, num_fixed: int):
-        self.padding, self.static, self.layout, self.num_fixed = padding, static, layout, num_fixed
-        self.graph = torch.cuda.CUDAGraph()
-        self.out: torch.Tensor | None = None
+class GraphBucket:
+    """One bucket: its padding, static buffer, the graph (None: replayed eagerly) and its output
+    (valid until the next replay); meta: the static step the forward reads."""
+
+    def __init__(self, padding: Padding, static: torch.Tensor, capture: bool):
+        self.padding, self.static = padding, static
+        self.graph = torch.cuda.CUDAGraph() if capture else None
+        self.out = self.meta = None
+
+    def replay(self, forward) -> None:
+        if self.graph is None:
+            self.out = forward(self.meta)
+        else:
+            self.graph.replay()
+
+
+def capture_bucket(g: GraphBucket, forward, device, pool):
+    """Warms the forward up on a side stream (Triton compiles outside the capture), then
+    captures it into g.graph from pool (None: a new pool); returns the pool. Without a graph the
+    output comes from one eager run."""
+    if g.graph is None:
+        g.out = forward(g.meta)
+        return pool
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward(g.meta)
+    torch.cuda.current_stream(device).wait_stream(side)
+    with torch.cuda.graph(g.graph, pool=pool):
+        g.out = forward(g.meta)
+    return g.graph.pool()
 
 
 class DecodeGraphs:
-    """Captures and replays the decode graphs of one whole-model stage (first and last)."""
+    """Captures and replays the decode graphs of one whole-model stage (first and last);
+    tokens_per_entry > 1: verification steps of that many slotted rows per request."""
 
     def __init__(self, forward, ropes: RopeTables, scratch_slot: int, max_batch: int,
-                 max_len: int, device) -> None:  # fmt: skip
+                 max_len: int, device, tokens_per_entry: int = 1,
+                 capture: bool = True) -> None:  # fmt: skip
         self.forward, self.ropes, self.device = forward, ropes, torch.device(device)
-        self.scratch_slot = scratch_slot
+        self.scratch_slot, self.n, self.capture = scratch_slot, tokens_per_entry, capture
+        if tokens_per_entry > 1:
+            max_batch = min(max_batch, VERIFY_MAX_BATCH)
         self.batches, self.contexts = batch_buckets(max_batch), context_buckets(max_len)
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int], GraphBucket] = {}
         self.stage = HostStage()
         self.pool = None
         self.replays: dict[tuple[int, int], int] = {}  # bucket -> steps it ran
@@ -74,48 +112,56 @@ class DecodeGraphs:
         for ctx in self.contexts:
             for b in reversed(self.batches):
                 self.graphs[(b, ctx)] = self._capture(b, ctx)
-        torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        kind = "decode" if self.n == 1 else f"verification ({self.n} tokens per request)"
         log.info(
-            "captured %d decode graphs (batch %s x context %s) in %.1f s",
-            len(self.graphs), self.batches, self.contexts, time.perf_counter() - t0,
+            "%s %d %s graphs (batch %s x context %s) in %.1f s",
+            "captured" if self.capture else "built", len(self.graphs), kind, self.batches,
+            self.contexts, time.perf_counter() - t0,
         )  # fmt: skip
 
-    def _capture(self, b: int, ctx: int) -> _Graph:
-        padding = Padding(b, ctx // PAGE, ctx // 128, self.scratch_slot)
+    def _padding(self, b: int, ctx: int) -> Padding:
+        slotted = self.n if self.n > 1 else 0
+        return Padding(b * self.n, ctx // PAGE, ctx // 128, self.scratch_slot, slotted)
+
+    def _capture(self, b: int, ctx: int) -> GraphBucket:
+        padding = self._padding(b, ctx)
         empty = StepPlan(step_id=-1)
         arrays, _ = host_arrays(empty, {}, padding)
         # every row sampling: the largest buffer a step of this bucket packs
         flat, layout = pack(arrays, np.arange(b, dtype=np.int64))
         static = torch.empty(flat.size, dtype=torch.int64, device=self.device)
         static[: flat.size].copy_(torch.from_numpy(flat))
-        g = _Graph(padding, static, layout, flat.size)
-        meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, True, ctx // 128)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # compile and warm up outside the capture
-            for _ in range(2):
-                self.forward(meta)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.out = self.forward(meta)
-        self.pool = g.graph.pool()
+        g = GraphBucket(padding, static, self.capture)
+        g.meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, True, ctx // 128)
+        self.pool = capture_bucket(g, self.forward, self.device, self.pool)
         return g
 
     def pick(self, plan: StepPlan, tables) -> tuple[int, int] | None:
         """The bucket that runs this step, or None when it must run eagerly."""
         if not self.graphs or not plan.batch or plan.full_logits or plan.has_host_ops or plan.eager:
             return None
-        if any(e.num_tokens != 1 for e in plan.batch):
+        if not all(self._fits(e) for e in plan.batch):
             return None
         batch = next((b for b in self.batches if b >= len(plan.batch)), None)
-        last = max(e.start_pos for e in plan.batch) + 1
+        last = max(e.start_pos + e.num_tokens for e in plan.batch)
         pages = max(len(tables[e.req_id].page_ids) for e in plan.batch)
         ctx = next((c for c in self.contexts if c >= last and c // PAGE >= pages), None)
         return None if batch is None or ctx is None else (batch, ctx)
 
+    def _fits(self, entry) -> bool:
+        """One token (decode); verification buckets: a sampling decode and up to n - 1 drafts."""
+        if self.n == 1:
+            return entry.num_tokens == 1
+        decode = entry.sample and entry.num_tokens - entry.num_drafts == 1
+        return decode and entry.num_tokens <= self.n
+
     def run(self, plan: StepPlan, tables, key: tuple[int, int], fill=None):
-        """Fills the bucket's buffer and replays it -> (logits [b, V] fp32, meta). fill(token_ids)
-        may rewrite the uploaded token ids on the device before the replay (lookahead tokens)."""
+        """Fills the bucket's buffer and replays it -> (the forward's output, meta): logits
+        [b, V] fp32 of a decode bucket; (logits [b n, V] fp32, stack [b n, hc, hidden], top-k
+        [b n, k] or None) in slotted rows of a verification bucket. fill(token_ids) may rewrite
+        the uploaded token ids on the device before the replay (lookahead tokens)."""
         g = self.graphs[key]
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)
@@ -124,6 +170,6 @@ class DecodeGraphs:
         meta = meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True, cols)
         if fill is not None:
             fill(meta.token_ids)
-        g.graph.replay()
+        g.replay(self.forward)
         self.replays[key] = self.replays.get(key, 0) + 1
         return g.out, meta

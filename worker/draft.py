@@ -18,6 +18,9 @@ step (``execute(plan, last_stage_result)``):
    complete no C4 entry, and (DSA-style) reuse step 0's top-k: the top-k of the last exact
    position (``stats["num_topk_reuse_rows"]`` counts the rows that reused it).
 
+Decode steps (every span sampled, at most k + 1 positions) replay one CUDA graph for the exact
+pass and the chain together (worker/draft_graphs.py); others run eagerly.
+
 A failure inside the draft pass costs drafts, never tokens: the step's result goes on without
 proposals.
 """
@@ -37,6 +40,7 @@ from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker.batch import WINDOW, HostStage, ReqTable, build_batch, meta_from, pack
+from dsv4ray.worker.draft_graphs import DraftGraphs
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.verify import DraftSpan, draft_spans
@@ -73,6 +77,7 @@ class DraftWorker:
         self.tables: dict[str, ReqTable] = {}
         self.stage = HostStage()
         self.stats = dict.fromkeys(DRAFT_STAT_NAMES, 0)
+        self.graphs: DraftGraphs | None = None
 
     def allocate(self, sizes: PoolSizes) -> int:
         self.pools = DraftPools(self.cfg, sizes, self.kv_cache_dtype, self.device)
@@ -131,8 +136,20 @@ class DraftWorker:
             self.pools.copy_rings(src, [self.pools.cached_row(slot) for _, slot in plan.snapshots])
 
     # ------------------------------------------------------------------ the passes
+    def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
+        """Graphs of decode steps' passes (after allocate; worker/draft_graphs.py); capture=False
+        runs the same static buckets eagerly (any device; for tests)."""
+        self.graphs = DraftGraphs(self, max_batch, max_len, capture)
+        self.graphs.capture_all()
+
     def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult) -> None:
         spans = draft_spans(plan, inputs)
+        key = self.graphs.pick(spans) if self.graphs is not None else None
+        if key is not None:
+            drafts = self.graphs.run(spans, inputs.residual, inputs.topk, key)
+            self._snapshots(plan)
+            self._record(spans, drafts, out, graphed=True)
+            return
         x = meta = None
         if spans:
             x, meta = self._exact(plan.step_id, spans, inputs)
@@ -142,12 +159,19 @@ class DraftWorker:
             return
         rows = meta.sample_idx
         topk = inputs.topk.index_select(0, rows) if self.reuses_topk else None
-        drafts, num_reused = self._chain(sampled, x.index_select(0, rows), topk)
-        out.drafts = {s.req_id: d for s, d in zip(sampled, drafts, strict=True)}
+        metas = self._chain_metas(sampled)
+        self._record(sampled, self.propose(x.index_select(0, rows), metas, topk), out)
+
+    def _record(self, spans: list[DraftSpan], drafts: torch.Tensor, out: StageResult,
+                graphed: bool = False) -> None:  # fmt: skip
+        """Files drafts [R, k] (device) by request, and the step's counters."""
+        out.drafts = dict(zip((s.req_id for s in spans), drafts.cpu().tolist(), strict=True))
+        chain_rows = len(spans) * (self.num_steps - 1)
         step_stats = {
             "num_draft_passes": 1,
-            "num_drafted_tokens": len(sampled) * self.num_steps,
-            "num_topk_reuse_rows": num_reused,
+            "num_draft_graph_passes": int(graphed),
+            "num_drafted_tokens": len(spans) * self.num_steps,
+            "num_topk_reuse_rows": chain_rows if self.reuses_topk else 0,
         }
         for name, value in step_stats.items():
             self.stats[name] += value
@@ -163,32 +187,57 @@ class DraftWorker:
         meta = build_batch(sub, self.tables, self.device, self.ropes, self.stage)
         c = self.cfg
         h = inputs.residual.view(meta.num_tokens, c.hc_mult, c.hidden_size).to(self.model.dtype)
-        x = self.block.mix(h, self.model.embed(meta.token_ids))
-        x, _ = paged_block(self.block, x, meta, self.pools, inputs.topk)
-        return x, meta
+        return self.exact_pass(h, meta, inputs.topk), meta
 
-    def _chain(self, spans: list[DraftSpan], x: torch.Tensor, topk):
-        """x [R, hc, hidden]: the block's output at each span's last position -> (k drafts per
-        span, top-1 at every step; the rows whose attention read the reused top-k)."""
+    def exact_pass(self, h: torch.Tensor, meta, topk) -> torch.Tensor:
+        """The target's pre-head rows h [T, hc, hidden] and the next tokens (meta.token_ids)
+        through the block -> its output stack [T, hc, hidden] (window KV, C4 entries written)."""
+        x = self.block.mix(h, self.model.embed(meta.token_ids))
+        return paged_block(self.block, x, meta.derive(), self.pools, topk)[0]
+
+    def propose(self, x: torch.Tensor, chain_metas, topk) -> torch.Tensor:
+        """x [R, hc, hidden]: the block's output at each request's last exact position -> drafts
+        [R, k] int64 (top-1 at every step); chain step j reads chain_metas[j - 1] and, DSA-style,
+        the reused top-k [R, k'] of the last exact position."""
         head = self.model.head.weight
         tokens = self.block.head_logits(x, head).argmax(-1)  # [R]
-        drafts, num_reused = [tokens], 0
-        last = np.array([s.start_pos + len(s.next_tokens) - 1 for s in spans], dtype=np.int64)
-        for step in range(1, self.num_steps):
-            meta = self._chain_meta(spans, last + step, last)
+        drafts = [tokens]
+        for meta in chain_metas:
             x = self.block.mix(x, self.model.embed(tokens))
             x, _ = paged_block(self.block, x, meta, self.pools, topk)
-            num_reused += topk.shape[0] if topk is not None else 0
             tokens = self.block.head_logits(x, head).argmax(-1)
             drafts.append(tokens)
-        return torch.stack(drafts, dim=1).cpu().tolist(), num_reused
+        return torch.stack(drafts, dim=1)
 
-    def _chain_meta(self, spans, positions: np.ndarray, last: np.ndarray):
-        """Index tensors of one chain step: one token per span at `positions`; window keys up to
-        `last` (the last exact position) from the real window pages, later ones (this chain's
-        earlier steps) and the token's own KV from the span's scratch page. Token ids stay 0:
-        the draft block's MoE routes by score, and its embedding input never leaves the device."""
+    def _chain_metas(self, spans: list[DraftSpan]) -> list:
+        """The k - 1 chain steps' index tensors, in one upload."""
+        if self.num_steps == 1:
+            return []
+        parts = [pack(self.chain_arrays(spans, step), np.zeros(0, dtype=np.int64))
+                 for step in range(1, self.num_steps)]  # fmt: skip
+        dev = self.stage.upload(np.concatenate([flat for flat, _ in parts]), self.device)
+        last = max(s.start_pos + len(s.next_tokens) for s in spans) + self.num_steps - 2
+        rope_len = self.ropes.ensure(last + 1)
+        sub = StepPlan(step_id=-1)
+        metas, base = [], 0
+        for flat, layout in parts:
+            shifted = [(name, off + base, shape) for name, off, shape in layout]
+            metas.append(meta_from(dev, shifted, sub, self.ropes, rope_len))
+            base += flat.size
+        return metas
+
+    def chain_arrays(self, spans: list[DraftSpan], step: int, num_rows: int | None = None,
+                     page_cols: int | None = None) -> dict:  # fmt: skip
+        """Index fields of chain step `step` (one token per span at its last exact position +
+        step), padded to num_rows rows and page_cols columns: window keys up to the last exact
+        position from the real window pages, later ones (this chain's earlier steps) and the
+        token's own KV from the span's scratch page. Token ids stay 0: the draft block's MoE
+        routes by score, and its embedding input never leaves the device. Pad rows read
+        nothing and write only the scratch ring."""
         tables = [self.tables[s.req_id] for s in spans]
+        n, rows = len(spans), num_rows or len(spans)
+        last = np.array([s.start_pos + len(s.next_tokens) - 1 for s in spans], dtype=np.int64)
+        positions = last + step
         slots = np.array([t.state_slot for t in tables], dtype=np.int64)
         scratch = np.array([self.pools.scratch_page(int(s)) for s in slots], dtype=np.int64)
         q = positions[:, None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)[None, :]
@@ -198,22 +247,28 @@ class DraftWorker:
             real[i, ok] = np.asarray(table.window_page_ids)[q[i, ok] // WINDOW] * WINDOW
             real[i, ok] += q[i, ok] % WINDOW
         window_slots = np.where(q > last[:, None], scratch[:, None] * WINDOW + q % WINDOW, real)
-        n = len(spans)
-        pages = max(len(t.page_ids) for t in tables)
-        page_table = np.full((n, max(pages, 1)), -1, dtype=np.int64)
+        pages = max((len(t.page_ids) for t in tables), default=1)
+        page_table = np.full((rows, max(page_cols or pages, 1)), -1, dtype=np.int64)
         for i, table in enumerate(tables):
             page_table[i, : len(table.page_ids)] = table.page_ids
-        none = np.full(n, -1, dtype=np.int64)
-        arrays = {
-            "token_ids": np.zeros(n, dtype=np.int64), "positions": positions,
-            "seq_start": positions, "req_rows": np.arange(n, dtype=np.int64),
-            "state_slots": np.full(n, self.pools.scratch_row, dtype=np.int64),
-            "window_store": window_slots[:, -1].copy(), "c4_out": none, "c128_out": none,
-            "c4_bound": (positions + 1) // 4, "page_table": page_table,
-            "window_slots": window_slots, "c128_slots": np.full((n, 1), -1, dtype=np.int64),
+        none = np.full(rows, -1, dtype=np.int64)
+        store = none.copy()
+        store[:n] = window_slots[:, -1]
+        windows = np.full((rows, WINDOW), -1, dtype=np.int64)
+        windows[:n] = window_slots
+        req_rows = np.full(rows, rows - 1, dtype=np.int64)  # pad rows: a -1 page-table row
+        req_rows[:n] = np.arange(n)
+        return {
+            "token_ids": np.zeros(rows, dtype=np.int64), "positions": _rows(positions, rows, 0),
+            "seq_start": _rows(positions, rows, 0), "req_rows": req_rows,
+            "state_slots": np.full(rows, self.pools.scratch_row, dtype=np.int64),
+            "window_store": store, "c4_out": none, "c128_out": none,
+            "c4_bound": _rows((positions + 1) // 4, rows, 0), "page_table": page_table,
+            "window_slots": windows, "c128_slots": np.full((rows, 1), -1, dtype=np.int64),
         }  # fmt: skip
-        flat, layout = pack(arrays, np.arange(n, dtype=np.int64))
-        sub = StepPlan(step_id=-1, batch=[BatchEntry(s.req_id, 0, 1, True) for s in spans],
-                       token_ids=[0] * n)  # fmt: skip
-        dev = self.stage.upload(flat, self.device)
-        return meta_from(dev, layout, sub, self.ropes, self.ropes.ensure(int(positions.max()) + 1))
+
+
+def _rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
+    out = np.full(rows, fill, dtype=np.int64)
+    out[: len(values)] = values
+    return out

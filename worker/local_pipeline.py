@@ -65,6 +65,16 @@ def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
     )
 
 
+def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | None:
+    """(largest batch, longest context) of the CUDA graphs a CUDA engine captures once its pools
+    are allocated; None when it captures none (CPU, cuda_graphs off, several stages: a stage
+    captures only a whole-model forward, the draft worker only beside one)."""
+    if not ec.cuda_graphs or torch.device(ec.device).type != "cuda" or ec.pp_size != 1:
+        return None
+    max_len = ec.max_model_len or cfg.max_position_embeddings
+    return ec.max_running_requests, min(max_len, cap.num_full_tokens)
+
+
 def draft_worker(ec: EngineConfig, cfg: ModelConfig) -> DraftWorker:
     return DraftWorker(
         ec.model,
@@ -100,15 +110,18 @@ class LocalPipeline:
         self.capacity = size_pipeline(
             cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
         )
-        max_len = ec.max_model_len or cfg.max_position_embeddings
-        max_len = min(max_len, self.capacity.num_full_tokens)
         sizes = pool_sizes(self.capacity, self.draft is not None)
         for w in self.workers:
             w.allocate(sizes)
-            if self.draft is None:  # steps with a draft worker run eagerly (stage_worker.py)
-                w.capture_graphs(ec.max_running_requests, max_len)
         if self.draft is not None:
             self.draft.allocate(sizes)
+        graphs = graph_shapes(ec, cfg, self.capacity)
+        if graphs is not None:
+            max_batch, max_len = graphs
+            for w in self.workers:  # with drafts: verification graphs
+                w.capture_graphs(max_batch, max_len, ec.speculative_num_steps)
+            if self.draft is not None:
+                self.draft.capture_graphs(max_batch, max_len)
 
     def submit(self, plan: StepPlan) -> StageResult:
         """Runs the plan; with overlap scheduling the sampled ids stay on the device until

@@ -21,7 +21,7 @@ from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
+from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch, slotted_rows
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
@@ -30,7 +30,7 @@ from dsv4ray.worker.overlap import fill_lookahead, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
-from dsv4ray.worker.verify import hand_over, sample_with_drafts
+from dsv4ray.worker.verify import hand_over, sample_with_drafts, verify_rows
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -83,7 +83,7 @@ class StageWorker:
         return free * memory_fraction
 
     def allocate(self, sizes: PoolSizes) -> int:
-        if self.use_graphs:  # one more state slot: the scratch ring of a graph's pad rows
+        if self.is_first and self.is_last:  # one more state slot: the ring of graphs' pad rows
             sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
@@ -106,19 +106,31 @@ class StageWorker:
             )
         return self.pools.nbytes()
 
-    def capture_graphs(self, max_batch: int, max_len: int) -> None:
-        """Captures the decode graphs (after allocate; a no-op unless graphs are on)."""
-        if not self.use_graphs:
+    def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int = 0,
+                       capture: bool = True) -> None:  # fmt: skip
+        """Captures the decode graphs (after allocate; a no-op unless graphs are on), or with a
+        draft worker (draft_steps = k) the verification graphs of k + 1 tokens per request.
+        capture=False: the same static buckets run eagerly (any device; for tests)."""
+        if capture and not self.use_graphs:
+            return
+        if draft_steps and self.pools.hisparse is not None:
+            log.info("verification steps run eagerly with HiSparse (their C4 reads are staged)")
             return
         scratch = self.pools.sizes.num_state_slots - 1
-        self.graphs = DecodeGraphs(
-            self._forward_static, self.ropes, scratch, max_batch, max_len, self.device
-        )
+        forward = self._forward_verify if draft_steps else self._forward_static
+        self.graphs = DecodeGraphs(forward, self.ropes, scratch, max_batch, max_len,
+                                   self.device, draft_steps + 1, capture)  # fmt: skip
         self.graphs.capture_all()
 
     def _forward_static(self, meta: BatchMeta) -> torch.Tensor:
         """A decode step's logits [b, V] fp32 (every row of a decode step samples)."""
         return self.model.logits(self._run(meta, None, LayerEvents())[0])
+
+    def _forward_verify(self, meta: BatchMeta):
+        """A verification step's (logits [T, V] fp32 of every row, pre-head stack [T, hc,
+        hidden], running top-k [T, k] or None)."""
+        x, topk = self._run(meta, None, LayerEvents())
+        return self.model.logits(x), x, topk
 
     @property
     def is_first(self) -> bool:
@@ -147,9 +159,12 @@ class StageWorker:
         self.host_io = None
 
     def stats(self) -> dict:
-        """This stage's counters: HiSparse hits, misses and bytes when it is on."""
+        """This stage's counters: steps replayed from CUDA graphs; HiSparse hits, misses and
+        bytes when it is on."""
         store = self.pools.hisparse if self.pools is not None else None
-        return store.stats() if store is not None else {}
+        out = store.stats() if store is not None else {}
+        out["num_graph_steps"] = sum(self.graphs.replays.values()) if self.graphs else 0
+        return out
 
     def open_transfer(self, transport) -> dict:
         """Registers the pools with a transfer engine (worker/transfer.py) for prefill/decode
@@ -202,10 +217,13 @@ class StageWorker:
         if not plan.batch:
             self._snapshots(plan)
             return
-        # a draft worker needs the step's top-k, which a replayed graph does not return
-        graphs = self.graphs is not None and not plan.draft
+        # decode graphs return logits only; a step feeding a draft worker needs verify graphs
+        graphs = self.graphs is not None and (self.graphs.n > 1) == plan.draft
         key = self.graphs.pick(plan, self.tables) if graphs else None
         fill = lambda token_ids: fill_lookahead(plan, token_ids, self.prev_samples)  # noqa: E731
+        if key is not None and self.graphs.n > 1:
+            self._verify_graph(plan, key, result)
+            return
         if key is not None:  # a whole decode step, head included: every row's logits
             logits, meta = self.graphs.run(plan, self.tables, key, fill)
             self._snapshots(plan)
@@ -224,6 +242,15 @@ class StageWorker:
                 hand_over(plan, self.finish(result), x, topk)
         else:
             result.residual, result.topk = x.flatten(-2), topk
+
+    def _verify_graph(self, plan: StepPlan, key, result: StageResult) -> None:
+        """A replayed verification step: its logits, stack and top-k are in slotted rows."""
+        (logits, x, topk), _ = self.graphs.run(plan, self.tables, key)
+        self._snapshots(plan)
+        self.prev_samples = None
+        rows = slotted_rows([e.num_tokens for e in plan.batch], self.graphs.n)
+        verify_rows(plan, logits, rows, self.sampling, result)
+        hand_over(plan, result, x, topk, rows)
 
     def _host_ops(self, plan: StepPlan) -> LayerEvents:
         if not plan.has_host_ops:

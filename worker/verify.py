@@ -58,14 +58,14 @@ def draft_spans(plan: StepPlan, result: StageResult) -> list[DraftSpan]:
     return spans
 
 
-def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk) -> None:
+def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk, row_of=None) -> None:
     """Puts the residual rows [N, hc * hidden] (and top-k rows [N, k]) of the draft spans into
-    the last stage's result."""
+    the last stage's result. row_of: row of x of each batch token (numpy; None: the same)."""
     spans = draft_spans(plan, result)
     if not spans:
         return
     rows = [s.batch_first + i for s in spans for i in range(len(s.next_tokens))]
-    idx = torch.tensor(rows, dtype=torch.long, device=x.device)
+    idx = _index(rows if row_of is None else row_of[rows].tolist(), x.device)
     result.residual = x.index_select(0, idx).flatten(-2)
     result.topk = topk.index_select(0, idx) if topk is not None else None
 
@@ -77,6 +77,22 @@ def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, r
     rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
     logits = model.logits(x[torch.tensor(rows, dtype=torch.long, device=x.device)])  # [R, V]
     verify(plan, logits, sampling, result)
+
+
+def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, result) -> None:
+    """``verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy [T])
+    the row of each batch token."""
+    rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
+    scored = logits.index_select(0, _index(row_of[rows].tolist(), logits.device))
+    verify(plan, scored, sampling, result)
+
+
+def _index(rows, device) -> torch.Tensor:
+    """Row indices on the device, copied without waiting for it."""
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    if device.type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:

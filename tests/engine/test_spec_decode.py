@@ -53,11 +53,14 @@ def _engine(ckpt, k):
 
 def _run_checking_drafts(llm, ref, prompts, max_tokens, k):
     """Steps the engine; after every step each running request's proposals must equal the
-    reference MTP chain after its tokens. Returns the outputs."""
+    reference MTP chain after its tokens (max_tokens: one for all, or one per prompt). Returns
+    the outputs."""
     core = llm.core
     ids = [f"spec-{i}" for i in range(len(prompts))]
-    for req_id, prompt in zip(ids, prompts):
-        core.add_request(req_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    if isinstance(max_tokens, int):
+        max_tokens = [max_tokens] * len(prompts)
+    for req_id, prompt, n in zip(ids, prompts, max_tokens):
+        core.add_request(req_id, prompt, SamplingParams(max_tokens=n, ignore_eos=True))
     num_checked = 0
     while core.has_unfinished():
         core.step()
@@ -214,3 +217,34 @@ def test_logprobs_of_accepted_drafts_are_the_targets(trained_llm, trained_ref):
 def test_tree_drafting_with_top_k_reuse_is_refused(dsa_ckpt):
     with pytest.raises(ValueError, match="DSA-style.*valid only for chain drafting"):
         LLM(dsa_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
+
+
+@pytest.mark.parametrize("kind,k", [("window", 3), ("dsa", 2)], ids=["window-k3", "dsa-k2"])
+def test_static_buckets_give_the_tokens_and_drafts_of_eager_steps(
+    request, tiny_ckpt, dsa_ckpt, kind, k
+):
+    """The verification and draft buckets CUDA graphs capture, run eagerly on their static
+    buffers (capture=False): slotted rows, pad rows inside a request's block (a request short
+    of max_tokens schedules fewer drafts) and pad requests (3 requests in the 4 bucket)."""
+    ckpt = {"window": tiny_ckpt, "dsa": dsa_ckpt}[kind]
+    ref = request.getfixturevalue("tiny_model") if kind == "window" else load_reference(ckpt)
+    llm = _engine(ckpt, k)
+    try:
+        pipe = llm.core.pipeline
+        pipe.workers[0].capture_graphs(4, 4096, k, capture=False)
+        pipe.draft.capture_graphs(4, 4096, capture=False)
+        prompts, max_tokens = _prompts([5, 126, 254], seed=10 + k), [4, 9, 7]
+        outs = _run_checking_drafts(llm, ref, prompts, max_tokens, k)
+        verify_replays = dict(pipe.workers[0].graphs.replays)
+        draft_replays = dict(pipe.draft.graphs.replays)
+        stats = llm.core.stats()
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    for prompt, out, n in zip(prompts, outs, max_tokens):
+        assert out.token_ids == ref.greedy(prompt, n)
+    # the batch shrinks 3 -> 2 -> 1 requests as they finish: every bucket ran
+    buckets = {(b, 4096) for b in (1, 2, 4)}
+    assert set(verify_replays) == buckets and set(draft_replays) == buckets
+    if kind == "dsa":
+        assert stats["num_topk_reuse_rows"] > 0

@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import Padding, ReqTable, _c128_slots_t, _window_slots_t, host_arrays
+from dsv4ray.worker.batch import (
+    Padding,
+    ReqTable,
+    _c128_slots_t,
+    _window_slots_t,
+    host_arrays,
+    slotted_rows,
+)  # fmt: skip
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
              "c4_out", "c128_out", "c4_bound")  # fmt: skip
@@ -59,3 +66,37 @@ def test_batch_too_large_for_padding_is_named():
         host_arrays(plan, tables, Padding(2, 16, 32, 9))
     with pytest.raises(ValueError, match="pages do not fit a padded page table of 1 columns"):
         host_arrays(plan, tables, Padding(4, 1, 32, 9))
+
+
+def test_slotted_rows_hold_each_request_at_its_block_and_pads_touch_nothing():
+    # 3 requests of 3, 1 and 4 tokens in a bucket of 4 requests x 4 rows
+    plan, tables = _decode_plan(random.Random(5), 3)
+    for entry, n in zip(plan.batch, (3, 1, 4)):
+        entry.num_tokens = n
+    plan.token_ids = list(range(8))
+    plain, plain_sample = host_arrays(plan, tables)
+    padding = Padding(16, 16, 32, scratch_slot=99, tokens_per_entry=4)
+    slotted, sample = host_arrays(plan, tables, padding)
+    rows = slotted_rows([3, 1, 4], 4)
+    assert rows.tolist() == [0, 1, 2, 4, 8, 9, 10, 11]
+    assert sample.tolist() == rows[plain_sample].tolist() == [2, 4, 11]
+    for name in PER_TOKEN:
+        assert np.array_equal(slotted[name][rows], plain[name]), name
+    pad = np.setdiff1d(np.arange(16), rows)
+    for name in ("window_store", "c4_out", "c128_out"):
+        assert (slotted[name][pad] == -1).all(), name  # no write into a real page
+    assert (slotted["c4_bound"][pad] == 0).all() and (slotted["state_slots"][pad] == 99).all()
+    # pad rows read the table rows past the requests': all -1, so no window or C128 key
+    assert (slotted["req_rows"][pad] == 15).all()
+    assert (slotted["page_table"][3:] == -1).all() and (slotted["window_table"][3:] == -1).all()
+    t = [torch.from_numpy(slotted[n]) for n in ("page_table", "window_table", "req_rows")]
+    pos = torch.from_numpy(slotted["positions"])
+    assert (_window_slots_t(t[1], t[2], pos)[pad] == -1).all()
+    assert (_c128_slots_t(t[0], t[2], pos, 32)[pad] == -1).all()
+
+
+def test_a_request_longer_than_its_slot_block_is_named():
+    plan, tables = _decode_plan(random.Random(1), 2)
+    plan.batch[1].num_tokens, plan.token_ids = 5, [7] * 6
+    with pytest.raises(ValueError, match="a request of 5 tokens does not fit 4 rows"):
+        host_arrays(plan, tables, Padding(8, 16, 32, 9, tokens_per_entry=4))
