@@ -16,6 +16,7 @@ Writes bench/results/mtp-<device>.json (PERF.md's format) and regenerates BENCHM
 
     python bench/mtp.py [--model checkpoints/stdlib-tiny] [--k 3] [--prompts 16]
                         [--prompt-len 128] [--max-tokens 64] [--device cpu|cuda] [--use-ray]
+                        [--profile FILE]
 """
 
 from __future__ import annotations
@@ -83,9 +84,32 @@ def measure(args, k: int) -> tuple[float, list, dict]:
         before = llm.core.stats()
         tok_s, outputs = decode_run(llm, args.prompts_ids, args.max_tokens)
         after = llm.core.stats()
+        if args.profile:
+            kernel_table(llm, args.prompts_ids[0], args.max_tokens, k, args.profile)
     finally:
         llm.shutdown()
     return tok_s, outputs, {name: after[name] - before[name] for name in after}
+
+
+def kernel_table(llm: LLM, prompt: list[int], max_tokens: int, k: int, path: str) -> None:
+    """Appends to `path` the GPU kernels of one generation (count, total ms, name; top 30) and
+    the GPU busy time per step (steps: draft passes with drafts, tokens without)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    before = llm.core.stats()["num_draft_passes"]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        torch.cuda.synchronize()
+    steps = llm.core.stats()["num_draft_passes"] - before if k else max_tokens
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    count = sum(e.count for e in kernels)
+    busy = sum(e.self_device_time_total for e in kernels)  # us
+    lines = [f"== k={k}: {steps} steps; {count} GPU events ({count / steps:.0f} a step), busy "
+             f"{busy / 1e3:.1f} ms ({busy / steps:.0f} us a step)"]  # fmt: skip
+    for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:30]:
+        lines.append(f"  {e.count:6d} {e.self_device_time_total / 1e3:8.2f} ms  {e.key[:110]}")
+    with open(path, "a") as f:
+        f.write("\n".join(lines) + "\n")
 
 
 def main() -> None:
@@ -99,7 +123,16 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--use-ray", action="store_true", help="stage and draft actors")
     parser.add_argument("--commit", default=None)
+    parser.add_argument("--profile", default=None, metavar="FILE",
+                        help="write each engine's GPU kernel table of one generation to FILE")
     args = parser.parse_args()
+    if args.profile and args.device != "cuda":
+        parser.error("--profile times GPU kernels: it needs --device cuda")
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write(f"bench/mtp.py --profile: {os.path.basename(os.path.normpath(args.model))}, "
+                    f"{args.kv_cache_dtype} pages, batch 1, one {args.max_tokens}-token "
+                    "generation per engine; GPU kernels by total time (count, ms, name)\n")
     args.prompts_ids = held_out_prompts(args.prompts, args.prompt_len, args.max_tokens)
     plain_tok_s, plain_out, _ = measure(args, 0)
     spec_tok_s, spec_out, stats = measure(args, args.k)
