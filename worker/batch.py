@@ -232,6 +232,16 @@ def pack(arrays: dict, sample_idx: np.ndarray):
 _ALIGN_PAD = np.zeros(1, dtype=np.int64)
 
 
+def concat_packed(parts: list[tuple[np.ndarray, list]]) -> tuple[np.ndarray, list[list]]:
+    """Several packed (flat, layout) pairs as one flat buffer (one upload) and each part's
+    layout at its offset in it (every part's size is even, so fields stay aligned)."""
+    layouts, base = [], 0
+    for flat, layout in parts:
+        layouts.append([(name, off + base, shape) for name, off, shape in layout])
+        base += flat.size
+    return np.concatenate([flat for flat, _ in parts]), layouts
+
+
 def unpack(dev: torch.Tensor, layout) -> dict:
     """Views of the device buffer, one per field."""
     return {name: dev[off : off + int(np.prod(shape))].view(shape) for name, off, shape in layout}

@@ -39,7 +39,15 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
-from dsv4ray.worker.batch import WINDOW, HostStage, ReqTable, build_batch, meta_from, pack
+from dsv4ray.worker.batch import (
+    WINDOW,
+    HostStage,
+    ReqTable,
+    build_batch,
+    concat_packed,
+    meta_from,
+    pack,
+)  # fmt: skip
 from dsv4ray.worker.draft_graphs import DraftGraphs
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
@@ -215,15 +223,12 @@ class DraftWorker:
             return []
         parts = [pack(self.chain_arrays(spans, step), np.zeros(0, dtype=np.int64))
                  for step in range(1, self.num_steps)]  # fmt: skip
-        dev = self.stage.upload(np.concatenate([flat for flat, _ in parts]), self.device)
+        flat, layouts = concat_packed(parts)
+        dev = self.stage.upload(flat, self.device)
         last = max(s.start_pos + len(s.next_tokens) for s in spans) + self.num_steps - 2
         rope_len = self.ropes.ensure(last + 1)
         sub = StepPlan(step_id=-1)
-        metas, base = [], 0
-        for flat, layout in parts:
-            shifted = [(name, off + base, shape) for name, off, shape in layout]
-            metas.append(meta_from(dev, shifted, sub, self.ropes, rope_len))
-            base += flat.size
+        metas = [meta_from(dev, layout, sub, self.ropes, rope_len) for layout in layouts]
         return metas
 
     def chain_arrays(self, spans: list[DraftSpan], step: int, num_rows: int | None = None,

@@ -25,7 +25,16 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
-from dsv4ray.worker.batch import PAGE, Padding, host_arrays, meta_from, pack, slotted_rows, unpack
+from dsv4ray.worker.batch import (
+    PAGE,
+    Padding,
+    concat_packed,
+    host_arrays,
+    meta_from,
+    pack,
+    slotted_rows,
+    unpack,
+)  # fmt: skip
 from dsv4ray.worker.cuda_graphs import (
     VERIFY_MAX_BATCH,
     GraphBucket,
@@ -123,18 +132,12 @@ class DraftGraphs:
         for step in range(1, self.n - 1):
             chain = self.w.chain_arrays(spans, step, b, padding.page_cols)
             parts.append(pack(chain, np.zeros(0, dtype=np.int64)))
-        counts = [len(s.next_tokens) for s in spans]
-        rows = slotted_rows(counts, self.n)
-        flat, layouts, base = [], [], 0
-        for part, layout in parts:
-            flat.append(part)
-            layouts.append([(name, off + base, shape) for name, off, shape in layout])
-            base += part.size
+        rows = slotted_rows([len(s.next_tokens) for s in spans], self.n)
         span = np.zeros(padding.num_tokens, dtype=np.int64)
         span[: len(rows)] = rows
-        flat.append(span)
-        layouts.append(("span_rows", base, (padding.num_tokens,)))
-        return np.concatenate(flat), layouts
+        flat, layouts = concat_packed(parts)
+        layouts.append(("span_rows", flat.size, (padding.num_tokens,)))
+        return np.concatenate([flat, span]), layouts
 
     def _metas(self, static: torch.Tensor, layouts, padding: Padding):
         """(exact meta, last rows [b], chain metas) over views of the static buffer."""
