@@ -183,10 +183,10 @@ def _upload(drawn: list[int], rows: list[SamplingRow], positions: list[int], dev
     """[S, 5] float64 on the device for the S rows that draw: temperature, top_p, top_k, noise
     key, row index (all exact in float64), moved in one copy."""
     table = [(*rows[i].columns, rows[i].key(positions[i]), i) for i in drawn]
-    return _to_device(table, torch.float64, device)
+    return to_device(table, torch.float64, device)
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A host list as a device tensor without blocking the host (pinned staging on CUDA)."""
     host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
@@ -255,7 +255,7 @@ def _logprob_columns(logits: torch.Tensor, token_ids: torch.Tensor, num_top: lis
     logprobs, their n ids; NaN in rows that asked for none."""
     wanted = [i for i, n in enumerate(num_top) if n is not None]
     width = max(num_top[i] for i in wanted)
-    idx = _to_device(wanted, torch.long, logits.device)
+    idx = to_device(wanted, torch.long, logits.device)
     logp = torch.log_softmax(logits.index_select(0, idx), dim=-1)
     columns = [logp.gather(1, token_ids.index_select(0, idx).clamp(min=0)[:, None])]
     if width:

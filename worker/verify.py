@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch, to_device
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk, row_of
     if not spans:
         return
     rows = [s.batch_first + i for s in spans for i in range(len(s.next_tokens))]
-    idx = _index(rows if row_of is None else row_of[rows].tolist(), x.device)
+    idx = to_device(rows if row_of is None else row_of[rows].tolist(), torch.long, x.device)
     result.residual = x.index_select(0, idx).flatten(-2)
     result.topk = topk.index_select(0, idx) if topk is not None else None
 
@@ -74,25 +74,17 @@ def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, r
     """Samples every sampling entry of a step that verifies drafts: one head pass and one
     batched sampling pass over the d + 1 positions of each entry (one for entries without
     drafts), then the accepted prefix (``verify``)."""
-    rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
-    logits = model.logits(x[torch.tensor(rows, dtype=torch.long, device=x.device)])  # [R, V]
+    rows = to_device(_scored_rows(plan), torch.long, x.device)
+    logits = model.logits(x[rows])  # [R, V]
     verify(plan, logits, sampling, result)
 
 
 def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, result) -> None:
     """``verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy [T])
     the row of each batch token."""
-    rows = [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
-    scored = logits.index_select(0, _index(row_of[rows].tolist(), logits.device))
+    rows = row_of[_scored_rows(plan)].tolist()
+    scored = logits.index_select(0, to_device(rows, torch.long, logits.device))
     verify(plan, scored, sampling, result)
-
-
-def _index(rows, device) -> torch.Tensor:
-    """Row indices on the device, copied without waiting for it."""
-    idx = torch.as_tensor(rows, dtype=torch.long)
-    if device.type == "cuda":
-        return idx.pin_memory().to(device, non_blocking=True)
-    return idx
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:
@@ -111,6 +103,11 @@ def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageRe
         drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
         _accept(e, drafts, outcomes[at : at + e.num_drafts + 1], sampling[e.req_id], result)
         at += e.num_drafts + 1
+
+
+def _scored_rows(plan: StepPlan) -> list[int]:
+    """Batch rows of every sampling entry's scored positions, in batch order."""
+    return [r for e, first in _sampling_entries(plan) for r in _rows(e, first)]
 
 
 def _sampling_entries(plan: StepPlan):
