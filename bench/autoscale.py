@@ -118,16 +118,28 @@ class Head:
         )
 
     def stop(self) -> None:
-        self.proc.terminate()
+        stop_head(self.proc, self.work)
+
+
+def stop_head(proc: subprocess.Popen, marker: str, grace_s: float = 5.0) -> None:
+    """Terminates a `ray start --head --block` process, then kills what is left of that head:
+    every process whose command line names `marker` (its temp dir: GCS, raylet, workers, fake
+    nodes). A graceful stop of a head that ran work waits ~30 s for its workers; callers need
+    nothing of the head by then, so it gets grace_s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+    for pid in pids_naming(marker):
         try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        for pid in _pids_naming(self.work):
             os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # it ended after the listing
 
 
-def _pids_naming(text: str) -> list[int]:
+def pids_naming(text: str) -> list[int]:
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():

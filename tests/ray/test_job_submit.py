@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from bench.autoscale import stop_head
 from dsv4ray.entrypoints.job import run_job
 
 BIN = os.path.dirname(sys.executable)
@@ -28,8 +29,8 @@ def _free_port() -> int:
 def ray_head(tmp_path):
     """A separate Ray head with token authentication on (RAY_AUTH_MODE=token for every CLI).
 
-    Started with --block and stopped by terminating that process, which stops exactly this
-    head (``ray stop`` would stop every Ray on the machine).
+    Started with --block and stopped by terminating that process and killing what is left of
+    this head (``ray stop`` would stop every Ray on the machine).
     """
     token = tmp_path / "auth_token"
     token.write_text(secrets.token_hex(32))
@@ -45,11 +46,7 @@ def ray_head(tmp_path):
     try:
         yield env, address
     finally:
-        head.terminate()
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
+        stop_head(head, temp_dir)
         shutil.rmtree(temp_dir, ignore_errors=True)
 
 

@@ -24,6 +24,7 @@ from dsv4ray.model.tokenizer import Tokenizer
 
 API_KEY = "test-key-1"
 MODEL = "tiny-test"
+CAPACITY = 2048  # 8 pages: the preemption test fills them with two prompts
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,7 @@ def base_url(start_server, tiny_ckpt):
         tiny_ckpt,
         served_model_name=MODEL,
         kv_cache_dtype="fp32",
-        max_total_tokens=4096,
+        max_total_tokens=CAPACITY,
         api_key=API_KEY,
         max_pending_requests=40,
     )
@@ -47,7 +48,7 @@ def client(base_url):
 
 @pytest.fixture(scope="module")
 def local_llm(tiny_ckpt):
-    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", max_total_tokens=4096, use_ray=False)
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", max_total_tokens=CAPACITY, use_ray=False)
     yield llm
     llm.shutdown()
 
@@ -256,7 +257,7 @@ def test_the_replica_and_its_stages_share_one_placement_group(base_url):
     assert table["strategy"] == "PACK" and table["state"] == "CREATED"
     # pp 1 on CPU: one bundle, the stage's half CPU plus the replica's
     assert list(table["bundles"].values()) == [{"CPU": 1.0}]
-    assert (info["pp_size"], info["capacity_tokens"]) == (1, 4096)
+    assert (info["pp_size"], info["capacity_tokens"]) == (1, CAPACITY)
 
 
 def scrape_dsv4ray_metrics(ray_session) -> dict[str, float]:
