@@ -123,6 +123,9 @@ def test_key_splits_combine_to_the_reference(num_splits, device):
 def test_split_count_fills_the_gpu_without_tiny_splits():
     cpu = torch.device("cpu")  # the interpreter pretends to have 132 multiprocessors
     assert num_splits_for(64, 1, 640, cpu) == 2  # decode: 64 tokens x 2 splits ~ 132 SMs
-    assert num_splits_for(4, 1, 640, cpu) == 5  # at most 640 / 128 keys per split
+    assert num_splits_for(64, 1, 250, cpu) == 1  # over a quarter full: splits of >= 128 keys
+    assert num_splits_for(4, 1, 640, cpu) == 8  # a few tokens: up to MAX_SPLITS
+    assert num_splits_for(16, 1, 145, cpu) == 4  # under a quarter full: splits of >= 32 keys
     assert num_splits_for(4096, 1, 640, cpu) == 1  # prefill fills the GPU by itself
-    assert num_splits_for(1, 1, 100, cpu) == 1
+    assert num_splits_for(1, 1, 100, cpu) == 3
+    assert num_splits_for(1, 1, 31, cpu) == 1
