@@ -29,8 +29,8 @@ LOG2E_C = tl.constexpr(LOG2E)
 MAX_SPLITS = 8
 MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on partials than they save...
 # ...unless under a quarter of the SMs would have a program: then splits of 32 keys pay (H200,
-# stdlib-tiny at 145 keys, fp32 pages: batch 1 518 -> 669 tok/s, batch 16 5.7k -> 6.8k; at
-# batch 64, 2 splits of 72 keys were 9-12% slower than one)
+# stdlib-tiny decode at 145 keys, fp32 pages: batch 1 1.33x, batch 16 1.20x tok/s; at batch 64,
+# where 2 splits of 72 keys would run, they were no faster than one)
 LOW_FILL_KEYS_PER_SPLIT = 32
 
 
