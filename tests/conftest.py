@@ -23,6 +23,9 @@ def _patch_language_once_per_launch() -> None:
     import triton.language as tl
     from triton.runtime import interpreter
 
+    needed = ("_patch_lang", "GridExecutor", "InterpretedFunction", "InterpreterError")
+    if not all(hasattr(interpreter, name) for name in needed):
+        return  # another triton's interpreter: run it as it is, only slower
     both = types.SimpleNamespace(__globals__={"tl": tl, "core": tl.core})
     running = []  # one entry per launch whose grid is being interpreted
 
