@@ -270,22 +270,36 @@ def _layout_constexprs(layout: PageLayout, prefix: str) -> dict:
 def sparse_mqa_ref(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale: float,
                    window_layout: PageLayout,
                    comp_layout: PageLayout | None = None) -> torch.Tensor:
-    """Torch reference of sparse_mqa: gather, one softmax with the sink as an extra logit.
+    """Torch reference of sparse_mqa: one softmax with the sink as an extra logit.
 
-    Runs over chunks of REF_CHUNK tokens, so a long CPU prefill never gathers every token's keys.
+    Runs over chunks of REF_CHUNK tokens. The tokens of a prefill chunk share most of their keys
+    (overlapping windows), so each distinct entry of a chunk is read and scored once: scores
+    [t, H, U] against the U distinct entries, then each token's list picks its own columns.
     """
     _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout)
     outs = [torch.zeros(0, q.shape[1], q.shape[2], device=q.device)]
     for t0 in range(0, q.shape[0], REF_CHUNK):
         chunk = slice(t0, t0 + REF_CHUNK)
-        kv = read_entries(window_pages, window_slots[chunk], window_layout)  # [t, W, 512]
+        kv, cols = _distinct_entries(window_pages, window_slots[chunk], window_layout)
         slots = window_slots[chunk]
         if comp_pages is not None:
-            kv = torch.cat((kv, read_entries(comp_pages, comp_slots[chunk], comp_layout)), 1)
+            comp_kv, comp_cols = _distinct_entries(comp_pages, comp_slots[chunk], comp_layout)
+            cols = torch.cat((cols, comp_cols + kv.shape[0]), 1)
+            kv = torch.cat((kv, comp_kv))
             slots = torch.cat((slots, comp_slots[chunk]), 1)
-        scores = torch.einsum("thd,tnd->thn", q[chunk].float(), kv) * scale
+        t, h = slots.shape[0], q.shape[1]
+        cols = cols[:, None, :].expand(t, h, -1)  # [t, H, n]
+        scores = torch.einsum("thd,ud->thu", q[chunk].float(), kv).gather(2, cols) * scale
         scores = torch.where((slots >= 0)[:, None, :], scores, float("-inf"))
-        sinks = sink[None, :, None].expand(scores.shape[0], -1, 1)
+        sinks = sink[None, :, None].expand(t, -1, 1)
         probs = torch.softmax(torch.cat((scores, sinks), 2), dim=2)[..., :-1]
-        outs.append(torch.einsum("thn,tnd->thd", probs, kv))
+        weights = torch.zeros(t, h, kv.shape[0], device=q.device).scatter_add_(2, cols, probs)
+        outs.append(torch.einsum("thu,ud->thd", weights, kv))
     return torch.cat(outs)
+
+
+def _distinct_entries(pages, slots, layout: PageLayout):
+    """slots [t, n] -> (fp32 entries [U, 512] of the distinct slots, -1 read as zeros; the
+    column of each slot among them [t, n])."""
+    distinct, cols = torch.unique(slots.clamp_min(-1), return_inverse=True)
+    return read_entries(pages, distinct, layout), cols.view(slots.shape)
