@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from dsv4ray.cache.layout import PageLayout, check_pages, read_entries
-from dsv4ray.kernels.bits import mma, mma_operand, num_sms, use_bf16_mma
+from dsv4ray.kernels.bits import interpreting, mma, mma_operand, num_sms, use_bf16_mma
 from dsv4ray.kernels.entries import kv_scale_words, layout_args, load_kv_dims
 
 REF_CHUNK = 64  # tokens per gather in the torch reference
@@ -38,9 +38,10 @@ def _config(num_heads: int, bf16_mma: bool) -> tuple:
     """(BLOCK_H, BLOCK_N, num_warps). bf16 operands: the [64 heads, 512] fp32 accumulator over two
     warpgroups (wgmma), 64 keys a step (H200, bench/kernel_sweep.py: 76 us against 88 us with 32 at
     64 tokens; the per-step softmax rescale and operand setup are paid per step); fp32 pages
-    (exact fp32 dots, no tensor cores): the small tiles that do not spill."""
+    (exact fp32 dots, no tensor cores): the small tiles that do not spill, or 64 keys a tile
+    under the interpreter, which pays per op, not per key."""
     if not bf16_mma:
-        return 16, 16, 4
+        return 16, (64 if interpreting() else 16), 4
     return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 8
 
 
