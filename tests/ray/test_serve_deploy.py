@@ -175,7 +175,16 @@ def test_a_gpu_app_built_without_gpus_asks_for_gpu_bundles(ray_session, free_por
         assert list(group["bundles"].values()) == [stage, stage]
         assert (group["strategy"], group["state"]) == ("PACK", "PENDING")
     finally:
+        _kill_replicas("gpu-bundles")
         serve.shutdown()
+
+
+def _kill_replicas(app: str) -> None:
+    """Kills an app's replica actors. A replica that never started (no GPU here) would hold
+    serve.shutdown() for its whole graceful-shutdown timeout (20 s), waiting on no requests."""
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["name"].startswith(f"SERVE_REPLICA::{app}#"):
+            ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
 
 
 def _gpu_groups() -> list[dict]:
