@@ -23,7 +23,10 @@ from dsv4ray.cache.layout import PageLayout, check_pages, read_entries
 from dsv4ray.kernels.bits import interpreting, mma, mma_operand, num_sms, use_bf16_mma
 from dsv4ray.kernels.entries import kv_scale_words, layout_args, load_kv_dims
 
-REF_CHUNK = 64  # tokens per gather in the torch reference
+REF_CHUNK = 64  # tokens per step of the torch reference
+# the reference scores a chunk against its distinct entries when they number at most this many
+# times one token's list (shared windows); decode rows of different requests gather their own
+SHARED_KEYS_RATIO = 4
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
 MAX_SPLITS = 8
@@ -273,34 +276,48 @@ def sparse_mqa_ref(q, window_pages, window_slots, comp_pages, comp_slots, sink, 
                    comp_layout: PageLayout | None = None) -> torch.Tensor:
     """Torch reference of sparse_mqa: one softmax with the sink as an extra logit.
 
-    Runs over chunks of REF_CHUNK tokens. The tokens of a prefill chunk share most of their keys
-    (overlapping windows), so each distinct entry of a chunk is read and scored once: scores
-    [t, H, U] against the U distinct entries, then each token's list picks its own columns.
+    Runs over chunks of REF_CHUNK tokens. When the tokens of a chunk share most of their keys (a
+    prefill chunk: overlapping windows), each distinct entry is read and scored once (scores
+    [t, H, U] against the U distinct entries; each token's list picks its columns); otherwise
+    (decode rows of different requests) each token's own entries are gathered.
     """
     _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout)
+    pools = [(window_pages, window_slots, window_layout)]
+    if comp_pages is not None:
+        pools.append((comp_pages, comp_slots, comp_layout))
     outs = [torch.zeros(0, q.shape[1], q.shape[2], device=q.device)]
     for t0 in range(0, q.shape[0], REF_CHUNK):
-        chunk = slice(t0, t0 + REF_CHUNK)
-        kv, cols = _distinct_entries(window_pages, window_slots[chunk], window_layout)
-        slots = window_slots[chunk]
-        if comp_pages is not None:
-            comp_kv, comp_cols = _distinct_entries(comp_pages, comp_slots[chunk], comp_layout)
-            cols = torch.cat((cols, comp_cols + kv.shape[0]), 1)
-            kv = torch.cat((kv, comp_kv))
-            slots = torch.cat((slots, comp_slots[chunk]), 1)
-        t, h = slots.shape[0], q.shape[1]
-        cols = cols[:, None, :].expand(t, h, -1)  # [t, H, n]
-        scores = torch.einsum("thd,ud->thu", q[chunk].float(), kv).gather(2, cols) * scale
-        scores = torch.where((slots >= 0)[:, None, :], scores, float("-inf"))
-        sinks = sink[None, :, None].expand(t, -1, 1)
-        probs = torch.softmax(torch.cat((scores, sinks), 2), dim=2)[..., :-1]
-        weights = torch.zeros(t, h, kv.shape[0], device=q.device).scatter_add_(2, cols, probs)
-        outs.append(torch.einsum("thu,ud->thd", weights, kv))
+        chunk = [(pages, slots[t0 : t0 + REF_CHUNK], layout) for pages, slots, layout in pools]
+        slots = torch.cat([s for _, s, _ in chunk], 1)  # [t, n]
+        distinct = [torch.unique(s.clamp_min(-1), return_inverse=True) for _, s, _ in chunk]
+        qc = q[t0 : t0 + REF_CHUNK].float()
+        if sum(d.numel() for d, _ in distinct) <= SHARED_KEYS_RATIO * slots.shape[1]:
+            outs.append(_attend_distinct(qc, chunk, distinct, slots, sink, scale))
+        else:
+            kv = torch.cat([read_entries(p, s, lay) for p, s, lay in chunk], 1)  # [t, n, 512]
+            probs = _probs(torch.einsum("thd,tnd->thn", qc, kv) * scale, slots, sink)
+            outs.append(torch.einsum("thn,tnd->thd", probs, kv))
     return torch.cat(outs)
 
 
-def _distinct_entries(pages, slots, layout: PageLayout):
-    """slots [t, n] -> (fp32 entries [U, 512] of the distinct slots, -1 read as zeros; the
-    column of each slot among them [t, n])."""
-    distinct, cols = torch.unique(slots.clamp_min(-1), return_inverse=True)
-    return read_entries(pages, distinct, layout), cols.view(slots.shape)
+def _attend_distinct(q, chunk, distinct, slots, sink, scale: float) -> torch.Tensor:
+    """q [t, H, 512] over the distinct entries of each pool (torch.unique of the chunk's slots,
+    -1 read as zeros) -> o [t, H, 512]."""
+    kv, cols, offset = [], [], 0
+    for (pages, _, layout), (keys, inverse) in zip(chunk, distinct, strict=True):
+        kv.append(read_entries(pages, keys, layout))
+        cols.append(inverse + offset)
+        offset += keys.numel()
+    kv = torch.cat(kv)  # [U, 512]
+    t, h = slots.shape[0], q.shape[1]
+    cols = torch.cat(cols, 1)[:, None, :].expand(t, h, -1)  # [t, H, n]
+    probs = _probs(torch.einsum("thd,ud->thu", q, kv).gather(2, cols) * scale, slots, sink)
+    weights = torch.zeros(t, h, kv.shape[0], device=q.device).scatter_add_(2, cols, probs)
+    return torch.einsum("thu,ud->thd", weights, kv)
+
+
+def _probs(scores, slots, sink) -> torch.Tensor:
+    """Softmax of scores [t, H, n] (slots < 0 masked) with the sink as an extra logit."""
+    scores = torch.where((slots >= 0)[:, None, :], scores, float("-inf"))
+    sinks = sink[None, :, None].expand(scores.shape[0], -1, 1)
+    return torch.softmax(torch.cat((scores, sinks), 2), dim=2)[..., :-1]

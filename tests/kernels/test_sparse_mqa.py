@@ -49,15 +49,24 @@ def _direct(q, kv_lists, sink):
     return out
 
 
-def test_reference_matches_the_formula(device):
+@pytest.mark.parametrize("lists", ["shared", "disjoint"])
+def test_reference_matches_the_formula(lists, device):
+    # shared: tokens pick from a few slots (read once, like a prefill chunk's windows);
+    # disjoint: each token has its own slots (gathered per token, like decode rows)
+    num_tokens = 4 if lists == "shared" else 8
     window, w_pages, w_num = _pool("window", "fp32", 1, device)
-    comp, c_pages, c_num = _pool("c128", "fp32", 4, device)
-    q, sink = torch.randn(4, 3, 512), torch.randn(3)
-    w_slots, c_slots = _slot_lists(4, 10, w_num, device), _slot_lists(4, 5, c_num, device)
+    comp, c_pages, c_num = _pool("c128", "fp32", 20, device)
+    q, sink = torch.randn(num_tokens, 3, 512), torch.randn(3)
+    w_slots = _slot_lists(num_tokens, 10, w_num, device)
+    c_slots = _slot_lists(num_tokens, 5, c_num, device)
+    if lists == "disjoint":
+        own = torch.arange(num_tokens * 10, device=device)
+        w_slots = torch.where(w_slots >= 0, own.view(-1, 10), -1)
+        c_slots = torch.where(c_slots >= 0, own[: num_tokens * 5].view(-1, 5), -1)
     got = sparse_mqa_ref(q.to(device), w_pages, w_slots, c_pages, c_slots, sink.to(device), SCALE,
                          window, comp).cpu()
     kv_lists = []
-    for t in range(4):
+    for t in range(num_tokens):
         ws, cs = w_slots[t][w_slots[t] >= 0], c_slots[t][c_slots[t] >= 0]
         keys = torch.cat((read_entries(w_pages, ws, window), read_entries(c_pages, cs, comp))).cpu()
         kv_lists.append(list(keys))
