@@ -235,6 +235,8 @@ class EngineCore:
             update = updates.setdefault(f.req_id, RequestUpdate(f.req_id))
             update.output = self.outputs.on_finish(f)
             self.scoring.discard(f.req_id)
+        if result.pending_drafts is not None:  # the draft pass ran while the above did
+            self.scheduler.keep_drafts(result.pending_drafts.result())
         return list(updates.values())
 
     def _feed(self, req_id: str, tokens: list[int], result) -> tuple[list[int], str, bool]:

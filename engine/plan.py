@@ -168,6 +168,12 @@ class StageResult:
     # the last stage's sampling still on the device (a deferred step): StageWorker.finish reads
     # it into sampled / logprobs / errors; never set on a result that leaves the process
     pending: Any = None
+    # a replayed verification's rows for the draft worker of the same process
+    # (worker/verify.Handoff); never set on a result that leaves the process
+    handoff: Any = None
+    # an in-process draft worker's proposals still on their way to the host
+    # (worker/draft.PendingDrafts): the engine reads them after committing the step's tokens
+    pending_drafts: Any = None
 
 
 def encode(plan: StepPlan) -> bytes:

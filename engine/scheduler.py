@@ -188,6 +188,14 @@ class Scheduler:
             self.kv.adopt_later_snapshot(req)
         return outcome
 
+    def keep_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
+        """Proposals that reached the host after their step was committed: each request still
+        running keeps its own (finished and aborted ones are gone)."""
+        for req_id, tokens in drafts.items():
+            req = self._requests.get(req_id)
+            if req is not None and req.status is Status.RUNNING:
+                req.draft_token_ids = list(tokens)
+
     def _append(self, req: Request, end: int, accepted, token: int, outcome) -> None:
         """Appends the accepted drafts, then the sampled token, checking stop conditions after
         each; what the step wrote past the verified positions (up to end) is rolled back."""

@@ -19,7 +19,10 @@ step (``execute(plan, last_stage_result)``):
    position (``stats["num_topk_reuse_rows"]`` counts the rows that reused it).
 
 Decode steps (every span sampled, at most k + 1 positions) replay one CUDA graph for the exact
-pass and the chain together (worker/draft_graphs.py); others run eagerly.
+pass and the chain together (worker/draft_graphs.py); others run eagerly. After a replayed
+verification in the same process the graph takes the step's rows and the target's tokens on
+the device and finds the accepted drafts itself, so the host waits once per step, after
+drafting.
 
 A failure inside the draft pass costs drafts, never tokens: the step's result goes on without
 proposals.
@@ -48,10 +51,10 @@ from dsv4ray.worker.batch import (
     meta_from,
     pack,
 )  # fmt: skip
-from dsv4ray.worker.draft_graphs import DraftGraphs
+from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.verify import DraftSpan, draft_spans
+from dsv4ray.worker.verify import DraftSpan, draft_spans, settle_handoff
 
 log = logging.getLogger("dsv4ray.draft")
 
@@ -86,6 +89,9 @@ class DraftWorker:
         self.stage = HostStage()
         self.stats = dict.fromkeys(DRAFT_STAT_NAMES, 0)
         self.graphs: DraftGraphs | None = None
+        # proposals left on the device as PendingDrafts (an engine in the same process reads
+        # them after committing the step's tokens, while the draft pass still runs)
+        self.defer_drafts = False
 
     def allocate(self, sizes: PoolSizes) -> int:
         self.pools = DraftPools(self.cfg, sizes, self.kv_cache_dtype, self.device)
@@ -102,14 +108,16 @@ class DraftWorker:
     def execute(self, plan: StepPlan, inputs: StageResult) -> StageResult:
         """The last stage's result without its tensors, with proposals in ``drafts``."""
         self._apply(plan)
-        out = dataclasses.replace(inputs, residual=None, topk=None, drafts={}, draft_stats={})
+        out = dataclasses.replace(
+            inputs, residual=None, topk=None, handoff=None, drafts={}, draft_stats={}
+        )
         if inputs.failed is not None or not plan.batch:
             return out
         try:
             self._run(plan, inputs, out)
         except Exception:  # the step's tokens stand; only its proposals are lost
             log.exception("draft pass of step %d failed", plan.step_id)
-            out.drafts = {}
+            out.drafts, out.pending_drafts = {}, None
         return out
 
     # ------------------------------------------------------------------ bookkeeping
@@ -151,6 +159,15 @@ class DraftWorker:
         self.graphs.capture_all()
 
     def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult) -> None:
+        if inputs.handoff is not None:  # a replayed verification, still on the device
+            spans = verified_spans(plan)
+            key = self.graphs.pick(spans) if self.graphs is not None else None
+            if key is not None:
+                drafts = self.graphs.run_verified(plan, inputs.handoff, key)
+                self._snapshots(plan)
+                self._record(spans, drafts, out, graphed=True)
+                return
+            settle_handoff(plan, inputs)
         spans = draft_spans(plan, inputs)
         key = self.graphs.pick(spans) if self.graphs is not None else None
         if key is not None:
@@ -173,7 +190,11 @@ class DraftWorker:
     def _record(self, spans: list[DraftSpan], drafts: torch.Tensor, out: StageResult,
                 graphed: bool = False) -> None:  # fmt: skip
         """Files drafts [R, k] (device) by request, and the step's counters."""
-        out.drafts = dict(zip((s.req_id for s in spans), drafts.cpu().tolist(), strict=True))
+        req_ids = [s.req_id for s in spans]
+        if self.defer_drafts:
+            out.pending_drafts = PendingDrafts(req_ids, drafts)
+        else:
+            out.drafts = dict(zip(req_ids, drafts.cpu().tolist(), strict=True))
         chain_rows = len(spans) * (self.num_steps - 1)
         step_stats = {
             "num_draft_passes": 1,
@@ -277,3 +298,23 @@ def _rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
     out = np.full(rows, fill, dtype=np.int64)
     out[: len(values)] = values
     return out
+
+
+class PendingDrafts:
+    """Proposals [R, k] int64 of the requests req_ids, their host copy issued (pinned,
+    non-blocking) on CUDA; ``result`` waits for it."""
+
+    def __init__(self, req_ids: list[str], drafts: torch.Tensor) -> None:
+        self.req_ids, self.event = req_ids, None
+        if drafts.is_cuda:
+            self.host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+            self.host.copy_(drafts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = drafts.clone()
+
+    def result(self) -> dict[str, list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.req_ids, self.host.tolist(), strict=True))

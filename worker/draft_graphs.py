@@ -5,10 +5,23 @@ the target's next token) and then k - 1 chain steps of one token. A bucket (b, L
 step at fixed shapes, all its index fields in one int64 buffer:
 
     exact pass   slotted rows (worker/batch.py): request i's positions from row i * (k + 1),
-                 pad rows after them, page-table columns L / 256, C128 columns L / 128
-    last rows    [b] the row of each request's last exact position (the chain starts there)
-    chain steps  k - 1 sets of index fields for b rows (worker/draft.py's chain_arrays)
+                 pad rows after them, page-table columns L / 256, C128 columns L / 128; its
+                 sample_idx holds each request's first row
+    drafts       [b, k] the tokens each request's rows' next tokens are compared with, in order
+                 (-2 pads: no token equals it)
+    variants     [k + 1, C] the k - 1 chain steps' index fields (worker/draft.py's chain_arrays)
+                 for a chain that starts at row 0, 1, .. k of the request
     span rows    [<= b (k + 1)] the slotted row of each residual row the last stage handed over
+
+The graph counts each request's accepted drafts a (leading rows whose next token equals its
+draft), starts the chain at row a and gathers each request's chain fields from variant a. Fed
+from the host, the next tokens are known and the drafts are those tokens, so a is the last
+exact row. Fed from a replayed verification on the device (``run_verified``), every position
+of the step is an exact row with the target's token as its next token, and a is the accepted
+count the host learns only later: rows past it write window slots (and C4 ring rows) of
+positions past the request's tokens, which the exact pass that reaches those positions
+rewrites before anything reads them (the chain reads positions past the start from its scratch
+page, and top-k only up to the start).
 
 The target's residual rows (and top-k rows) are copied to their slotted rows of static tensors
 before the replay (pad rows keep earlier steps' finite values; their top-k rows are -1). The
@@ -18,6 +31,7 @@ largest bucket or longer contexts run eagerly.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -42,7 +56,7 @@ from dsv4ray.worker.cuda_graphs import (
     capture_bucket,
     context_buckets,
 )
-from dsv4ray.worker.verify import DraftSpan
+from dsv4ray.worker.verify import DraftSpan, Handoff
 
 log = logging.getLogger("dsv4ray.draft")
 
@@ -62,6 +76,7 @@ class DraftGraphs:
         self.graphs: dict[tuple[int, int], GraphBucket] = {}
         self.pool = None
         self.replays: dict[tuple[int, int], int] = {}  # bucket -> steps it ran
+        self.num_verified = 0  # of them, steps fed from a verification on the device
 
     def capture_all(self) -> None:
         t0 = time.perf_counter()
@@ -79,10 +94,10 @@ class DraftGraphs:
 
     def _capture(self, b: int, ctx: int) -> GraphBucket:
         padding = Padding(b * self.n, ctx // PAGE, ctx // 128, self.w.pools.scratch_row, self.n)
-        flat, layouts = self._host([], padding)
+        flat, layouts, chain_layouts = self._host([], [], padding, True)
         static = torch.from_numpy(flat).to(self.device)
         g = GraphBucket(padding, static, self.capture)
-        g.meta = self._metas(static, layouts, padding)
+        g.meta = self._metas(static, layouts, chain_layouts, padding)
         self.pool = capture_bucket(g, self._forward, self.device, self.pool)
         return g
 
@@ -102,56 +117,147 @@ class DraftGraphs:
     def run(self, spans: list[DraftSpan], residual: torch.Tensor, topk, key) -> torch.Tensor:
         """residual [N, hc * hidden] (top-k [N, k'] or None): the spans' rows in order ->
         drafts [len(spans), k] int64 on the device."""
-        g = self.graphs[key]
-        flat, layouts = self._host(spans, g.padding)
-        self.w.stage.upload(flat, self.device, out=g.static)
-        num_rows = residual.shape[0]
-        span_rows = unpack(g.static, [("span_rows", layouts[-1][1], (num_rows,))])["span_rows"]
+        drafts = [s.next_tokens[:-1] for s in spans]  # every row's next token matches: a = last
+        g, span_rows = self._upload(spans, drafts, key, variable=False)
         c = self.w.cfg
-        stack = residual.view(num_rows, c.hc_mult, c.hidden_size).to(self.h.dtype)
-        self.h.index_copy_(0, span_rows, stack)
+        stack = residual.view(residual.shape[0], c.hc_mult, c.hidden_size)
+        return self._replay(g, key, span_rows, stack, topk, len(spans))
+
+    def run_verified(self, plan: StepPlan, handoff: Handoff, key) -> torch.Tensor:
+        """A replayed verification's rows on the device (every batch entry a decode with its
+        drafts) -> drafts [len(plan.batch), k] int64 on the device, each request's chain
+        starting after its accepted drafts."""
+        spans, drafts, first = verified_spans(plan), [], 0
+        for e in plan.batch:
+            drafts.append(plan.token_ids[first + 1 : first + e.num_tokens])
+            first += e.num_tokens
+        g, span_rows = self._upload(spans, drafts, key, variable=True)
+        self.num_verified += 1
+        exact_tokens = g.meta[0].token_ids  # -1 (logits not finite) embeds as 0; it aborts
+        exact_tokens.index_copy_(0, span_rows, handoff.token_ids.clamp(min=0))
+        stack = handoff.stack.index_select(0, span_rows)
+        topk = handoff.topk.index_select(0, span_rows) if handoff.topk is not None else None
+        return self._replay(g, key, span_rows, stack, topk, len(spans))
+
+    def _upload(self, spans, drafts, key, variable: bool):
+        g = self.graphs[key]
+        flat, layouts, _ = self._host(spans, drafts, g.padding, variable)
+        self.w.stage.upload(flat, self.device, out=g.static)
+        num_rows = sum(len(s.next_tokens) for s in spans)
+        span_rows = unpack(g.static, [("span_rows", layouts[-1][1], (num_rows,))])["span_rows"]
+        return g, span_rows
+
+    def _replay(self, g, key, span_rows, stack, topk, num_spans: int) -> torch.Tensor:
+        self.h.index_copy_(0, span_rows, stack.to(self.h.dtype))
         if self.w.reuses_topk:
             self.topk.fill_(-1)
             self.topk[:, : topk.shape[1]].index_copy_(0, span_rows, topk.to(torch.int64))
         g.replay(self._forward)
         self.replays[key] = self.replays.get(key, 0) + 1
-        return g.out[: len(spans)]
+        return g.out[:num_spans]
 
-    def _host(self, spans: list[DraftSpan], padding: Padding):
-        """The bucket's flat buffer and each part's layout: exact, last rows, chain steps, span
-        rows (the span rows' layout: (name, offset, capacity))."""
+    def _host(self, spans: list[DraftSpan], drafts: list, padding: Padding, variable: bool):
+        """The bucket's flat buffer, each part's layout (exact, drafts, variants when there are
+        chain steps, span rows: (name, offset, capacity)) and the chain steps' layouts inside
+        one variant. variable: a variant per start row; else every variant is the spans' own."""
         sub = StepPlan(step_id=-1)
         for s in spans:
             sub.batch.append(BatchEntry(s.req_id, s.start_pos, len(s.next_tokens), True))
             sub.token_ids.extend(s.next_tokens)
         b = padding.num_tokens // self.n
-        arrays, last_rows = host_arrays(sub, self.w.tables, padding)
-        last = np.arange(b, dtype=np.int64) * self.n  # pad requests: their first (pad) row
-        last[: len(spans)] = last_rows
-        parts = [pack(arrays, last)]
-        for step in range(1, self.n - 1):
-            chain = self.w.chain_arrays(spans, step, b, padding.page_cols)
-            parts.append(pack(chain, np.zeros(0, dtype=np.int64)))
+        arrays, _ = host_arrays(sub, self.w.tables, padding)
+        parts = [pack(arrays, np.arange(b, dtype=np.int64) * self.n)]
+        table = np.full((b, self.n - 1), -2, dtype=np.int64)
+        for i, tokens in enumerate(drafts):
+            table[i, : len(tokens)] = tokens
+        parts.append(_raw("drafts", table))
+        chain_layouts = []
+        if self.n > 2:
+            starts = range(self.n) if variable else [None]
+            flats = []
+            for start in starts:
+                flat, chain_layouts = self._chain(_started(spans, start), b, padding.page_cols)
+                flats.append(flat)
+            variants = np.stack(flats) if variable else np.repeat(flats[0][None], self.n, axis=0)
+            parts.append(_raw("variants", variants))
         rows = slotted_rows([len(s.next_tokens) for s in spans], self.n)
         span = np.zeros(padding.num_tokens, dtype=np.int64)
         span[: len(rows)] = rows
         flat, layouts = concat_packed(parts)
         layouts.append(("span_rows", flat.size, (padding.num_tokens,)))
-        return np.concatenate([flat, span]), layouts
+        return np.concatenate([flat, span]), layouts, chain_layouts
 
-    def _metas(self, static: torch.Tensor, layouts, padding: Padding):
-        """(exact meta, last rows [b], chain metas) over views of the static buffer."""
+    def _chain(self, spans: list[DraftSpan], b: int, page_cols: int):
+        """The k - 1 chain steps' fields packed after one another (one variant)."""
+        parts = [pack(self.w.chain_arrays(spans, step, b, page_cols), np.zeros(0, dtype=np.int64))
+                 for step in range(1, self.n - 1)]  # fmt: skip
+        return concat_packed(parts)
+
+    def _metas(self, static: torch.Tensor, layouts, chain_layouts, padding: Padding):
+        """(exact meta, first rows [b], drafts [b, k], chain) over views of the static buffer;
+        chain: None without chain steps, else (variants [k + 1, C], owner [C] (the request row of
+        every field element), the region [C] the graph gathers one variant per request into,
+        the chain metas over that region)."""
         w, empty = self.w, StepPlan(step_id=-1)
         rope_len = w.ropes.length
         exact = meta_from(static, layouts[0], empty, w.ropes, rope_len, True, padding.c128_cols)
-        last = exact.sample_idx
-        chain = [meta_from(static, lay, empty, w.ropes, rope_len, True) for lay in layouts[1:-1]]
-        return exact, last, chain
+        drafts = unpack(static, layouts[1])["drafts"]
+        if not chain_layouts:
+            return exact, exact.sample_idx, drafts, None
+        variants = unpack(static, layouts[2])["variants"]
+        region = torch.zeros(variants.shape[1], dtype=torch.int64, device=self.device)
+        metas = [meta_from(region, lay, empty, w.ropes, rope_len, True) for lay in chain_layouts]
+        owner = torch.from_numpy(_owners(chain_layouts, variants.shape[1])).to(self.device)
+        return exact, exact.sample_idx, drafts, (variants, owner, region, metas)
 
     def _forward(self, metas) -> torch.Tensor:
-        exact, last, chain = metas
+        exact, first, drafts, chain = metas
         rows = exact.num_tokens
+        next_tokens = exact.token_ids.view(-1, self.n)[:, :-1]  # [b, k]
+        accepted = (next_tokens == drafts).long().cumprod(1).sum(1)  # [b]
+        last = first + accepted
+        chain_metas = []
+        if chain is not None:
+            variants, owner, region, chain_metas = chain
+            region.copy_(variants.gather(0, accepted.index_select(0, owner)[None]).squeeze(0))
         topk = self.topk[:rows] if self.w.reuses_topk else None
         x = self.w.exact_pass(self.h[:rows], exact, topk)
         topk = topk.index_select(0, last) if topk is not None else None
-        return self.w.propose(x.index_select(0, last), chain, topk)
+        return self.w.propose(x.index_select(0, last), chain_metas, topk)
+
+
+def verified_spans(plan: StepPlan) -> list[DraftSpan]:
+    """Every position of a verification step as exact rows (next tokens: placeholders the
+    device fills with the target's tokens)."""
+    spans, first = [], 0
+    for e in plan.batch:
+        spans.append(DraftSpan(e.req_id, e.start_pos, first, [0] * e.num_tokens, True))
+        first += e.num_tokens
+    return spans
+
+
+def _started(spans: list[DraftSpan], start: int | None) -> list[DraftSpan]:
+    """The spans cut to rows 0 .. start (a chain starting at that row; None: as they are)."""
+    if start is None:
+        return spans
+    return [dataclasses.replace(s, next_tokens=s.next_tokens[: start + 1]) for s in spans]
+
+
+def _raw(name: str, values: np.ndarray):
+    """One packed part of a single field (even size, so later parts stay aligned)."""
+    flat = np.ascontiguousarray(values, dtype=np.int64).ravel()
+    if flat.size % 2:
+        flat = np.concatenate([flat, np.zeros(1, dtype=np.int64)])
+    return flat, [(name, 0, values.shape)]
+
+
+def _owners(layouts, size: int) -> np.ndarray:
+    """The request row of every element of packed per-request fields (alignment pads: row 0)."""
+    owner = np.zeros(size, dtype=np.int64)
+    for layout in layouts:
+        for _, off, shape in layout:
+            count = int(np.prod(shape))
+            if count:
+                per_row = count // shape[0]
+                owner[off : off + count] = np.repeat(np.arange(shape[0]), per_row)
+    return owner

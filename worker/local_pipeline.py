@@ -107,6 +107,8 @@ class LocalPipeline:
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None
+        if self.draft is not None:  # its proposals reach the host while the engine commits
+            self.draft.defer_drafts = True
         self.capacity = size_pipeline(
             cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
         )
@@ -129,7 +131,10 @@ class LocalPipeline:
         result = None
         for worker in self.workers[:-1]:
             result = worker.execute(plan, result)
-        result = self.workers[-1].execute(plan, result, defer_sampling=self.depth > 1)
+        # a draft worker with graphs takes a replayed verification's rows on the device
+        handoff = self.draft is not None and self.draft.graphs is not None
+        last = self.workers[-1]
+        result = last.execute(plan, result, defer_sampling=self.depth > 1, handoff=handoff)
         return result if self.draft is None else self.draft.execute(plan, result)
 
     def collect(self, handle: StageResult) -> StageResult:

@@ -30,7 +30,7 @@ from dsv4ray.worker.overlap import fill_lookahead, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
-from dsv4ray.worker.verify import hand_over, sample_with_drafts, verify_rows
+from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over, sample_with_drafts, verify_rows
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -174,12 +174,18 @@ class StageWorker:
 
     @torch.no_grad()
     def execute(
-        self, plan: StepPlan, inputs: StageResult | None = None, defer_sampling: bool = False
+        self,
+        plan: StepPlan,
+        inputs: StageResult | None = None,
+        defer_sampling: bool = False,
+        handoff: bool = False,
     ) -> StageResult:
         """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
         earlier stage) is returned in ``failed`` with the bookkeeping applied, so every stage
         stays in step with the scheduler and only the step's requests are lost.
-        defer_sampling: return without waiting for the sampled ids (``finish`` reads them)."""
+        defer_sampling: return without waiting for the sampled ids (``finish`` reads them).
+        handoff: a replayed verification step leaves its rows and tokens on the device for the
+        draft worker of this process (``result.handoff``) and is settled by ``finish``."""
         events = self._host_ops(plan)
         self._apply(plan)
         result = StageResult(plan.step_id)
@@ -187,12 +193,13 @@ class StageWorker:
             result.failed = inputs.failed
             return result
         try:
-            self._compute(plan, inputs, events, result)
+            self._compute(plan, inputs, events, result, handoff)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
             self._fail(plan.step_id, exc, result)
         if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
             run_handoffs(self.kv_port, plan, self.tables, inputs, self.finish(result))
-        return result if defer_sampling else self.finish(result)
+        deferred = defer_sampling or result.handoff is not None
+        return result if deferred else self.finish(result)
 
     def finish(self, result: StageResult) -> StageResult:
         """Reads back the sampled ids a deferred step left on the device into ``sampled``,
@@ -200,7 +207,10 @@ class StageWorker:
         pending, result.pending = result.pending, None
         if pending is not None:
             try:
-                record_samples(result, *pending)
+                if isinstance(pending, PendingVerify):
+                    pending.settle(result)
+                else:
+                    record_samples(result, *pending)
             except Exception as exc:
                 self._fail(result.step_id, exc, result)
         return result
@@ -213,7 +223,7 @@ class StageWorker:
     def _range(self) -> tuple[int, int]:
         return self.model.start, self.model.end
 
-    def _compute(self, plan: StepPlan, inputs, events, result: StageResult) -> None:
+    def _compute(self, plan: StepPlan, inputs, events, result: StageResult, handoff: bool):
         if not plan.batch:
             self._snapshots(plan)
             return
@@ -222,7 +232,7 @@ class StageWorker:
         key = self.graphs.pick(plan, self.tables) if graphs else None
         fill = lambda token_ids: fill_lookahead(plan, token_ids, self.prev_samples)  # noqa: E731
         if key is not None and self.graphs.n > 1:
-            self._verify_graph(plan, key, result)
+            self._verify_graph(plan, key, result, handoff)
             return
         if key is not None:  # a whole decode step, head included: every row's logits
             logits, meta = self.graphs.run(plan, self.tables, key, fill)
@@ -243,13 +253,18 @@ class StageWorker:
         else:
             result.residual, result.topk = x.flatten(-2), topk
 
-    def _verify_graph(self, plan: StepPlan, key, result: StageResult) -> None:
+    def _verify_graph(self, plan: StepPlan, key, result: StageResult, handoff: bool) -> None:
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
         (logits, x, topk), _ = self.graphs.run(plan, self.tables, key)
         self._snapshots(plan)
         self.prev_samples = None
         rows = slotted_rows([e.num_tokens for e in plan.batch], self.graphs.n)
-        verify_rows(plan, logits, rows, self.sampling, result)
+        launched = verify_rows(plan, logits, rows, self.sampling)
+        if handoff:  # every batch token is scored: its target token is token_ids[its index]
+            result.pending = launched
+            result.handoff = Handoff(x, topk, rows, launched.token_ids)
+            return
+        launched.settle(result)
         hand_over(plan, result, x, topk, rows)
 
     def _host_ops(self, plan: StepPlan) -> LayerEvents:

@@ -18,16 +18,23 @@ tokens of plain sampling.
 ``draft_spans`` names the positions whose next token is known after the step (accepted
 positions, and whole prefill chunks, whose next token the plan carries): the last stage hands
 their pre-head residual rows (and top-k rows) to the draft worker in this order.
+
+A replayed verification step in process can instead leave everything on the device
+(``Handoff``): the target's token at every position, and the residual and top-k rows of every
+position. The draft worker's graph then counts the accepted drafts itself and drafts from there
+(worker/draft_graphs.py), and the host settles the verification (``PendingVerify``) only when
+the step is collected: one wait per step instead of one before drafting and one after.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch, to_device
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async, to_device
 
 
 @dataclass(frozen=True)
@@ -79,30 +86,70 @@ def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, r
     verify(plan, logits, sampling, result)
 
 
-def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, result) -> None:
-    """``verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy [T])
-    the row of each batch token."""
+def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict):
+    """``launch_verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy
+    [T]) the row of each batch token."""
     rows = row_of[_scored_rows(plan)].tolist()
     scored = logits.index_select(0, to_device(rows, torch.long, logits.device))
-    verify(plan, scored, sampling, result)
+    return launch_verify(plan, scored, sampling)
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:
     """logits [R, V] fp32 of the scored rows (per sampling entry in batch order, its last
     num_drafts + 1 positions); sampling: req_id -> SamplingRow (or why it was refused). Fills
     result.sampled / accepted / logprobs / accepted_logprobs / errors."""
+    launch_verify(plan, logits, sampling).settle(result)
+
+
+def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict) -> PendingVerify:
+    """``verify``'s sampling pass, launched: the target's tokens stay on the device
+    (PendingVerify.token_ids [R]) until ``settle`` reads them."""
     entries = [e for e, _ in _sampling_entries(plan)]
     params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
     num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
     # the token drawn at row j follows position start + j: its position keys the seeded noise
     positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
-    outcomes = sample_batch(logits, usable, positions, num_top)
-    at = 0
-    for e, first in _sampling_entries(plan):
-        drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
-        _accept(e, drafts, outcomes[at : at + e.num_drafts + 1], sampling[e.req_id], result)
-        at += e.num_drafts + 1
+    pending = sample_batch_async(logits, usable, positions, num_top)
+    return PendingVerify(plan, pending, {e.req_id: sampling[e.req_id] for e in entries})
+
+
+class PendingVerify:
+    """A launched verification: token_ids [R] (device; -1 where the logits are not finite) in
+    scored-row order; ``settle`` waits for their host copy and accepts drafts (idempotent)."""
+
+    def __init__(self, plan: StepPlan, pending, sampling: dict) -> None:
+        self.plan, self.pending, self.sampling = plan, pending, sampling
+        self.token_ids = pending.token_ids
+
+    def settle(self, result: StageResult) -> None:
+        outcomes, at = self.pending.result(), 0
+        for e, first in _sampling_entries(self.plan):
+            drafts = self.plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
+            used = outcomes[at : at + e.num_drafts + 1]
+            _accept(e, drafts, used, self.sampling[e.req_id], result)
+            at += e.num_drafts + 1
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A replayed verification step's rows left on the device for the draft worker in the same
+    process: stack [b n, hc, hidden] and top-k [b n, k'] (or None) in slotted rows, rows (numpy
+    [T]) the slotted row of each batch token, token_ids [T] the target's token at each (every
+    token of such a step is scored)."""
+
+    stack: torch.Tensor
+    topk: torch.Tensor | None
+    rows: np.ndarray
+    token_ids: torch.Tensor
+
+
+def settle_handoff(plan: StepPlan, result: StageResult) -> None:
+    """A handoff the draft worker cannot replay: the verification settled on the host, then the
+    rows of the accepted positions handed over as ``hand_over`` does."""
+    result.pending.settle(result)
+    h = result.handoff
+    hand_over(plan, result, h.stack, h.topk, h.rows)
 
 
 def _scored_rows(plan: StepPlan) -> list[int]:

@@ -219,24 +219,35 @@ def test_tree_drafting_with_top_k_reuse_is_refused(dsa_ckpt):
         LLM(dsa_ckpt, speculative_num_steps=2, speculative_eagle_topk=2, use_ray=False)
 
 
-@pytest.mark.parametrize("kind,k", [("window", 3), ("dsa", 2)], ids=["window-k3", "dsa-k2"])
+@pytest.mark.parametrize(
+    "kind,k,verify_graphs,draft_len",
+    [("window", 3, True, 256), ("dsa", 2, True, 4096), ("window", 2, False, 4096)],
+    ids=["window-k3", "dsa-k2", "window-k2-eager-verify"],
+)
 def test_static_buckets_give_the_tokens_and_drafts_of_eager_steps(
-    request, tiny_ckpt, dsa_ckpt, kind, k
+    request, tiny_ckpt, dsa_ckpt, kind, k, verify_graphs, draft_len
 ):
     """The verification and draft buckets CUDA graphs capture, run eagerly on their static
     buffers (capture=False): slotted rows, pad rows inside a request's block (a request short
-    of max_tokens schedules fewer drafts) and pad requests (3 requests in the 4 bucket)."""
+    of max_tokens schedules fewer drafts) and pad requests (3 requests in the 4 bucket). After
+    a replayed verification the draft buckets take its rows on the device and find the
+    accepted drafts themselves; with draft buckets of 256 positions, steps past them settle on
+    the host and draft eagerly; after an eager verification they take the accepted rows from
+    the host."""
     ckpt = {"window": tiny_ckpt, "dsa": dsa_ckpt}[kind]
     ref = request.getfixturevalue("tiny_model") if kind == "window" else load_reference(ckpt)
     llm = _engine(ckpt, k)
     try:
         pipe = llm.core.pipeline
-        pipe.workers[0].capture_graphs(4, 4096, k, capture=False)
-        pipe.draft.capture_graphs(4, 4096, capture=False)
+        if verify_graphs:
+            pipe.workers[0].capture_graphs(4, 4096, k, capture=False)
+        pipe.draft.capture_graphs(4, draft_len, capture=False)
         prompts, max_tokens = _prompts([5, 126, 254], seed=10 + k), [4, 9, 7]
         outs = _run_checking_drafts(llm, ref, prompts, max_tokens, k)
-        verify_replays = dict(pipe.workers[0].graphs.replays)
+        graphs = pipe.workers[0].graphs
+        verify_replays = sum(graphs.replays.values()) if graphs is not None else 0
         draft_replays = dict(pipe.draft.graphs.replays)
+        num_verified = pipe.draft.graphs.num_verified
         stats = llm.core.stats()
         llm.core.check_integrity()
     finally:
@@ -244,7 +255,13 @@ def test_static_buckets_give_the_tokens_and_drafts_of_eager_steps(
     for prompt, out, n in zip(prompts, outs, max_tokens):
         assert out.token_ids == ref.greedy(prompt, n)
     # the batch shrinks 3 -> 2 -> 1 requests as they finish: every bucket ran
-    buckets = {(b, 4096) for b in (1, 2, 4)}
-    assert set(verify_replays) == buckets and set(draft_replays) == buckets
+    if verify_graphs:
+        assert set(graphs.replays) == {(b, 4096) for b in (1, 2, 4)}
+    if draft_len == 4096:
+        assert set(draft_replays) == {(b, 4096) for b in (1, 2, 4)}
+        # every replayed verification fed the draft graph on the device
+        assert num_verified == verify_replays
+    else:  # the longest request drafts past 256 positions: settled on the host, then eager
+        assert 0 < num_verified < verify_replays
     if kind == "dsa":
         assert stats["num_topk_reuse_rows"] > 0
