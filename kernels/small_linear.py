@@ -1,0 +1,88 @@
+"""Linears at a few rows, batch-invariant: y [M, N] = x [M, K] @ W [N, K]^T for M <= 16.
+
+    small_linear(x [M, K], weight [N, K]) -> [M, N] in x's dtype
+
+Decode and verification steps multiply 1-16 rows by every dense linear. cuBLAS picks its
+algorithm by M (a gemv at one row; at four, split-K GEMMs of two launches each), so a row's result
+depends on how many rows share the call, and a four-row step pays two launches per linear. Here
+every M up to SMALL_M runs the same program shape: 16 rows (masked), BLOCK_N output columns per
+program, K walked in BLOCK_K steps in a fixed order with fp32 products and sums. Row m's result is
+therefore a function of row m alone, so a verification step computes each row's linears bit for
+bit as a one-row decode step does, and every weight element is read once per call. Only
+latency-bound weights (K <= MAX_K, at most MAX_WEIGHT elements) fit; others stay with torch.
+
+fp32 and bf16 (bf16 results rounded to nearest even as bits: the interpreter's cast truncates).
+The reference is torch's product in fp32 (``small_linear_ref``); sums in another order differ from
+it in the last bits only.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ray.kernels.bits import interpreting, store_rounded
+
+SMALL_M = 16  # the rows one program holds; larger M goes to torch (cuBLAS)
+# Latency-bound weights only: each program walks all of K, so a long K (or a weight of many
+# megabytes, which cuBLAS reads with split K at full bandwidth) stays with torch.
+MAX_K, MAX_WEIGHT = 2048, 1 << 20
+BLOCK_N, BLOCK_K = 32, 64
+# the interpreter pays per program and op, not per element: wide tiles (same sums in order)
+INTERPRETED_BLOCK_N, INTERPRETED_BLOCK_K = 256, 256
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@triton.jit(do_not_specialize=["M"])
+def _small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         OUT_BF16: tl.constexpr):  # fmt: skip
+    # program n tile: out[:, n] for every row
+    m = tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        # fp32 FMA (bf16 widens exactly): each output's sum runs over k in order, whatever M is
+        acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    offs = m.to(tl.int64)[:, None] * stride_om + n[None, :]
+    store_rounded(out_ptr, offs, acc, m_ok[:, None] & n_ok[None, :], OUT_BF16)
+
+
+def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``small_linear`` takes this product: few rows, one float dtype for both, a
+    latency-bound weight."""
+    small = weight.shape[1] <= MAX_K and weight.numel() <= MAX_WEIGHT
+    return small and x.shape[0] <= SMALL_M and x.dtype == weight.dtype and x.dtype in DTYPES
+
+
+def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= SMALL_M) and weight [N, K] -> [M, N]."""
+    if not fits(x, weight):
+        raise ValueError(f"small_linear takes <= {SMALL_M} rows of fp32 or bf16 in the weight's "
+                         f"dtype and weights of K <= {MAX_K}, <= {MAX_WEIGHT} elements; got "
+                         f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} "
+                         f"{weight.dtype}")  # fmt: skip
+    n, k = weight.shape
+    if x.shape[1] != k:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    block_n, block_k = (INTERPRETED_BLOCK_N, INTERPRETED_BLOCK_K) if interpreting() else (
+        BLOCK_N, BLOCK_K)  # fmt: skip
+    grid = (triton.cdiv(n, block_n),)
+    _small_linear_kernel[grid](x, weight.contiguous(), out, x.shape[0], n, k, x.stride(0),
+                               out.stride(0), BLOCK_M=SMALL_M, BLOCK_N=block_n, BLOCK_K=block_k,
+                               OUT_BF16=x.dtype == torch.bfloat16)  # fmt: skip
+    return out
+
+
+def small_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The torch reference: the product in fp32, in x's dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
