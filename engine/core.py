@@ -67,6 +67,8 @@ class EngineCore:
         self.needs_rebuild = False  # a stage died: rebuild before the next plan
         self.resume: dict[str, spec.Resume] = {}  # requests to resume after a draft worker died
         self.spec_stats = dict.fromkeys(spec.STAT_NAMES, 0)
+        # the last committed step's proposals still on the device (in-process draft worker)
+        self.pending_drafts = None
         if config.device == "cuda":
             warm_up(self)
 
@@ -77,6 +79,7 @@ class EngineCore:
     def restart_scheduler(self) -> None:
         """A fresh scheduler over the same pools (after the warm-up: nothing of it stays)."""
         self.scheduler = self._new_scheduler()
+        self.pending_drafts = None
 
     def _attach_host_tier(self) -> tuple[int, int]:
         """HiCache: host pages (host_cache_tokens, default twice the device pool) per stage."""
@@ -178,6 +181,7 @@ class EngineCore:
                 return refused
         while len(self.in_flight) < self.pipeline.depth:
             plan = self.scheduler.schedule()
+            self._settle_skipped_drafts(plan)
             if plan is None:
                 break
             self._prepare(plan)
@@ -198,6 +202,17 @@ class EngineCore:
             return self._recover(exc)
         return self._commit(plan, result)
 
+    def _settle_skipped_drafts(self, plan) -> None:
+        """Pending proposals go to the next plan, which fills them on the device; those of
+        requests that plan skips (or of every request, with no plan) are read now."""
+        pending, self.pending_drafts = self.pending_drafts, None
+        if pending is None:
+            return
+        skipped = set(self.scheduler.pending_drafts()) - set(plan.draft_lookahead if plan else ())
+        if skipped:
+            values = pending.result()
+            self.scheduler.keep_drafts({r: values[r] for r in skipped if r in values})
+
     def _prepare(self, plan) -> None:
         """What the engine adds to a scheduled plan before the stages get it, and counts of it."""
         plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
@@ -211,6 +226,7 @@ class EngineCore:
             out = self.abort(req_id, error)  # before commit: its step entry no longer counts
             if out is not None:
                 updates[req_id] = RequestUpdate(req_id, output=out)
+        self.scheduler.keep_drafts(result.resolved_drafts)  # the values its drafts had
         outcome = self.scheduler.commit(plan, result.sampled, result.accepted, result.drafts)
         finished = outcome.finished
         spec.count_drafts(plan, outcome, result, self.outputs.outputs, self.spec_stats)
@@ -235,8 +251,10 @@ class EngineCore:
             update = updates.setdefault(f.req_id, RequestUpdate(f.req_id))
             update.output = self.outputs.on_finish(f)
             self.scoring.discard(f.req_id)
-        if result.pending_drafts is not None:  # the draft pass ran while the above did
-            self.scheduler.keep_drafts(result.pending_drafts.result())
+        if result.pending_drafts is not None:  # the next plan takes them on the device
+            k = self.config.speculative_num_steps
+            self.scheduler.expect_drafts(result.pending_drafts.req_ids, k)
+            self.pending_drafts = result.pending_drafts
         return list(updates.values())
 
     def _feed(self, req_id: str, tokens: list[int], result) -> tuple[list[int], str, bool]:
@@ -274,6 +292,7 @@ class EngineCore:
         """A stage died: every unfinished request ends now, with the reason; the next step
         rebuilds the pipeline (seconds to minutes), so no caller waits for it to learn."""
         self.needs_rebuild = True
+        self.pending_drafts = None
         if self.pipeline.draft_lost():
             log.error("draft worker lost (%s): rebuilding; requests resume from their tokens", exc)
             self.in_flight.clear()
@@ -376,6 +395,7 @@ class EngineCore:
         """Ends every unfinished request with finish_reason "abort" and ``error``."""
         self.in_flight.clear()
         self.resume = {}
+        self.pending_drafts = None
         updates = []
         for req_id in self.outputs.unfinished():
             finished = self.scheduler.abort(req_id)

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 
 
 LOOKAHEAD_TOKEN = -1  # a token id the last stage fills from the previous plan's samples
+PENDING_DRAFT = -1  # a draft id the stages fill from the draft worker's last proposals
 
 
 @dataclass
@@ -112,6 +113,10 @@ class StepPlan:
     lookahead: list[str] = field(default_factory=list)
     draft: bool = False  # a draft worker follows the last stage
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
+    # entries whose drafts the previous plan's draft pass proposed and that have not reached the
+    # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device
+    # and writes them into token_ids before it settles the step (worker/draft_fill.py)
+    draft_lookahead: list[str] = field(default_factory=list)
     # host tier copies, run before the step in this order (cache/hicache.py)
     host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
     host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
@@ -172,8 +177,10 @@ class StageResult:
     # (worker/verify.Handoff); never set on a result that leaves the process
     handoff: Any = None
     # an in-process draft worker's proposals still on their way to the host
-    # (worker/draft.PendingDrafts): the engine reads them after committing the step's tokens
+    # (worker/draft.PendingDrafts): the next plan's entries take them on the device
     pending_drafts: Any = None
+    # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
+    resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 def encode(plan: StepPlan) -> bytes:
@@ -209,6 +216,7 @@ def decode(data: bytes) -> StepPlan:
         lookahead=raw["lookahead"],
         draft=raw["draft"],
         next_tokens=raw["next_tokens"],
+        draft_lookahead=raw["draft_lookahead"],
         kv_sends=[KVSend.from_dict(item) for item in raw["kv_sends"]],
         kv_checks=[KVCheck.from_dict(item) for item in raw["kv_checks"]],
         **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},

@@ -40,7 +40,7 @@ from dsv4ray.engine.config import SchedulerConfig
 from dsv4ray.engine.kv_manager import KVCacheManager
 from dsv4ray.engine.outcome import StepOutcome
 from dsv4ray.engine.outputs import FINISH_REASONS
-from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, BatchEntry, StepPlan
+from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, PENDING_DRAFT, BatchEntry, StepPlan
 from dsv4ray.engine.request import FinishedRequest, Request, Status
 from dsv4ray.engine.sampling import SamplingParams
 
@@ -188,13 +188,27 @@ class Scheduler:
             self.kv.adopt_later_snapshot(req)
         return outcome
 
-    def keep_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
-        """Proposals that reached the host after their step was committed: each request still
-        running keeps its own (finished and aborted ones are gone)."""
-        for req_id, tokens in drafts.items():
+    def expect_drafts(self, req_ids: Sequence[str], num_drafts: int) -> None:
+        """Proposals of a committed step still on the device: each request still running holds
+        num_drafts PENDING_DRAFT ids, which its next plan schedules as drafts to fill
+        (plan.draft_lookahead) and ``keep_drafts`` replaces with their values."""
+        for req_id in req_ids:
             req = self._requests.get(req_id)
             if req is not None and req.status is Status.RUNNING:
+                req.draft_token_ids = [PENDING_DRAFT] * num_drafts
+
+    def keep_drafts(self, drafts: Mapping[str, Sequence[int]]) -> None:
+        """Pending proposals as they reached the host: each request still running that waits
+        for them keeps its own values (finished, aborted and preempted ones are gone)."""
+        for req_id, tokens in drafts.items():
+            req = self._requests.get(req_id)
+            pending = req is not None and req.draft_token_ids[:1] == [PENDING_DRAFT]
+            if pending and req.status is Status.RUNNING:
                 req.draft_token_ids = list(tokens)
+
+    def pending_drafts(self) -> list[str]:
+        """Running requests whose proposals have not reached the host."""
+        return [r.req_id for r in self._running if r.draft_token_ids[:1] == [PENDING_DRAFT]]
 
     def _append(self, req: Request, end: int, accepted, token: int, outcome) -> None:
         """Appends the accepted drafts, then the sampled token, checking stop conditions after
@@ -318,6 +332,8 @@ class Scheduler:
             plan.batch.append(BatchEntry(req.req_id, start, num_tokens, sample, num_drafts))
             plan.token_ids.extend(req.token_ids[start : start + num_tokens - num_drafts])
             plan.token_ids.extend(req.draft_token_ids[:num_drafts])
+            if num_drafts and req.draft_token_ids[0] == PENDING_DRAFT:
+                plan.draft_lookahead.append(req.req_id)
             if sample:
                 self._want_logprobs(plan, req)
             elif plan.draft:

@@ -19,6 +19,12 @@ p + 1 + a; what the step wrote for positions p + 1 + a .. p + d belongs to rejec
     snapshot          one taken at a page boundary past p + 1 + a is dropped, not promoted
     window pages      stay with the request: its next step writes them
 
+In process the engine commits a step without waiting for its draft pass: each request that
+drafted holds k PENDING_DRAFT ids (``Scheduler.expect_drafts``), the next plan schedules them as
+drafts (plan.draft_lookahead), the stages fill them from the proposals still on the device, and
+their values replace the placeholders (``Scheduler.keep_drafts``) before that step is settled and
+committed (worker/draft_fill.py). A plan that skips such a request reads its proposals first.
+
 Rings are doubled with speculation (C4 16 rows, C128 256): a step writes up to d rows past the
 commit point, and the rows the next step reads (the 7 C4 rows, or the C128 block's rows, before
 it) must survive them, hence MAX_DRAFT_STEPS.

@@ -51,6 +51,7 @@ from dsv4ray.worker.batch import (
     meta_from,
     pack,
 )  # fmt: skip
+from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
 from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
@@ -105,8 +106,11 @@ class DraftWorker:
         return self.pools.nbytes()
 
     @torch.no_grad()
-    def execute(self, plan: StepPlan, inputs: StageResult) -> StageResult:
-        """The last stage's result without its tensors, with proposals in ``drafts``."""
+    def execute(
+        self, plan: StepPlan, inputs: StageResult, draft_fill: DraftFill | None = None
+    ) -> StageResult:
+        """The last stage's result without its tensors, with proposals in ``drafts`` (or
+        ``pending_drafts``); draft_fill: the plan's drafts still on the device, if any."""
         self._apply(plan)
         out = dataclasses.replace(
             inputs, residual=None, topk=None, handoff=None, drafts={}, draft_stats={}
@@ -114,7 +118,7 @@ class DraftWorker:
         if inputs.failed is not None or not plan.batch:
             return out
         try:
-            self._run(plan, inputs, out)
+            self._run(plan, inputs, out, draft_fill)
         except Exception:  # the step's tokens stand; only its proposals are lost
             log.exception("draft pass of step %d failed", plan.step_id)
             out.drafts, out.pending_drafts = {}, None
@@ -158,15 +162,18 @@ class DraftWorker:
         self.graphs = DraftGraphs(self, max_batch, max_len, capture)
         self.graphs.capture_all()
 
-    def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult) -> None:
+    def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult, draft_fill) -> None:
         if inputs.handoff is not None:  # a replayed verification, still on the device
             spans = verified_spans(plan)
             key = self.graphs.pick(spans) if self.graphs is not None else None
             if key is not None:
-                drafts = self.graphs.run_verified(plan, inputs.handoff, key)
+                drafts = self.graphs.run_verified(plan, inputs.handoff, key, draft_fill)
                 self._snapshots(plan)
                 self._record(spans, drafts, out, graphed=True)
                 return
+        if draft_fill is not None:  # what follows reads the plan's drafts on the host
+            draft_fill.resolve()
+        if inputs.handoff is not None:
             settle_handoff(plan, inputs)
         spans = draft_spans(plan, inputs)
         key = self.graphs.pick(spans) if self.graphs is not None else None
@@ -299,22 +306,3 @@ def _rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
     out[: len(values)] = values
     return out
 
-
-class PendingDrafts:
-    """Proposals [R, k] int64 of the requests req_ids, their host copy issued (pinned,
-    non-blocking) on CUDA; ``result`` waits for it."""
-
-    def __init__(self, req_ids: list[str], drafts: torch.Tensor) -> None:
-        self.req_ids, self.event = req_ids, None
-        if drafts.is_cuda:
-            self.host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
-            self.host.copy_(drafts, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = drafts.clone()
-
-    def result(self) -> dict[str, list[int]]:
-        if self.event is not None:
-            self.event.synchronize()
-        return dict(zip(self.req_ids, self.host.tolist(), strict=True))

@@ -56,6 +56,7 @@ from dsv4ray.worker.cuda_graphs import (
     capture_bucket,
     context_buckets,
 )
+from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.verify import DraftSpan, Handoff
 
 log = logging.getLogger("dsv4ray.draft")
@@ -123,16 +124,19 @@ class DraftGraphs:
         stack = residual.view(residual.shape[0], c.hc_mult, c.hidden_size)
         return self._replay(g, key, span_rows, stack, topk, len(spans))
 
-    def run_verified(self, plan: StepPlan, handoff: Handoff, key) -> torch.Tensor:
+    def run_verified(self, plan: StepPlan, handoff: Handoff, key,
+                     draft_fill: DraftFill | None = None) -> torch.Tensor:  # fmt: skip
         """A replayed verification's rows on the device (every batch entry a decode with its
-        drafts) -> drafts [len(plan.batch), k] int64 on the device, each request's chain
-        starting after its accepted drafts."""
+        drafts; draft_fill: those still on the device) -> drafts [len(plan.batch), k] int64 on
+        the device, each request's chain starting after its accepted drafts."""
         spans, drafts, first = verified_spans(plan), [], 0
         for e in plan.batch:
             drafts.append(plan.token_ids[first + 1 : first + e.num_tokens])
             first += e.num_tokens
         g, span_rows = self._upload(spans, drafts, key, variable=True)
         self.num_verified += 1
+        if draft_fill is not None:
+            draft_fill.write_table(g.meta[2])
         exact_tokens = g.meta[0].token_ids  # -1 (logits not finite) embeds as 0; it aborts
         exact_tokens.index_copy_(0, span_rows, handoff.token_ids.clamp(min=0))
         stack = handoff.stack.index_select(0, span_rows)

@@ -21,6 +21,7 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.plan import StageResult, StepPlan
 from dsv4ray.worker.draft import DraftWorker
+from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.stage_worker import StageWorker
 
 
@@ -107,8 +108,10 @@ class LocalPipeline:
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None
-        if self.draft is not None:  # its proposals reach the host while the engine commits
+        if self.draft is not None:  # its proposals stay on the device for the next plan
             self.draft.defer_drafts = True
+        self.last_drafts = None  # the last step's PendingDrafts
+        self.fills: dict[int, DraftFill] = {}  # step id -> its plan's pending drafts
         self.capacity = size_pipeline(
             cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
         )
@@ -127,17 +130,30 @@ class LocalPipeline:
 
     def submit(self, plan: StepPlan) -> StageResult:
         """Runs the plan; with overlap scheduling the sampled ids stay on the device until
-        ``collect``, so the host can build the next plan while the device computes."""
+        ``collect``, so the host can build the next plan while the device computes. Drafts of
+        plan.draft_lookahead come from the last step's proposals on the device."""
+        fill = None
+        if plan.draft_lookahead:
+            if self.last_drafts is None:
+                raise RuntimeError(f"step {plan.step_id} has pending drafts but none were proposed")
+            fill = self.fills[plan.step_id] = DraftFill(plan, self.last_drafts)
         result = None
         for worker in self.workers[:-1]:
-            result = worker.execute(plan, result)
+            result = worker.execute(plan, result, draft_fill=fill)
         # a draft worker with graphs takes a replayed verification's rows on the device
         handoff = self.draft is not None and self.draft.graphs is not None
         last = self.workers[-1]
-        result = last.execute(plan, result, defer_sampling=self.depth > 1, handoff=handoff)
-        return result if self.draft is None else self.draft.execute(plan, result)
+        result = last.execute(plan, result, self.depth > 1, handoff, fill)
+        if self.draft is None:
+            return result
+        result = self.draft.execute(plan, result, fill)
+        self.last_drafts = result.pending_drafts
+        return result
 
     def collect(self, handle: StageResult) -> StageResult:
+        fill = self.fills.pop(handle.step_id, None)
+        if fill is not None:  # settling reads the drafts
+            handle.resolved_drafts = fill.resolve()
         return self.workers[-1].finish(handle)
 
     def rebuild(self) -> None:

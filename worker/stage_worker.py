@@ -23,6 +23,7 @@ from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch, slotted_rows
 from dsv4ray.worker.cuda_graphs import DecodeGraphs
+from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.kv_export import KVPort, run_handoffs
@@ -179,13 +180,15 @@ class StageWorker:
         inputs: StageResult | None = None,
         defer_sampling: bool = False,
         handoff: bool = False,
+        draft_fill: DraftFill | None = None,
     ) -> StageResult:
         """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
         earlier stage) is returned in ``failed`` with the bookkeeping applied, so every stage
         stays in step with the scheduler and only the step's requests are lost.
         defer_sampling: return without waiting for the sampled ids (``finish`` reads them).
         handoff: a replayed verification step leaves its rows and tokens on the device for the
-        draft worker of this process (``result.handoff``) and is settled by ``finish``."""
+        draft worker of this process (``result.handoff``) and is settled by ``finish``.
+        draft_fill: the plan's drafts still on the device (worker/draft_fill.py)."""
         events = self._host_ops(plan)
         self._apply(plan)
         result = StageResult(plan.step_id)
@@ -193,7 +196,7 @@ class StageWorker:
             result.failed = inputs.failed
             return result
         try:
-            self._compute(plan, inputs, events, result, handoff)
+            self._compute(plan, inputs, events, result, handoff, draft_fill)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
             self._fail(plan.step_id, exc, result)
         if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
@@ -223,7 +226,8 @@ class StageWorker:
     def _range(self) -> tuple[int, int]:
         return self.model.start, self.model.end
 
-    def _compute(self, plan: StepPlan, inputs, events, result: StageResult, handoff: bool):
+    def _compute(self, plan: StepPlan, inputs, events, result: StageResult, handoff: bool,
+                 draft_fill: DraftFill | None):  # fmt: skip
         if not plan.batch:
             self._snapshots(plan)
             return
@@ -232,7 +236,7 @@ class StageWorker:
         key = self.graphs.pick(plan, self.tables) if graphs else None
         fill = lambda token_ids: fill_lookahead(plan, token_ids, self.prev_samples)  # noqa: E731
         if key is not None and self.graphs.n > 1:
-            self._verify_graph(plan, key, result, handoff)
+            self._verify_graph(plan, key, result, handoff, draft_fill)
             return
         if key is not None:  # a whole decode step, head included: every row's logits
             logits, meta = self.graphs.run(plan, self.tables, key, fill)
@@ -244,26 +248,34 @@ class StageWorker:
             plan, self.pools, self.tables, self.cfg.index_topk, self.device, self.stage
         )
         fill(meta.token_ids)
+        if draft_fill is not None:
+            draft_fill.write_tokens(meta.token_ids)
         x, topk = self._run(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
+            if draft_fill is not None:  # verifying on the host reads the drafts
+                draft_fill.resolve()
             self._sample(plan, meta, x, result)
             if plan.draft:
                 hand_over(plan, self.finish(result), x, topk)
         else:
             result.residual, result.topk = x.flatten(-2), topk
 
-    def _verify_graph(self, plan: StepPlan, key, result: StageResult, handoff: bool) -> None:
+    def _verify_graph(self, plan: StepPlan, key, result: StageResult, handoff: bool,
+                      draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
-        (logits, x, topk), _ = self.graphs.run(plan, self.tables, key)
+        rows = slotted_rows([e.num_tokens for e in plan.batch], self.graphs.n)
+        fill = None if draft_fill is None else lambda ids: draft_fill.write_tokens(ids, rows)
+        (logits, x, topk), _ = self.graphs.run(plan, self.tables, key, fill)
         self._snapshots(plan)
         self.prev_samples = None
-        rows = slotted_rows([e.num_tokens for e in plan.batch], self.graphs.n)
         launched = verify_rows(plan, logits, rows, self.sampling)
         if handoff:  # every batch token is scored: its target token is token_ids[its index]
             result.pending = launched
             result.handoff = Handoff(x, topk, rows, launched.token_ids)
             return
+        if draft_fill is not None:
+            draft_fill.resolve()
         launched.settle(result)
         hand_over(plan, result, x, topk, rows)
 

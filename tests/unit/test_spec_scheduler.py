@@ -13,6 +13,7 @@ from collections import deque
 
 import pytest
 
+from dsv4ray.engine.plan import PENDING_DRAFT
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
 from dsv4ray.engine.spec import MAX_DRAFT_STEPS, SpecConfig
@@ -213,3 +214,40 @@ def test_config_limits_and_tree_drafting_with_reuse_are_refused():
         SpecConfig(2).check_draft_layer(None, [])
     SpecConfig(3).check_draft_layer(4, [])
     SpecConfig(0, 5).check_draft_layer(None, ["mtp.0.a"])  # off: nothing to check
+
+
+def test_drafts_scheduled_before_they_reach_the_host_give_plain_decoding():
+    """An in-process engine commits a step without its proposals (expect_drafts: PENDING_DRAFT
+    ids), the next plan schedules them in draft_lookahead, and its drafts are written in
+    before the step runs (keep_drafts at commit): outputs equal plain decoding."""
+    prompts = {"a": [3, 1, 4, 1, 5], "b": [2, 7, 1, 8]}
+    params = SamplingParams(max_tokens=15, ignore_eos=True)
+    config = spec_config()
+    sched, stage = Scheduler(config), VerifyingStage(config, 3)
+    for req_id, prompt in prompts.items():
+        sched.add_request(req_id, prompt, params)
+    held, finished, num_lookahead = {}, {}, 0
+    while sched.has_unfinished():
+        plan = sched.schedule()
+        assert set(plan.draft_lookahead) == set(sched.pending_drafts())  # none skipped here
+        first = 0
+        for e in plan.batch:
+            drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
+            if e.req_id in plan.draft_lookahead:
+                assert drafts == [PENDING_DRAFT] * e.num_drafts
+                plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens] = (
+                    held[e.req_id][: e.num_drafts]
+                )  # what DraftFill.resolve writes
+                num_lookahead += 1
+            first += e.num_tokens
+        sampled, accepted, drafts = stage.run(plan)
+        sched.keep_drafts({r: held[r] for r in plan.draft_lookahead})
+        outcome = sched.commit(plan, sampled, accepted, {})
+        finished.update((done.req_id, done) for done in outcome.finished)
+        sched.expect_drafts(list(drafts), 3)
+        held = drafts
+        sched.check_integrity()
+    assert num_lookahead > 0
+    for req_id, prompt in prompts.items():
+        assert finished[req_id].output_token_ids == reference(prompt, params)[0]
+    sched.keep_drafts({"a": [1, 2, 3]})  # a finished request waits for nothing

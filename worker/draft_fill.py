@@ -1,0 +1,101 @@
+"""Drafts scheduled before they reach the host (in-process speculation).
+
+The engine commits a step's tokens without waiting for its draft pass, and schedules the next
+plan while that pass still runs: each entry of ``plan.draft_lookahead`` holds PENDING_DRAFT where
+its drafts go. The proposals are still on the device (``PendingDrafts``: [R, k] int64, row i for
+req_ids[i]); ``DraftFill`` copies them into the step's token ids (and the draft graph's draft
+table) on the device, in stream order after the pass that wrote them, and ``resolve`` writes
+their values into plan.token_ids once the host copy is in: before anything on the host reads a
+draft (settling the verification, an eager draft pass, the commit).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dsv4ray.engine.plan import StepPlan
+from dsv4ray.worker.sampler import to_device
+
+
+class PendingDrafts:
+    """Proposals [R, k] int64 of the requests req_ids, their host copy issued (pinned,
+    non-blocking) on CUDA; ``result`` waits for it. ``device`` stays valid until the draft
+    graph that wrote it replays again, which is after every read of the next step is queued."""
+
+    def __init__(self, req_ids: list[str], drafts: torch.Tensor) -> None:
+        self.req_ids, self.device, self.event = req_ids, drafts, None
+        if drafts.is_cuda:
+            self.host = torch.empty(drafts.shape, dtype=drafts.dtype, pin_memory=True)
+            self.host.copy_(drafts, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = drafts.clone()
+
+    def result(self) -> dict[str, list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return dict(zip(self.req_ids, self.host.tolist(), strict=True))
+
+
+class DraftFill:
+    """The pending drafts of one plan: where each goes (the entry's draft tokens, in batch
+    token order) and where it comes from (row, column of the proposals)."""
+
+    def __init__(self, plan: StepPlan, pending: PendingDrafts) -> None:
+        self.plan, self.pending = plan, pending
+        rows = {req_id: i for i, req_id in enumerate(pending.req_ids)}
+        wanted, k = set(plan.draft_lookahead), pending.device.shape[1]
+        dst, src, table, first = [], [], [], 0
+        for i, e in enumerate(plan.batch):
+            if e.req_id in wanted:
+                if e.req_id not in rows:
+                    raise RuntimeError(f"step {plan.step_id}: no pending drafts of {e.req_id}")
+                start = first + e.num_tokens - e.num_drafts
+                dst += range(start, start + e.num_drafts)
+                src += [rows[e.req_id] * k + j for j in range(e.num_drafts)]
+                table += [i * k + j for j in range(e.num_drafts)]
+            first += e.num_tokens
+        self.dst, self.src = np.array(dst, dtype=np.int64), src
+        self.table = table  # flat [b, k] index of each draft: entry i's j-th draft
+        self.k = k
+        self._src_dev = None
+        self.resolved: dict[str, list[int]] | None = None
+
+    def _values(self) -> torch.Tensor:
+        """The drafts on the device, in dst order."""
+        device = self.pending.device.device
+        if self._src_dev is None:
+            self._src_dev = to_device(self.src, torch.long, device)
+        return self.pending.device.reshape(-1).index_select(0, self._src_dev)
+
+    def write_tokens(self, token_ids: torch.Tensor, row_of: np.ndarray | None = None) -> None:
+        """Writes the drafts into a step's token ids on the device; row_of: the row of each
+        batch token (slotted layouts), None: the batch token index itself."""
+        if not len(self.dst):
+            return
+        rows = self.dst if row_of is None else row_of[self.dst]
+        idx = to_device(rows.tolist(), torch.long, token_ids.device)
+        token_ids.index_copy_(0, idx, self._values())
+
+    def write_table(self, table: torch.Tensor) -> None:
+        """Writes the drafts into a draft graph's [b, k] table of drafts to compare with."""
+        if not len(self.dst):
+            return
+        if table.shape[1] != self.k:
+            raise ValueError(f"a draft table of {table.shape[1]} columns for {self.k} drafts")
+        idx = to_device(self.table, torch.long, table.device)
+        table.view(-1).index_copy_(0, idx, self._values())
+
+    def resolve(self) -> dict[str, list[int]]:
+        """Waits for the proposals' host copy and writes the drafts into plan.token_ids; returns
+        every pending request's proposals (req_id -> k drafts). Idempotent."""
+        if self.resolved is None:
+            values = self.pending.result()
+            flat = [v for req_id in self.pending.req_ids for v in values[req_id]]
+            for pos, src in zip(self.dst.tolist(), self.src, strict=True):
+                self.plan.token_ids[pos] = flat[src]
+            wanted = set(self.plan.draft_lookahead)
+            self.resolved = {r: v for r, v in values.items() if r in wanted}
+        return self.resolved
