@@ -21,7 +21,7 @@ import torch
 
 from dsv4ray.cache.layer_mapping import LayerInfo
 from dsv4ray.cache.layout import layout_for
-from dsv4ray.cache.pools import C4_RING, PoolSizes
+from dsv4ray.cache.pools import C4_RING, PoolSizes, device_index
 from dsv4ray.config import ModelConfig
 
 
@@ -70,14 +70,13 @@ class DraftPools:
         """Empty ring rows: kv = 0, score = -inf."""
         if rows and self.c4_state:
             kv, score = self.c4_state[0]
-            idx = torch.tensor(rows, dtype=torch.long, device=kv.device)
+            idx = device_index(rows, kv.device)
             kv[idx], score[idx] = 0.0, float("-inf")
 
     def copy_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
         if src_rows and self.c4_state:
             kv, score = self.c4_state[0]
-            src = torch.tensor(src_rows, dtype=torch.long, device=kv.device)
-            dst = torch.tensor(dst_rows, dtype=torch.long, device=kv.device)
+            src, dst = device_index(src_rows, kv.device), device_index(dst_rows, kv.device)
             kv[dst], score[dst] = kv[src], score[src]
 
     def nbytes(self) -> int:

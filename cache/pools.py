@@ -101,15 +101,19 @@ class StagePools:
             return
         if self.hisparse is not None:
             self.hisparse.reset_slots(slots)
-        idx = torch.tensor(slots, dtype=torch.long, device=self._device)
+        idx = device_index(slots, self._device)
         for kv, score in self.c4_state + self.indexer_state + self.c128_state:
             kv[idx] = 0.0
             score[idx] = float("-inf")
 
-    def reset_c128_rows(self, slot: int, positions) -> None:
+    def reset_c128_rows(self, slot: int, positions: range) -> None:
         """Empties the C128 ring rows of positions that rejected draft tokens wrote."""
+        if not self.c128_state or not len(positions):
+            return
+        ring = self.c128_state[0][0].shape[1]
+        step = positions.step
+        rows = torch.arange(positions.start, positions.stop, step, device=self._device) % ring
         for kv, score in self.c128_state:
-            rows = torch.tensor([p % kv.shape[1] for p in positions], device=self._device)
             kv[slot, rows] = 0.0
             score[slot, rows] = float("-inf")
 
@@ -117,8 +121,7 @@ class StagePools:
         """Copies the C4 main + indexer rings between rows (snapshot in, or restore out)."""
         if not src_rows:
             return
-        src = torch.tensor(src_rows, dtype=torch.long, device=self._device)
-        dst = torch.tensor(dst_rows, dtype=torch.long, device=self._device)
+        src, dst = device_index(src_rows, self._device), device_index(dst_rows, self._device)
         for kv, score in self.c4_state + self.indexer_state:
             kv[dst] = kv[src]
             score[dst] = score[src]
@@ -145,3 +148,10 @@ def _ring(rows: int, ring: int, width: int, device) -> tuple[torch.Tensor, torch
     kv = torch.zeros(rows, ring, width, dtype=torch.float32, device=device)
     score = torch.full((rows, ring, width), float("-inf"), dtype=torch.float32, device=device)
     return kv, score
+
+
+def device_index(values: list[int], device: torch.device) -> torch.Tensor:
+    """Host ints as an int64 index on ``device`` without waiting for the device: a blocking copy
+    (``torch.tensor(..., device=)``) would wait for everything queued before it, such as the
+    draft pass of the step before, that the host means to overlap."""
+    return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
