@@ -71,13 +71,15 @@ class DraftPools:
         if rows and self.c4_state:
             kv, score = self.c4_state[0]
             idx = device_index(rows, kv.device)
-            kv[idx], score[idx] = 0.0, float("-inf")
+            kv.index_fill_(0, idx, 0.0)
+            score.index_fill_(0, idx, float("-inf"))
 
     def copy_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
         if src_rows and self.c4_state:
             kv, score = self.c4_state[0]
             src, dst = device_index(src_rows, kv.device), device_index(dst_rows, kv.device)
-            kv[dst], score[dst] = kv[src], score[src]
+            kv.index_copy_(0, dst, kv.index_select(0, src))
+            score.index_copy_(0, dst, score.index_select(0, src))
 
     def nbytes(self) -> int:
         tensors = self.window + self.c4 + [t for pair in self.c4_state for t in pair]

@@ -103,8 +103,8 @@ class StagePools:
             self.hisparse.reset_slots(slots)
         idx = device_index(slots, self._device)
         for kv, score in self.c4_state + self.indexer_state + self.c128_state:
-            kv[idx] = 0.0
-            score[idx] = float("-inf")
+            kv.index_fill_(0, idx, 0.0)  # a scalar argument: `kv[idx] = 0.0` copies it over
+            score.index_fill_(0, idx, float("-inf"))  # with a blocking copy
 
     def reset_c128_rows(self, slot: int, positions: range) -> None:
         """Empties the C128 ring rows of positions that rejected draft tokens wrote."""
@@ -114,8 +114,8 @@ class StagePools:
         step = positions.step
         rows = torch.arange(positions.start, positions.stop, step, device=self._device) % ring
         for kv, score in self.c128_state:
-            kv[slot, rows] = 0.0
-            score[slot, rows] = float("-inf")
+            kv[slot].index_fill_(0, rows, 0.0)
+            score[slot].index_fill_(0, rows, float("-inf"))
 
     def copy_c4_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copies the C4 main + indexer rings between rows (snapshot in, or restore out)."""
@@ -123,8 +123,8 @@ class StagePools:
             return
         src, dst = device_index(src_rows, self._device), device_index(dst_rows, self._device)
         for kv, score in self.c4_state + self.indexer_state:
-            kv[dst] = kv[src]
-            score[dst] = score[src]
+            kv.index_copy_(0, dst, kv.index_select(0, src))
+            score.index_copy_(0, dst, score.index_select(0, src))
 
     def cached_row(self, cached_slot: int) -> int:
         return self.sizes.num_state_slots + cached_slot
@@ -152,6 +152,7 @@ def _ring(rows: int, ring: int, width: int, device) -> tuple[torch.Tensor, torch
 
 def device_index(values: list[int], device: torch.device) -> torch.Tensor:
     """Host ints as an int64 index on ``device`` without waiting for the device: a blocking copy
-    (``torch.tensor(..., device=)``) would wait for everything queued before it, such as the
-    draft pass of the step before, that the host means to overlap."""
+    (``torch.tensor(..., device=)``, or a Python scalar assigned through a tensor index) waits
+    for everything queued before it, such as the draft pass of the step before, which the host
+    means to overlap."""
     return torch.tensor(values, dtype=torch.long).to(device, non_blocking=True)
