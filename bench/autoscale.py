@@ -74,7 +74,7 @@ def fake_cluster_config(gcs_address: str) -> dict:
         "head_node_type": "ray.head.default",
         "auth": {},
         "upscaling_speed": 1.0,
-        "idle_timeout_minutes": 0.1,
+        "idle_timeout_minutes": 0.05,
         "docker": {},
         **{k: [] for k in ("initialization_commands", "setup_commands", "head_setup_commands")},
         **{k: [] for k in ("worker_setup_commands", "head_start_ray_commands")},
@@ -177,7 +177,7 @@ def deploy(ray, serve, model: str, http_port: int) -> None:
         "max_replicas": 1,
         "target_ongoing_requests": 1,
         "upscale_delay_s": 0,
-        "downscale_delay_s": 5,
+        "downscale_delay_s": 2,
         "look_back_period_s": 5,
     }
     config = {
@@ -253,7 +253,7 @@ def scenario(head: Head, model: str, timeout_s: float) -> dict:
     wait_until("worker node up", lambda: worker_nodes(ray), deadline, times, start)
     wait_until("first request answered", lambda: traffic.ok, deadline, times, start)
     where = replica_node_type(ray, serve)
-    time.sleep(5)  # a few more requests on the new replica
+    time.sleep(2)  # a few more requests on the new replica
     traffic.stop()
     times["traffic stopped"] = round(time.monotonic() - start, 1)
     wait_until("worker node removed", lambda: not worker_nodes(ray), deadline, times, start)
