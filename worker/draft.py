@@ -42,6 +42,7 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
+from dsv4ray.worker import ops
 from dsv4ray.worker.batch import (
     WINDOW,
     HostStage,
@@ -84,6 +85,7 @@ class DraftWorker:
         self.device = torch.device(device)
         self.model = load_draft(model_path, dtype or self.cfg.torch_dtype, device, self.cfg)
         self.block = self.model.block
+        ops.bind_small_linears(self.block)
         self.ropes = RopeTables([self.cfg.mtp_layer.rope], self.device)
         self.pools: DraftPools | None = None
         self.tables: dict[str, ReqTable] = {}

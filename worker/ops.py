@@ -4,7 +4,8 @@ otherwise (kernels/dispatch.py picks the backend once).
 Each op is one kernel (or two) on GPUs where the model's torch code is a chain of small ones:
 mHC (kernels/mhc.py), norms and RoPE (kernels/norm.py), the routed and shared experts
 (kernels/moe.py, on bf16, FP8 or FP4 expert weights). Linears that keep a checkpoint's FP8 weights
-(``QuantLinear``, see ``resolve_weight_format``) are bound to kernels/fp8_linear.py in `prepare`.
+(``QuantLinear``, see ``resolve_weight_format``) are bound to kernels/fp8_linear.py in `prepare`;
+dense linears take calls of up to 16 rows in kernels/small_linear.py (``bind_small_linears``).
 The torch side is the reference these kernels are tested against, and what CPU machines run.
 """
 
@@ -13,9 +14,11 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from dsv4ray.config import ModelConfig
-from dsv4ray.kernels import dispatch
+from dsv4ray.kernels import dispatch, small_linear
 from dsv4ray.kernels import fp8_linear as fp8_kernels
 from dsv4ray.kernels import mhc as mhc_kernels
 from dsv4ray.kernels import moe as moe_kernels
@@ -82,6 +85,32 @@ def prepare(blocks, dtype: torch.dtype | None = None) -> None:
                     fp8_kernels.compile_variants(
                         layer.weight, layer.scale, layer.block, layer.groups, dtype
                     )
+
+
+def bind_small_linears(module: nn.Module) -> int:
+    """On the Triton backend every bias-free dense linear of module with its weight on a GPU
+    computes calls of up to SMALL_M rows with kernels/small_linear.py (one launch; a row's result
+    independent of the other rows, so verification rows equal decode rows bit for bit), larger
+    ones in torch. CPU weights stay on torch (the interpreter pays tens of ms a launch). Returns
+    how many it bound."""
+    if not fused():
+        return 0
+    bound = 0
+    for layer in module.modules():
+        if type(layer) is nn.Linear and layer.bias is None and layer.weight.is_cuda:
+            layer.forward = _few_rows(layer.weight)
+            bound += 1
+    return bound
+
+
+def _few_rows(weight: torch.Tensor):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        if small_linear.fits(flat, weight):
+            return small_linear.small_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight)
+
+    return forward
 
 
 def pre_mix(block: Block, x: torch.Tensor, site: str):

@@ -59,7 +59,10 @@ class StageWorker:
         self.weight_format = ops.resolve_weight_format(weight_format, self.cfg, self.device)
         self.model = load_stage(model_path, start, end, dtype or self.cfg.torch_dtype, device,
                                 self.cfg, self.weight_format)  # fmt: skip
-        ops.prepare((self.model.block(i) for i in range(start, end)), self.model.dtype)
+        blocks = [self.model.block(i) for i in range(start, end)]
+        ops.prepare(blocks, self.model.dtype)
+        for block in blocks:
+            ops.bind_small_linears(block)
         self.pools: StagePools | None = None
         self.host_io = None
         self.kv_port: KVPort | None = None  # prefill/decode handoffs, once open_transfer ran
