@@ -27,7 +27,7 @@ from dsv4ray.model.block import Block
 from dsv4ray.model.layers.common import RMSNorm, unweighted_rms_norm
 from dsv4ray.model.layers.common import rms_norm as torch_rms_norm
 from dsv4ray.model.layers.mhc import hc_post
-from dsv4ray.model.layers.moe import MoE
+from dsv4ray.model.layers.moe import Gate, MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.layers.rope import apply_rope
 
@@ -88,11 +88,11 @@ def prepare(blocks, dtype: torch.dtype | None = None) -> None:
 
 
 def bind_small_linears(module: nn.Module) -> int:
-    """On the Triton backend every bias-free dense linear of module with its weight on a GPU
-    computes calls of up to SMALL_M rows with kernels/small_linear.py (one launch; a row's result
-    independent of the other rows, so verification rows equal decode rows bit for bit), larger
-    ones in torch. CPU weights stay on torch (the interpreter pays tens of ms a launch). Returns
-    how many it bound."""
+    """On the Triton backend every bias-free dense linear and MoE gate of module with its weight
+    on a GPU computes calls of up to SMALL_M rows with kernels/small_linear.py (one launch; a
+    row's result independent of the other rows, so verification rows equal decode rows bit for
+    bit), larger ones in torch. CPU weights stay on torch (the interpreter pays tens of ms a
+    launch). Returns how many it bound."""
     if not fused():
         return 0
     bound = 0
@@ -100,15 +100,25 @@ def bind_small_linears(module: nn.Module) -> int:
         if type(layer) is nn.Linear and layer.bias is None and layer.weight.is_cuda:
             layer.forward = _few_rows(layer.weight)
             bound += 1
+        elif isinstance(layer, Gate) and layer.weight.is_cuda:
+            layer.linear = _few_rows_linear
+            bound += 1
     return bound
 
 
+def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear for x [M, K]: small_linear when it fits."""
+    if small_linear.fits(x, weight):
+        return small_linear.small_linear(x, weight)
+    return F.linear(x, weight)
+
+
 def _few_rows(weight: torch.Tensor):
+    """A bound linear's forward: x [..., K] -> [..., N]."""
+
     def forward(x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])
-        if small_linear.fits(flat, weight):
-            return small_linear.small_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
-        return F.linear(x, weight)
+        y = _few_rows_linear(x.reshape(-1, x.shape[-1]), weight)
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     return forward
 
