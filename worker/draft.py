@@ -92,8 +92,8 @@ class DraftWorker:
         self.stage = HostStage()
         self.stats = dict.fromkeys(DRAFT_STAT_NAMES, 0)
         self.graphs: DraftGraphs | None = None
-        # proposals left on the device as PendingDrafts (an engine in the same process reads
-        # them after committing the step's tokens, while the draft pass still runs)
+        # proposals left on the device as PendingDrafts: in process the next plan's stages take
+        # them there, and the host reads them only before it settles that plan
         self.defer_drafts = False
 
     def allocate(self, sizes: PoolSizes) -> int:
@@ -164,7 +164,8 @@ class DraftWorker:
         self.graphs = DraftGraphs(self, max_batch, max_len, capture)
         self.graphs.capture_all()
 
-    def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult, draft_fill) -> None:
+    def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult,
+             draft_fill: DraftFill | None) -> None:  # fmt: skip
         if inputs.handoff is not None:  # a replayed verification, still on the device
             spans = verified_spans(plan)
             key = self.graphs.pick(spans) if self.graphs is not None else None
@@ -307,4 +308,3 @@ def _rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
     out = np.full(rows, fill, dtype=np.int64)
     out[: len(values)] = values
     return out
-
