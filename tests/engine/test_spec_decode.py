@@ -271,3 +271,30 @@ def test_static_buckets_give_the_tokens_and_drafts_of_eager_steps(
         assert 0 < num_verified < verify_replays
     if kind == "dsa":
         assert stats["num_topk_reuse_rows"] > 0
+
+
+def test_requests_a_full_budget_skips_keep_their_pending_drafts(tiny_ckpt, tiny_model):
+    """66 decodes of 1 + 3 tokens do not fit a 256-token step: a plan that leaves some out reads
+    their proposals on the host first (as it does for requests it gives no drafts), and every
+    output still equals plain greedy decoding."""
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", speculative_num_steps=3, use_ray=False,
+              max_num_batched_tokens=256, max_running_requests=80)  # fmt: skip
+    scheduler, skipped = llm.core.scheduler, []
+    schedule = scheduler.schedule
+
+    def watching():
+        waiting = set(scheduler.pending_drafts())
+        plan = schedule()
+        skipped.append(len(waiting - {e.req_id for e in plan.batch} if plan else waiting))
+        return plan
+
+    scheduler.schedule = watching
+    prompts = _prompts([2] * 66, seed=5)
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    assert max(skipped) > 0  # a plan left out requests whose drafts were pending
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == tiny_model.greedy(prompt, 5)
