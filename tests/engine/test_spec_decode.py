@@ -150,15 +150,30 @@ def test_requests_that_stop_mid_draft_end_where_plain_decoding_ends(trained_llm,
     assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
 
 
-def test_seeded_sampling_gives_the_tokens_of_plain_sampling(trained_llm, trained_ref):
+@pytest.mark.parametrize("buckets", [False, True], ids=["eager", "static-buckets"])
+def test_seeded_sampling_gives_the_tokens_of_plain_sampling(
+    trained_llm, trained_ref, trained_ckpt, buckets
+):
     """Verification draws each position's token with the noise plain sampling uses there, so a
-    seeded request's tokens are those of the plain sampling loop over the reference's logits."""
-    prompt = trained_llm.tokenizer.encode(CODE[0])
+    seeded request's tokens are those of the plain sampling loop over the reference's logits;
+    also when the draft graph's buckets count the accepted drafts on the device."""
+    llm = trained_llm
+    if buckets:
+        llm = _engine(trained_ckpt, 3)
+        llm.core.pipeline.workers[0].capture_graphs(4, 4096, 3, capture=False)
+        llm.core.pipeline.draft.capture_graphs(4, 4096, capture=False)
+    prompt = llm.tokenizer.encode(CODE[0])
     params = [
         SamplingParams(max_tokens=12, temperature=t, top_p=p, seed=s, ignore_eos=True)
         for t, p, s in ((0.8, 1.0, 1), (1.0, 0.9, 2), (0.6, 1.0, 3), (1.2, 0.95, 4))
     ]
-    outs = trained_llm.generate([prompt] * len(params), params)
+    try:
+        outs = llm.generate([prompt] * len(params), params)
+        num_verified = llm.core.pipeline.draft.graphs.num_verified if buckets else 0
+    finally:
+        if buckets:
+            llm.shutdown()
+    assert num_verified > 0 or not buckets
     for sp, out in zip(params, outs):
         row = sampling_row(**{k: v for k, v in sp.to_dict().items() if k != "seed"}, seed=sp.seed)
         state = trained_ref.new_state(1)
