@@ -22,7 +22,9 @@ longest prefix of drafts its own tokens match and reports them in StageResult.ac
 after them in sampled). With a draft worker (plan.draft) the last stage then hands it, in
 residual / topk, the rows of every position whose next token is known (accepted positions, and
 whole prefill chunks, whose next token is plan.next_tokens), and the draft worker returns the
-result with its proposals in drafts.
+result with its proposals in drafts. In process a replayed verification hands its rows over on
+the device instead (handoff), the proposals stay there (pending_drafts) and the next plan's
+draft_lookahead entries are filled from them (worker/draft_fill.py).
 """
 
 from __future__ import annotations

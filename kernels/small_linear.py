@@ -10,10 +10,8 @@ one (BLOCK_M of them, masked past M), each row's products summed over K in BLOCK
 fixed order. Row m's result is therefore a function of row m alone, whatever M is, so a
 verification step computes each row's linears bit for bit as a one-row decode step does; the
 weight tile a program reads stays in cache across its rows. Only latency-bound weights (K <=
-MAX_K, at most MAX_WEIGHT elements) fit; others stay with torch.
-
-On an H100, over the tiny checkpoints' linears (N 8-1024, K 64-128, fp32): 1.35-1.55 us a call
-at one row (cuBLAS's gemv 1.74-2.22) and 2.39-2.67 us at four (cuBLAS 2.04-6.03).
+MAX_K, at most MAX_WEIGHT elements) fit; others stay with torch. bench/mtp.py measures what it
+does to decoding with and without drafts.
 
 fp32 and bf16 (bf16 results rounded to nearest even as bits: the interpreter's cast truncates).
 The reference is torch's product in fp32 (``small_linear_ref``); sums in another order differ from
@@ -30,7 +28,7 @@ SMALL_M = 16  # the rows one program holds; larger M goes to torch (cuBLAS)
 # Latency-bound weights only: each program walks all of K, so a long K (or a weight of many
 # megabytes, which cuBLAS reads with split K at full bandwidth) stays with torch.
 MAX_K, MAX_WEIGHT = 2048, 1 << 20
-BLOCK_N, BLOCK_K, NUM_WARPS = 8, 128, 4  # the fastest of a sweep on an H100 at 1 and 4 rows
+BLOCK_N, BLOCK_K, NUM_WARPS = 8, 128, 4  # chosen by timing 1- and 4-row calls on an H100
 # the interpreter pays per program and op, not per element: wide tiles (same sums in order)
 INTERPRETED_BLOCK_N, INTERPRETED_BLOCK_K = 256, 256
 DTYPES = (torch.float32, torch.bfloat16)
