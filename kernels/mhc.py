@@ -7,6 +7,9 @@ reference; tests compare the two). Shapes, with M = (2 + hc) * hc mix weights pe
         -> post [N, hc] fp32, comb [N, hc, hc] fp32, collapsed [N, hidden] (x's dtype)
     mhc_post(x [N, hc, hidden], out [N, hidden], post [N, hc], comb [N, hc, hc])
         -> [N, hc, hidden] (x's dtype): stream j = post_j * out + sum_i comb[i, j] * x_i
+    mhc_head(x [N, hc, hidden], fn [hc, hc * hidden], base [hc], scale [1], hc_eps, norm_eps)
+        -> collapsed [N, hidden] (x's dtype): the pre-mix's collapse alone, with hc mix weights
+        (the final collapse before the model norm, model/layers/mhc.py's ``hc_head``)
 
 The pre-mix runs as a split-K projection (`_mix_kernel`: partial mixes and partial sums of
 squares per K split, so a decode batch still spreads over the SMs) and `_pre_kernel`, which sums
@@ -27,6 +30,7 @@ from dsv4ray.kernels.bits import interpreting, store_rounded
 SPLIT_K = 512  # projection columns per split
 BLOCK_M = 16  # rows per projection program (tl.dot needs >= 16)
 BLOCK_K = 128
+MIX_PRECISION = "tf32x3"  # the projection's products on GPUs (fp32's error)
 PRE_ROWS = 2  # rows per pre-mix program (the interpreter, paying per op, takes 16)
 BLOCK_D = 256  # hidden columns per program of the collapse and the post-mix
 
@@ -62,7 +66,8 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
 def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, n,
                 hidden, num_splits, hc_eps, norm_eps, ITERS: tl.constexpr, HC: tl.constexpr,
                 MIX_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                OUT_BF16: tl.constexpr):
+                OUT_BF16: tl.constexpr, HEAD: tl.constexpr):
+    # HEAD: the mixes are the hc pre weights alone (base [hc], scale [1]); only the collapse
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n
     i = tl.arange(0, HC)
@@ -77,25 +82,28 @@ def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
     for s in range(num_splits):  # split order: the same sums for a row whatever its batch
         part = part_ptr + s * n * MIX_PAD
         pre_w += tl.load(part + pre_off, mask=ok2, other=0.0)
-        post_w += tl.load(part + pre_off + HC, mask=ok2, other=0.0)
-        comb_w += tl.load(part + comb_off, mask=ok3, other=0.0)
+        if not HEAD:
+            post_w += tl.load(part + pre_off + HC, mask=ok2, other=0.0)
+            comb_w += tl.load(part + comb_off, mask=ok3, other=0.0)
         sq += tl.load(sq_ptr + s * n + rows, mask=row_ok, other=0.0)
     r = 1.0 / tl.sqrt(sq / (HC * hidden) + norm_eps)
-    s_pre, s_post, s_comb = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    s_pre = tl.load(scale_ptr)
     pre = tl.sigmoid(pre_w * r[:, None] * s_pre + tl.load(base_ptr + i)[None, :]) + hc_eps
-    post = 2 * tl.sigmoid(post_w * r[:, None] * s_post + tl.load(base_ptr + HC + i)[None, :])
-    b_comb = tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
-    logits = comb_w * r[:, None, None] * s_comb + b_comb[None, :, :]
-    e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
-    comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
-    comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    for _ in range(ITERS - 1):
-        comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+    if not HEAD:
+        s_post, s_comb = tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+        post = 2 * tl.sigmoid(post_w * r[:, None] * s_post + tl.load(base_ptr + HC + i)[None, :])
+        b_comb = tl.load(base_ptr + 2 * HC + i[:, None] * HC + i[None, :])
+        logits = comb_w * r[:, None, None] * s_comb + b_comb[None, :, :]
+        e = tl.exp(logits - tl.max(logits, axis=2)[:, :, None])
+        comb = e / tl.sum(e, axis=2)[:, :, None] + hc_eps
         comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
-    if tl.program_id(1) == 0:  # every column block derives the weights; one stores them
-        tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok2)
-        tl.store(comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC
-                 + i[None, None, :], comb, mask=ok3)
+        for _ in range(ITERS - 1):
+            comb = comb / (tl.sum(comb, axis=2)[:, :, None] + hc_eps)
+            comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
+        if tl.program_id(1) == 0:  # every column block derives the weights; one stores them
+            tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok2)
+            tl.store(comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC
+                     + i[None, None, :], comb, mask=ok3)
     x_rows = rows[:, None, None].to(tl.int64) * HC * hidden + i[None, :, None] * hidden
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     xt = tl.load(x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :],
@@ -145,29 +153,45 @@ def mhc_pre(x, fn, base, scale, hc_eps: float, norm_eps: float, iters: int):
     module docstring. fn, base and scale may be fp32 or the model dtype (read as fp32)."""
     _check_x(x)
     n, hc, hidden = x.shape
-    width, num_mix = hc * hidden, (2 + hc) * hc
-    assert fn.shape == (num_mix, width) and fn.is_contiguous(), fn.shape
+    num_mix = (2 + hc) * hc
     assert base.shape == (num_mix,) and scale.shape == (3,), (base.shape, scale.shape)
-    mix_pad = max(16, triton.next_power_of_2(num_mix))
-    splits = num_splits(width)
     post = torch.empty(n, hc, dtype=torch.float32, device=x.device)
     comb = torch.empty(n, hc, hc, dtype=torch.float32, device=x.device)
+    return post, comb, _collapse(x, fn, base, scale, hc_eps, norm_eps, iters, post, comb)
+
+
+def mhc_head(x, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """collapsed [N, hidden] in x's dtype; see the module docstring."""
+    _check_x(x)
+    hc = x.shape[1]
+    assert base.shape == (hc,) and scale.shape == (1,), (base.shape, scale.shape)
+    return _collapse(x, fn, base, scale, hc_eps, norm_eps, 1, None, None)
+
+
+def _collapse(x, fn, base, scale, hc_eps, norm_eps, iters, post, comb) -> torch.Tensor:
+    """The mix projection and the pre kernel; post and comb None: the head's collapse alone."""
+    n, hc, hidden = x.shape
+    width, num_mix = hc * hidden, base.shape[0]
+    assert fn.shape == (num_mix, width) and fn.is_contiguous(), fn.shape
+    mix_pad = max(16, triton.next_power_of_2(num_mix))
+    splits = num_splits(width)
     collapsed = torch.empty(n, hidden, dtype=x.dtype, device=x.device)
     if n == 0:
-        return post, comb, collapsed
+        return collapsed
     part = torch.empty(splits, n, mix_pad, dtype=torch.float32, device=x.device)
     sq = torch.empty(splits, n, dtype=torch.float32, device=x.device)
     _mix_kernel[(triton.cdiv(n, BLOCK_M), splits)](
         x, fn, part, sq, n, width, num_mix, SPLIT_K, MIX_PAD=mix_pad, BLOCK_M=BLOCK_M,
-        BLOCK_K=BLOCK_K, PRECISION="ieee" if interpreting() else "tf32x3")
+        BLOCK_K=BLOCK_K, PRECISION="ieee" if interpreting() else MIX_PRECISION)
     rows = 16 if interpreting() else PRE_ROWS
     block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
+    head = post is None
     _pre_kernel[(triton.cdiv(n, rows), triton.cdiv(hidden, block_d))](
-        x, part, sq, base.float().contiguous(), scale.float().contiguous(), post, comb, collapsed,
-        n, hidden, splits, hc_eps, norm_eps, ITERS=iters, HC=hc, MIX_PAD=mix_pad, ROWS=rows,
-        BLOCK_D=block_d,
-        OUT_BF16=x.dtype == torch.bfloat16)
-    return post, comb, collapsed
+        x, part, sq, base.float().contiguous(), scale.float().contiguous(),
+        part if head else post, part if head else comb, collapsed, n, hidden, splits, hc_eps,
+        norm_eps, ITERS=iters, HC=hc, MIX_PAD=mix_pad, ROWS=rows, BLOCK_D=block_d,
+        OUT_BF16=x.dtype == torch.bfloat16, HEAD=head)
+    return collapsed
 
 
 def mhc_post(x, out, post, comb):

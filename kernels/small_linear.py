@@ -1,6 +1,9 @@
 """Linears at a few rows, batch-invariant: y [M, N] = x [M, K] @ W [N, K]^T for M <= 16.
 
     small_linear(x [M, K], weight [N, K]) -> [M, N] in x's dtype
+    small_linear(x [M, G * K], weight [N, K], groups=G) -> [M, N]: block-diagonal over G groups,
+        y[m, n] = x[m, g K : (g + 1) K] . W[n] with g = n // (N / G) (the attention's grouped
+        output projection)
 
 Decode and verification steps multiply 1-16 rows by every dense linear. cuBLAS picks its
 algorithm by M (a gemv at one row; at four, split-K GEMMs of two launches each), so a row's result
@@ -35,23 +38,29 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 @triton.jit(do_not_specialize=["M"])
-def _small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+def _small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, group_n,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         OUT_BF16: tl.constexpr):  # fmt: skip
-    # program n tile: out[m, n] for every row m, one row at a time
+                         GROUPED: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
+    # program n tile: out[m, n] for every row m, one row at a time; GROUPED: column n reads x's
+    # columns [g K, (g + 1) K) of its group g = n // group_n
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
+    x_cols = (n // group_n)[:, None] * K  # [BLOCK_N, 1]
     for m in tl.static_range(BLOCK_M):
         row_ok = tl.zeros((BLOCK_N,), dtype=tl.int32) + m < M  # [BLOCK_N]: row m exists
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = (k < K) & (tl.zeros((BLOCK_K,), dtype=tl.int32) + m < M)
-            x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0)
             w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if GROUPED:  # [BLOCK_N, BLOCK_K]: each column's own group of x
+                x = tl.load(x_ptr + m * stride_xm + x_cols + k[None, :],
+                            mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
             # fp32 products (bf16 widens exactly), summed in an order that ignores M
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            acc += tl.sum(w.to(tl.float32) * x, axis=1)
         store_rounded(out_ptr, m * stride_om + n, acc, n_ok & row_ok, OUT_BF16)
 
 
@@ -62,16 +71,19 @@ def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return small and x.shape[0] <= SMALL_M and x.dtype == weight.dtype and x.dtype in DTYPES
 
 
-def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= SMALL_M) and weight [N, K] -> [M, N]."""
+def small_linear(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """x [M, groups * K] (M <= SMALL_M) and weight [N, K] -> [M, N] (module docstring)."""
     if not fits(x, weight):
         raise ValueError(f"small_linear takes <= {SMALL_M} rows of fp32 or bf16 in the weight's "
                          f"dtype and weights of K <= {MAX_K}, <= {MAX_WEIGHT} elements; got "
                          f"{tuple(x.shape)} {x.dtype} and {tuple(weight.shape)} "
                          f"{weight.dtype}")  # fmt: skip
     n, k = weight.shape
-    if x.shape[1] != k:
-        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)}")
+    if groups < 1 or n % groups:
+        raise ValueError(f"groups={groups} does not divide the weight's {n} rows")
+    if x.shape[1] != groups * k:
+        raise ValueError(f"x {tuple(x.shape)} does not match weight {tuple(weight.shape)} in "
+                         f"{groups} group(s)")  # fmt: skip
     if x.stride(1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
@@ -81,12 +93,15 @@ def small_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     block_m = 1 if rows == 1 else 4 if rows <= 4 else SMALL_M  # three compiled variants
     grid = (triton.cdiv(n, block_n),)
     _small_linear_kernel[grid](x, weight.contiguous(), out, rows, n, k, x.stride(0), out.stride(0),
-                               BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                               OUT_BF16=x.dtype == torch.bfloat16,
+                               n // groups, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                               GROUPED=groups > 1, OUT_BF16=x.dtype == torch.bfloat16,
                                num_warps=NUM_WARPS)  # fmt: skip
     return out
 
 
-def small_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The torch reference: the product in fp32, in x's dtype."""
-    return (x.float() @ weight.float().t()).to(x.dtype)
+def small_linear_ref(x: torch.Tensor, weight: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """The torch reference: the product in fp32 (group by group), in x's dtype."""
+    n, k = weight.shape
+    xg = x.float().view(x.shape[0], groups, k).transpose(0, 1)  # [G, M, K]
+    wg = weight.float().view(groups, n // groups, k)  # [G, N/G, K]
+    return torch.bmm(xg, wg.transpose(1, 2)).transpose(0, 1).reshape(x.shape[0], n).to(x.dtype)

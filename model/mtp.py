@@ -32,6 +32,8 @@ class MTPBlock(Block):
         self.hc_head_fn = nn.Parameter(torch.zeros(hc, hc * hidden))
         self.hc_head_base = nn.Parameter(torch.zeros(hc))
         self.hc_head_scale = nn.Parameter(torch.ones(1))
+        # a worker may bind kernels with the same contracts
+        self.collapse, self.head_linear = hc_head, F.linear
         self._dtype = torch.float32
 
     def new_state(self, batch: int, device=None, dtype=None) -> AttnState:
@@ -62,7 +64,7 @@ class MTPBlock(Block):
     def head_logits(self, x: torch.Tensor, head_weight: torch.Tensor) -> torch.Tensor:
         """Own pre-head stack [..., hc, hidden] -> fp32 logits [..., V] through the shared head."""
         c = self.cfg
-        y = hc_head(
+        y = self.collapse(
             x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
         )
         h = self.norm(y)
@@ -71,7 +73,7 @@ class MTPBlock(Block):
             flat = torch.mm(h.reshape(-1, h.shape[-1]).to(head_weight.dtype), head_weight.t(),
                             out_dtype=torch.float32)  # fmt: skip
             return flat.view(*h.shape[:-1], head_weight.shape[0])
-        return F.linear(h.float(), head_weight.float())
+        return self.head_linear(h.float(), head_weight.float())
 
 
 class DraftModel(nn.Module):

@@ -42,6 +42,8 @@ class StageModel(nn.Module):
             self.hc_head_base = nn.Parameter(torch.zeros(hc))
             self.hc_head_scale = nn.Parameter(torch.ones(1))
             self.head = nn.Linear(hidden, cfg.vocab_size, bias=False)
+            # a worker may bind kernels with the same contracts
+            self.collapse, self.head_linear = hc_head, F.linear
 
     def owns(self, name: str) -> bool:
         """Whether a checkpoint tensor (official name) belongs to this stage."""
@@ -68,7 +70,7 @@ class StageModel(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Residual stack [..., hc, hidden] -> fp32 logits [..., V]."""
         c = self.cfg
-        y = hc_head(
+        y = self.collapse(
             x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps
         )
         h, w = self.norm(y), self.head.weight
@@ -77,4 +79,4 @@ class StageModel(nn.Module):
             return torch.mm(h.reshape(-1, h.shape[-1]), w.t(), out_dtype=torch.float32).view(
                 *h.shape[:-1], w.shape[0]
             )
-        return F.linear(h.float(), w.float())
+        return self.head_linear(h.float(), w.float())

@@ -85,7 +85,7 @@ class DraftWorker:
         self.device = torch.device(device)
         self.model = load_draft(model_path, dtype or self.cfg.torch_dtype, device, self.cfg)
         self.block = self.model.block
-        ops.bind_small_linears(self.block)
+        ops.bind_few_row_kernels(self.block)
         self.ropes = RopeTables([self.cfg.mtp_layer.rope], self.device)
         self.pools: DraftPools | None = None
         self.tables: dict[str, ReqTable] = {}

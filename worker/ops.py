@@ -5,7 +5,8 @@ Each op is one kernel (or two) on GPUs where the model's torch code is a chain o
 mHC (kernels/mhc.py), norms and RoPE (kernels/norm.py), the routed and shared experts
 (kernels/moe.py, on bf16, FP8 or FP4 expert weights). Linears that keep a checkpoint's FP8 weights
 (``QuantLinear``, see ``resolve_weight_format``) are bound to kernels/fp8_linear.py in `prepare`;
-dense linears take calls of up to 16 rows in kernels/small_linear.py (``bind_small_linears``).
+dense linears take calls of up to 16 rows in kernels/small_linear.py, and the head path a few
+launches (``bind_few_row_kernels``).
 The torch side is the reference these kernels are tested against, and what CPU machines run.
 """
 
@@ -24,12 +25,15 @@ from dsv4ray.kernels import mhc as mhc_kernels
 from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels import norm as norm_kernels
 from dsv4ray.model.block import Block
+from dsv4ray.model.layers.attention import Attention, grouped_linear
 from dsv4ray.model.layers.common import RMSNorm, unweighted_rms_norm
 from dsv4ray.model.layers.common import rms_norm as torch_rms_norm
 from dsv4ray.model.layers.mhc import hc_post
 from dsv4ray.model.layers.moe import Gate, MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.layers.rope import apply_rope
+from dsv4ray.model.mtp import MTPBlock
+from dsv4ray.model.stage import StageModel
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -87,12 +91,15 @@ def prepare(blocks, dtype: torch.dtype | None = None) -> None:
                     )
 
 
-def bind_small_linears(module: nn.Module) -> int:
-    """On the Triton backend every bias-free dense linear and MoE gate of module with its weight
-    on a GPU computes calls of up to SMALL_M rows with kernels/small_linear.py (one launch; a
-    row's result independent of the other rows, so verification rows equal decode rows bit for
-    bit), larger ones in torch. CPU weights stay on torch (the interpreter pays tens of ms a
-    launch). Returns how many it bound."""
+def bind_few_row_kernels(module: nn.Module) -> int:
+    """On the Triton backend, for module's parts with weights on a GPU: every bias-free dense
+    linear, MoE gate and grouped attention output projection computes calls of up to SMALL_M rows
+    with kernels/small_linear.py (one launch; a row's result independent of the other rows, so
+    verification rows equal decode rows bit for bit), larger ones in torch; the hc head's
+    collapse, norm and lm head of a last stage or an MTP block (and the MTP block's input norms)
+    run as one launch each (kernels/mhc.py, kernels/norm.py, small_linear) where torch runs a
+    dozen. CPU weights stay on torch (the interpreter pays tens of ms a launch). Returns how many
+    parts it bound."""
     if not fused():
         return 0
     bound = 0
@@ -103,7 +110,53 @@ def bind_small_linears(module: nn.Module) -> int:
         elif isinstance(layer, Gate) and layer.weight.is_cuda:
             layer.linear = _few_rows_linear
             bound += 1
+        elif isinstance(layer, Attention) and type(layer.wo_a) is nn.Linear:
+            if layer.wo_a.weight.is_cuda:
+                layer.grouped_linear = _few_rows_grouped
+                bound += 1
+        elif isinstance(layer, (StageModel, MTPBlock)) and hasattr(layer, "hc_head_fn"):
+            if layer.hc_head_fn.is_cuda:
+                bound += _bind_head(layer)
     return bound
+
+
+def _bind_head(owner: nn.Module) -> int:
+    """The head path of a last stage or an MTP block (model/stage.py ``logits``, model/mtp.py
+    ``head_logits`` and ``mix``) on kernels."""
+    owner.collapse = _fused_collapse
+    owner.head_linear = _few_rows_any
+    norms = [owner.norm] + ([owner.enorm, owner.hnorm] if isinstance(owner, MTPBlock) else [])
+    for norm in norms:
+        norm.forward = _fused_norm(norm)
+    return 2 + len(norms)
+
+
+def _fused_collapse(x, fn, base, scale, hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """model/layers/mhc.py ``hc_head``: x [..., hc, hidden] -> [..., hidden]."""
+    hc, hidden = x.shape[-2:]
+    y = mhc_kernels.mhc_head(x.reshape(-1, hc, hidden).contiguous(), fn, base, scale, hc_eps,
+                             norm_eps)  # fmt: skip
+    return y.view(*x.shape[:-2], hidden)
+
+
+def _fused_norm(norm: RMSNorm):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return norm_kernels.rms_norm(x.contiguous(), norm.weight, norm.eps)
+
+    return forward
+
+
+def _few_rows_any(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear for x [..., K]: small_linear when it fits."""
+    y = _few_rows_linear(x.reshape(-1, x.shape[-1]), weight)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
+def _few_rows_grouped(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """attention.grouped_linear: small_linear when it fits."""
+    if small_linear.fits(x, weight):
+        return small_linear.small_linear(x, weight, groups)
+    return grouped_linear(x, weight, groups)
 
 
 def _few_rows_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -117,8 +170,7 @@ def _few_rows(weight: torch.Tensor):
     """A bound linear's forward: x [..., K] -> [..., N]."""
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = _few_rows_linear(x.reshape(-1, x.shape[-1]), weight)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return _few_rows_any(x, weight)
 
     return forward
 

@@ -61,8 +61,7 @@ class StageWorker:
                                 self.cfg, self.weight_format)  # fmt: skip
         blocks = [self.model.block(i) for i in range(start, end)]
         ops.prepare(blocks, self.model.dtype)
-        for block in blocks:
-            ops.bind_small_linears(block)
+        ops.bind_few_row_kernels(self.model)
         self.pools: StagePools | None = None
         self.host_io = None
         self.kv_port: KVPort | None = None  # prefill/decode handoffs, once open_transfer ran

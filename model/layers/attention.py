@@ -41,6 +41,7 @@ class Attention(nn.Module):
         self.wo_a = linear(heads * dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank)
         self.wo_b = linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size)
         self.attn_sink = nn.Parameter(torch.zeros(heads, dtype=torch.float32))
+        self.grouped_linear = grouped_linear  # a worker may bind a kernel with the same contract
         ratio = spec.compress_ratio
         if ratio:
             self.compressor = Compressor(cfg.hidden_size, dim, ratio, spec.rope, cfg.rms_norm_eps)
@@ -125,11 +126,18 @@ class Attention(nn.Module):
         groups, lead = self.cfg.o_groups, o.shape[:-2]
         if not isinstance(self.wo_a, nn.Linear):  # kept quantised: block-diagonal over groups
             return self.wo_b(self.wo_a(o.reshape(*lead, -1)))
-        grouped = o.reshape(-1, groups, o.shape[-2] * o.shape[-1] // groups)  # [N, G, H*D/G]
-        w = self.wo_a.weight.view(groups, -1, grouped.shape[-1])  # [G, o_lora, H*D/G]
-        # one strided batched GEMM over the groups (an einsum here picked a slow unaligned kernel)
-        y = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))  # [G, N, o_lora]
-        return self.wo_b(y.transpose(0, 1).reshape(*lead, -1))
+        y = self.grouped_linear(o.reshape(-1, o.shape[-2] * o.shape[-1]), self.wo_a.weight, groups)
+        return self.wo_b(y.view(*lead, -1))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal linear: x [N, G * K], weight [G * R, K] -> [N, G * R], group g's R outputs
+    from x's columns [g K, (g + 1) K)."""
+    grouped = x.view(x.shape[0], groups, -1)  # [N, G, K]
+    w = weight.view(groups, -1, grouped.shape[-1])  # [G, R, K]
+    # one strided batched GEMM over the groups (an einsum here picked a slow unaligned kernel)
+    y = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2))  # [G, N, R]
+    return y.transpose(0, 1).reshape(x.shape[0], -1)
 
 
 def _bias(visible: torch.Tensor) -> torch.Tensor:

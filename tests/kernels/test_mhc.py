@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from dsv4ray.kernels.mhc import mhc_post, mhc_pre
+from dsv4ray.kernels.mhc import mhc_head, mhc_post, mhc_pre
 from dsv4ray.kernels.testing import assert_close
-from dsv4ray.model.layers.mhc import hc_post, hc_pre
+from dsv4ray.model.layers.mhc import hc_head, hc_post, hc_pre
 
 HC_EPS, NORM_EPS, ITERS = 1e-6, 1e-6, 20
 
@@ -47,6 +47,21 @@ def test_mhc_pre_result_of_a_row_does_not_depend_on_its_batch(device):
     batched = mhc_pre(x, fn, base, scale, HC_EPS, NORM_EPS, ITERS)
     for a, b in zip(alone, batched):
         assert torch.equal(a[0], b[3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,hc,hidden", CASES)
+def test_mhc_head_matches_the_torch_head_collapse(rows, hc, hidden, dtype, device):
+    """The final collapse (hc mix weights, one scale) before the model norm, and a row's result
+    does not depend on the other rows (a verification row collapses as a decode row does)."""
+    fn = torch.randn(hc, hc * hidden, device=device) * (hc * hidden) ** -0.5
+    base, scale = torch.randn(hc, device=device) * 0.5, torch.rand(1, device=device) + 0.5
+    x = (torch.randn(rows, hc, hidden, device=device) * 3).to(dtype)
+    y = mhc_head(x, fn, base, scale, HC_EPS, NORM_EPS)
+    assert y.dtype == dtype and y.shape == (rows, hidden)
+    tol = (1e-5, 1e-5) if dtype == torch.float32 else (1e-2, 2**-7)
+    assert_close("collapsed", y, hc_head(x, fn, base, scale, HC_EPS, NORM_EPS), *tol)
+    assert torch.equal(mhc_head(x[:1].contiguous(), fn, base, scale, HC_EPS, NORM_EPS)[0], y[0])
 
 
 def test_mhc_pre_of_no_rows_is_empty(device):

@@ -52,6 +52,26 @@ def test_a_rows_bits_do_not_depend_on_the_other_rows(device):
     assert torch.equal(sl.small_linear(noisy, w)[0], full[0])
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("groups,n,k", [(2, 64, 512), (4, 24, 40)], ids=["wo_a", "ragged"])
+def test_grouped_matches_the_block_diagonal_reference(rows, groups, n, k, device):
+    """groups > 1: output column n reads its own group's slice of x (the attention's grouped
+    output projection), and a row's bits do not depend on the other rows."""
+    x, w = _operands(rows, n, groups * k, torch.float32, device)
+    w = w[:, :k].contiguous()
+    out = sl.small_linear(x, w, groups)
+    ref = sl.small_linear_ref(x, w, groups)
+    rows_per = n // groups
+    per_group = torch.cat([x[:, g * k : (g + 1) * k] @ w[g * rows_per : (g + 1) * rows_per].t()
+                           for g in range(groups)], dim=1)  # fmt: skip
+    assert_close("grouped reference", ref, per_group, 1e-5, 1e-5)
+    assert_close("small_linear grouped", out, ref, 4e-7 * _sum_bound(x, x.new_ones(1, groups * k)
+                                                                   * w.abs().max()), 0)  # fmt: skip
+    assert torch.equal(sl.small_linear(x[:1], w, groups)[0], out[0])
+    with pytest.raises(ValueError, match="group"):
+        sl.small_linear(x[:, :k], w, groups)
+
+
 def test_refuses_what_it_cannot_compute(device):
     x, w = _operands(17, 32, 32, torch.float32, device)
     with pytest.raises(ValueError, match="<= 16 rows"):
@@ -72,9 +92,9 @@ def test_bound_linears_take_few_rows_in_the_kernel_and_more_in_torch(device):
 
     layer = nn.Linear(96, 40, bias=False).to(device)
     with dispatch.use_backend("torch"):
-        assert ops.bind_small_linears(nn.Sequential(layer)) == 0
+        assert ops.bind_few_row_kernels(nn.Sequential(layer)) == 0
     with dispatch.use_backend("triton"):  # GPU weights only: CPU ones stay on torch
-        bound = ops.bind_small_linears(nn.Sequential(layer, nn.ReLU()))
+        bound = ops.bind_few_row_kernels(nn.Sequential(layer, nn.ReLU()))
     assert bound == (1 if device.type == "cuda" else 0)
     forward = ops._few_rows(layer.weight)  # what a bound layer runs
     x = torch.randn(3, 5, 96, device=device)  # 15 rows
