@@ -186,12 +186,21 @@ SMALL_TILES = {"fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num
                "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
 
 
-def _tiles(listed: bool, fmt: str, num_pairs: int) -> dict:
+FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
+
+
+def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False) -> dict:
     """Tile shapes: decode batches stream each expert's weights once (a 64-pair block is a whole
     expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores. Quantized
     weights decoded in registers cost ALU time per byte, so a few pairs (batch-1 decode) spread
     each expert over twice the column programs: 2.3x (FP4) and 1.7x (FP8) faster there on an H100
-    (bench/quant_sweep.py), while 64-pair blocks stay best for 64 tokens."""
+    (bench/quant_sweep.py), while 64-pair blocks stay best for 64 tokens. fp32 products run on
+    CUDA cores, where a tile's empty rows cost as much as full ones: 16-pair blocks, and 16
+    columns a program for a few pairs. Every shape sums K in the same BLOCK_K tiles, so a pair's
+    result does not depend on the tiles its call took."""
+    if listed and fp32 and fmt == "dense":
+        block_n = 16 if num_pairs <= FP32_FEW_PAIRS else 64
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
     if listed and fmt in SMALL_TILES and num_pairs <= SMALL_PAIRS:
         return dict(SMALL_TILES[fmt])
     if listed:
@@ -243,7 +252,8 @@ def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "d
     if num_tokens == 0:
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     listed = num_pairs <= LIST_MAX_PAIRS
-    tiles = _tiles(listed, fmt, num_pairs)
+    # the interpreter pays per program and op: it keeps the wide tiles
+    tiles = _tiles(listed, fmt, num_pairs, x.dtype == torch.float32 and not interpreting())
     if fmt == "fp8":
         tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:
@@ -277,7 +287,8 @@ def compile_variants(w13, w2, scales, fmt: str, block: tuple[int, int], num_slot
     """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
     pairs, listed, sorted), so that serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
-    for num_tokens in (1, SMALL_PAIRS // num_slots + 1, LIST_MAX_PAIRS // num_slots + 1):
+    counts = (SMALL_PAIRS, FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    for num_tokens in (1, *(pairs // num_slots + 1 for pairs in counts)):
         x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
         ids = torch.zeros(num_tokens, num_slots, dtype=torch.long, device=device)
         weights = torch.zeros(num_tokens, num_slots, dtype=torch.float32, device=device)

@@ -8,11 +8,11 @@
 Decode and verification steps multiply 1-16 rows by every dense linear. cuBLAS picks its
 algorithm by M (a gemv at one row; at four, split-K GEMMs of two launches each), so a row's result
 depends on how many rows share the call, and a four-row step pays two launches per linear. Here
-one launch computes every row: each program owns BLOCK_N output columns and walks the rows one by
-one (BLOCK_M of them, masked past M), each row's products summed over K in BLOCK_K tiles in a
-fixed order. Row m's result is therefore a function of row m alone, whatever M is, so a
-verification step computes each row's linears bit for bit as a one-row decode step does; the
-weight tile a program reads stays in cache across its rows. Only latency-bound weights (K <=
+one launch computes every row: each program owns BLOCK_N output columns, loads each [BLOCK_N,
+BLOCK_K] weight tile once and adds every row's products with it to that row's sum (BLOCK_M rows,
+masked past M), each row summed over K in BLOCK_K tiles in a fixed order. Row m's result is
+therefore a function of row m alone, whatever M is, so a verification step computes each row's
+linears bit for bit as a one-row decode step does. Only latency-bound weights (K <=
 MAX_K, at most MAX_WEIGHT elements) fit; others stay with torch. bench/mtp.py measures what it
 does to decoding with and without drafts.
 
@@ -41,27 +41,31 @@ DTYPES = (torch.float32, torch.bfloat16)
 def _small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, group_n,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUPED: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
-    # program n tile: out[m, n] for every row m, one row at a time; GROUPED: column n reads x's
-    # columns [g K, (g + 1) K) of its group g = n // group_n
+    # program n tile: out[m, n] for every row m, each weight tile loaded once for all rows;
+    # GROUPED: column n reads x's columns [g K, (g + 1) K) of its group g = n // group_n. Row m's
+    # sum: per K tile tl.sum(w * x_m) in fp32 (bf16 widens exactly), tiles added in K order,
+    # whatever M and BLOCK_M are
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
     w_rows = w_ptr + n.to(tl.int64)[:, None] * K
     x_cols = (n // group_n)[:, None] * K  # [BLOCK_N, 1]
-    for m in tl.static_range(BLOCK_M):
-        row_ok = tl.zeros((BLOCK_N,), dtype=tl.int32) + m < M  # [BLOCK_N]: row m exists
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
+    rows = tl.arange(0, BLOCK_M)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & (k < K)[None, :],
+                    other=0.0).to(tl.float32)  # fmt: skip
+        for m in tl.static_range(BLOCK_M):
             k_ok = (k < K) & (tl.zeros((BLOCK_K,), dtype=tl.int32) + m < M)
-            w = tl.load(w_rows + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if GROUPED:  # [BLOCK_N, BLOCK_K]: each column's own group of x
+            if GROUPED:  # [BLOCK_N, BLOCK_K]: each output column's own group of x
                 x = tl.load(x_ptr + m * stride_xm + x_cols + k[None, :],
                             mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-            # fp32 products (bf16 widens exactly), summed in an order that ignores M
-            acc += tl.sum(w.to(tl.float32) * x, axis=1)
-        store_rounded(out_ptr, m * stride_om + n, acc, n_ok & row_ok, OUT_BF16)
+            else:  # [1, BLOCK_K]
+                x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
+                x = x[None, :]
+            acc = tl.where(rows[:, None] == m, acc + tl.sum(w * x, axis=1)[None, :], acc)
+    store_rounded(out_ptr, rows[:, None] * stride_om + n[None, :], acc,
+                  (rows < M)[:, None] & n_ok[None, :], OUT_BF16)  # fmt: skip
 
 
 def fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
