@@ -37,15 +37,23 @@ MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on partials than they save
 LOW_FILL_KEYS_PER_SPLIT = 32
 
 
+FMA_MAX_HEADS = 8  # exact fp32 with fewer heads: CUDA-core products over the real heads only
+
+
 def _config(num_heads: int, bf16_mma: bool) -> tuple:
-    """(BLOCK_H, BLOCK_N, num_warps). bf16 operands: the [64 heads, 512] fp32 accumulator over two
-    warpgroups (wgmma), 64 keys a step (H200, bench/kernel_sweep.py: 76 us against 88 us with 32 at
-    64 tokens; the per-step softmax rescale and operand setup are paid per step); fp32 pages
-    (exact fp32 dots, no tensor cores): the small tiles that do not spill, or 64 keys a tile
-    under the interpreter, which pays per op, not per key."""
+    """(BLOCK_H, BLOCK_N, num_warps, FMA). bf16 operands: the [64 heads, 512] fp32 accumulator
+    over two warpgroups (wgmma), 64 keys a step (H200, bench/kernel_sweep.py: 76 us against 88 us
+    with 32 at 64 tokens; the per-step softmax rescale and operand setup are paid per step); fp32
+    pages (exact fp32 dots, no tensor cores): a dot's 16-row tiles that do not spill, or, for at
+    most FMA_MAX_HEADS heads, broadcast products over a block of just the heads (a 16-row tile
+    would be mostly empty rows); 64 keys a tile under the interpreter, which pays per op, not
+    per key."""
+    keys = 64 if interpreting() else 16
     if not bf16_mma:
-        return 16, (64 if interpreting() else 16), 4
-    return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 8
+        if num_heads <= FMA_MAX_HEADS:
+            return max(2, triton.next_power_of_2(num_heads)), keys, 4, True
+        return 16, keys, 4, False
+    return min(64, max(16, triton.next_power_of_2(num_heads))), 64, 8, False
 
 
 def num_splits_for(num_tokens: int, num_head_blocks: int, num_keys: int, device) -> int:
@@ -75,8 +83,17 @@ def _kv_tiles(pages_ptr, slots, BF16_MMA: tl.constexpr, FMT: tl.constexpr, EPP: 
 
 
 @triton.jit
+def _dot(a, b, BF16_MMA: tl.constexpr, FMA: tl.constexpr):
+    """a [M, K] @ b [K, N] in fp32: `mma`, or FMA: broadcast products summed over K."""
+    if FMA:
+        return tl.sum(a[:, :, None] * b[None, :, :], axis=1)
+    return mma(a, b, BF16_MMA)
+
+
+@triton.jit
 def _attend(qa, qb, qc, qr, m, den, aa, ab, ac, ar, pages_ptr, slots_ptr, lo, hi, qk_scale,
-            BLOCK_N: tl.constexpr, BF16_MMA: tl.constexpr, FMT: tl.constexpr, EPP: tl.constexpr,
+            BLOCK_N: tl.constexpr, BF16_MMA: tl.constexpr, FMA: tl.constexpr,
+            FMT: tl.constexpr, EPP: tl.constexpr,
             PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
             SCALE_BYTES: tl.constexpr):
     """Online-softmax update (log2 units) of m, den [BLOCK_H] and the accumulator chunks aa, ab,
@@ -87,17 +104,17 @@ def _attend(qa, qb, qc, qr, m, den, aa, ab, ac, ar, pages_ptr, slots_ptr, lo, hi
         slots = tl.load(slots_ptr + n, mask=n < hi, other=-1)
         ka, kb, kc, kr = _kv_tiles(pages_ptr, slots, BF16_MMA, FMT, EPP, PAGE_BYTES, VALUE_BYTES,
                                    SCALE_OFF, SCALE_BYTES)
-        s = mma(qa, tl.trans(ka), BF16_MMA) + mma(qb, tl.trans(kb), BF16_MMA)
-        s += mma(qc, tl.trans(kc), BF16_MMA) + mma(qr, tl.trans(kr), BF16_MMA)
+        s = _dot(qa, tl.trans(ka), BF16_MMA, FMA) + _dot(qb, tl.trans(kb), BF16_MMA, FMA)
+        s += _dot(qc, tl.trans(kc), BF16_MMA, FMA) + _dot(qr, tl.trans(kr), BF16_MMA, FMA)
         s = tl.where((slots >= 0)[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
         m_new = tl.maximum(m, tl.max(s, axis=1))
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(s - m_new[:, None])
         den = den * alpha + tl.sum(p, axis=1)
-        aa = aa * alpha[:, None] + mma(p, ka, BF16_MMA)
-        ab = ab * alpha[:, None] + mma(p, kb, BF16_MMA)
-        ac = ac * alpha[:, None] + mma(p, kc, BF16_MMA)
-        ar = ar * alpha[:, None] + mma(p, kr, BF16_MMA)
+        aa = aa * alpha[:, None] + _dot(p, ka, BF16_MMA, FMA)
+        ab = ab * alpha[:, None] + _dot(p, kb, BF16_MMA, FMA)
+        ac = ac * alpha[:, None] + _dot(p, kc, BF16_MMA, FMA)
+        ar = ar * alpha[:, None] + _dot(p, kr, BF16_MMA, FMA)
         m = m_new
     return m, den, aa, ab, ac, ar
 
@@ -120,7 +137,8 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
                        c_pages_ptr, c_slots_ptr, num_heads, num_w, num_c, split_len, qk_scale,
                        stride_qt, stride_qh, stride_ot, stride_oh,
                        BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_COMP: tl.constexpr,
-                       SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, D: tl.constexpr,
+                       SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, FMA: tl.constexpr,
+                       D: tl.constexpr,
                        W_FMT: tl.constexpr, W_EPP: tl.constexpr, W_PAGE_BYTES: tl.constexpr,
                        W_VALUE_BYTES: tl.constexpr, W_SCALE_OFF: tl.constexpr,
                        W_SCALE_BYTES: tl.constexpr, C_FMT: tl.constexpr, C_EPP: tl.constexpr,
@@ -146,13 +164,13 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
     hi = lo + split_len
     m, den, aa, ab, ac, ar = _attend(
         qa, qb, qc, qr, m, den, aa, ab, ac, ar, w_pages_ptr, w_slots_ptr + t * num_w, lo,
-        tl.minimum(hi, num_w), qk_scale, BLOCK_N, BF16_MMA, W_FMT, W_EPP, W_PAGE_BYTES,
+        tl.minimum(hi, num_w), qk_scale, BLOCK_N, BF16_MMA, FMA, W_FMT, W_EPP, W_PAGE_BYTES,
         W_VALUE_BYTES, W_SCALE_OFF, W_SCALE_BYTES)
     if HAS_COMP:
         m, den, aa, ab, ac, ar = _attend(
             qa, qb, qc, qr, m, den, aa, ab, ac, ar, c_pages_ptr, c_slots_ptr + t * num_c,
             tl.maximum(lo - num_w, 0), tl.minimum(hi - num_w, num_c), qk_scale, BLOCK_N,
-            BF16_MMA, C_FMT, C_EPP, C_PAGE_BYTES, C_VALUE_BYTES, C_SCALE_OFF, C_SCALE_BYTES)
+            BF16_MMA, FMA, C_FMT, C_EPP, C_PAGE_BYTES, C_VALUE_BYTES, C_SCALE_OFF, C_SCALE_BYTES)
     if SPLIT:  # partial [T, splits, H, D] and stats [T, splits, 2, H]: (m, den), log2 units
         row = (t * tl.num_programs(1) + split) * num_heads
         out_ptr, rows, scale = part_ptr, (row + h) * D, tl.full((BLOCK_H,), 1.0, tl.float32)
@@ -238,7 +256,7 @@ def sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink
     has_comp = comp_pages is not None
     comp_layout = comp_layout if has_comp else window_layout
     bf16_mma = use_bf16_mma(window_layout.dtype) and use_bf16_mma(comp_layout.dtype)
-    block_h, block_n, num_warps = _config(num_heads, bf16_mma)
+    block_h, block_n, num_warps, fma = _config(num_heads, bf16_mma)
     num_w, num_c = window_slots.shape[1], comp_slots.shape[1] if has_comp else 0
     head_blocks = triton.cdiv(num_heads, block_h)
     if num_splits is None:
@@ -256,7 +274,7 @@ def sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink
         comp_pages if has_comp else window_pages, comp_slots if has_comp else window_slots,
         num_heads, num_w, num_c, split_len, scale * LOG2E, q.stride(0), q.stride(1), o.stride(0),
         o.stride(1), BLOCK_H=block_h, BLOCK_N=block_n, HAS_COMP=has_comp, SPLIT=num_splits > 1,
-        BF16_MMA=bf16_mma, D=dim, num_warps=num_warps,
+        BF16_MMA=bf16_mma, FMA=fma, D=dim, num_warps=num_warps,
         **_layout_constexprs(window_layout, "W_"), **_layout_constexprs(comp_layout, "C_"))
     if num_splits > 1:
         _combine_kernel[(num_tokens, triton.cdiv(num_heads, 16))](
