@@ -264,47 +264,65 @@ class DraftWorker:
 
     def chain_arrays(self, spans: list[DraftSpan], step: int, num_rows: int | None = None,
                      page_cols: int | None = None) -> dict:  # fmt: skip
-        """Index fields of chain step `step` (one token per span at its last exact position +
-        step), padded to num_rows rows and page_cols columns: window keys up to the last exact
-        position from the real window pages, later ones (this chain's earlier steps) and the
-        token's own KV from the span's scratch page. Token ids stay 0: the draft block's MoE
-        routes by score, and its embedding input never leaves the device. Pad rows read
-        nothing and write only the scratch ring."""
+        """Index fields of chain step `step` for the spans as they are (``chain_fields``)."""
+        fields = self.chain_fields(spans, [None], [step], num_rows, page_cols)
+        return {name: a[0, 0] for name, a in fields.items()}
+
+    def chain_fields(self, spans: list[DraftSpan], starts: list, steps: list[int],
+                     num_rows: int | None = None,
+                     page_cols: int | None = None) -> dict:  # fmt: skip
+        """Index fields [V, S, rows, ...] of chain steps `steps` (one token per span at its last
+        exact position + step) for each of V chain starts: start a cuts every span to its rows
+        0 .. a (None: the span as it is). Rows are padded to num_rows and page-table columns to
+        page_cols. Window keys up to the last exact position come from the real window pages,
+        later ones (this chain's earlier steps) and the token's own KV from the span's scratch
+        page. Token ids stay 0: the draft block's MoE routes by score, and its embedding input
+        never leaves the device. Pad rows read nothing and write only the scratch ring."""
         tables = [self.tables[s.req_id] for s in spans]
         n, rows = len(spans), num_rows or len(spans)
-        last = np.array([s.start_pos + len(s.next_tokens) - 1 for s in spans], dtype=np.int64)
-        positions = last + step
-        slots = np.array([t.state_slot for t in tables], dtype=np.int64)
-        scratch = np.array([self.pools.scratch_page(int(s)) for s in slots], dtype=np.int64)
-        q = positions[:, None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)[None, :]
-        real = np.full(q.shape, -1, dtype=np.int64)
-        for i, table in enumerate(tables):  # every window page of the last 128 is resident
-            ok = (q[i] >= 0) & (q[i] <= last[i])
-            real[i, ok] = np.asarray(table.window_page_ids)[q[i, ok] // WINDOW] * WINDOW
-            real[i, ok] += q[i, ok] % WINDOW
-        window_slots = np.where(q > last[:, None], scratch[:, None] * WINDOW + q % WINDOW, real)
+        num_v, num_s = len(starts), len(steps)
+        first = np.array([s.start_pos for s in spans], dtype=np.int64)  # [n]
+        length = np.array([len(s.next_tokens) for s in spans], dtype=np.int64)
+        cut = np.array([[ln - 1 if a is None else min(a, ln - 1) for ln in length]
+                        for a in starts], dtype=np.int64).reshape(num_v, n)  # fmt: skip
+        last = (first[None, :] + cut)[:, None, :]  # [V, 1, n]
+        positions = last + np.asarray(steps, dtype=np.int64)[None, :, None]  # [V, S, n]
+        scratch = np.array([self.pools.scratch_page(t.state_slot) for t in tables], dtype=np.int64)
+        q = positions[..., None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)  # [V, S, n, W]
+        win = _padded([t.window_page_ids for t in tables])  # [n, pages]
+        page = win[np.arange(n)[:, None], np.clip(q // WINDOW, 0, win.shape[1] - 1)]
+        real = np.where((q >= 0) & (q <= last[..., None]), page * WINDOW + q % WINDOW, -1)
+        scratch_slots = scratch[:, None] * WINDOW + q % WINDOW
+        window_slots = np.where(q > last[..., None], scratch_slots, real)
         pages = max((len(t.page_ids) for t in tables), default=1)
         page_table = np.full((rows, max(page_cols or pages, 1)), -1, dtype=np.int64)
         for i, table in enumerate(tables):
             page_table[i, : len(table.page_ids)] = table.page_ids
-        none = np.full(rows, -1, dtype=np.int64)
+        lead = (num_v, num_s)
+        windows = np.full((*lead, rows, WINDOW), -1, dtype=np.int64)
+        windows[:, :, :n] = window_slots
+        none = np.full((*lead, rows), -1, dtype=np.int64)
         store = none.copy()
-        store[:n] = window_slots[:, -1]
-        windows = np.full((rows, WINDOW), -1, dtype=np.int64)
-        windows[:n] = window_slots
+        store[:, :, :n] = window_slots[..., -1]
         req_rows = np.full(rows, rows - 1, dtype=np.int64)  # pad rows: a -1 page-table row
         req_rows[:n] = np.arange(n)
+        padded_positions = np.zeros((*lead, rows), dtype=np.int64)
+        padded_positions[:, :, :n] = positions
+        bound = np.zeros((*lead, rows), dtype=np.int64)
+        bound[:, :, :n] = (positions + 1) // 4
         return {
-            "token_ids": np.zeros(rows, dtype=np.int64), "positions": _rows(positions, rows, 0),
-            "seq_start": _rows(positions, rows, 0), "req_rows": req_rows,
-            "state_slots": np.full(rows, self.pools.scratch_row, dtype=np.int64),
-            "window_store": store, "c4_out": none, "c128_out": none,
-            "c4_bound": _rows((positions + 1) // 4, rows, 0), "page_table": page_table,
-            "window_slots": windows, "c128_slots": np.full((rows, 1), -1, dtype=np.int64),
+            "token_ids": np.zeros((*lead, rows), dtype=np.int64), "positions": padded_positions,
+            "seq_start": padded_positions, "req_rows": np.broadcast_to(req_rows, (*lead, rows)),
+            "state_slots": np.full((*lead, rows), self.pools.scratch_row, dtype=np.int64),
+            "window_store": store, "c4_out": none, "c128_out": none, "c4_bound": bound,
+            "page_table": np.broadcast_to(page_table, (*lead, *page_table.shape)),
+            "window_slots": windows, "c128_slots": np.full((*lead, rows, 1), -1, dtype=np.int64),
         }  # fmt: skip
 
 
-def _rows(values: np.ndarray, rows: int, fill: int) -> np.ndarray:
-    out = np.full(rows, fill, dtype=np.int64)
-    out[: len(values)] = values
+def _padded(lists) -> np.ndarray:
+    """[n, longest] int64 of the lists, -1 padded (at least one column)."""
+    out = np.full((len(lists), max((len(x) for x in lists), default=1) or 1), -1, dtype=np.int64)
+    for i, ids in enumerate(lists):
+        out[i, : len(ids)] = ids
     return out

@@ -31,7 +31,6 @@ largest bucket or longer contexts run eagerly.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -177,12 +176,12 @@ class DraftGraphs:
         parts.append(_raw("drafts", table))
         chain_layouts = []
         if self.n > 2:
-            starts = range(self.n) if variable else [None]
-            flats = []
-            for start in starts:
-                flat, chain_layouts = self._chain(_started(spans, start), b, padding.page_cols)
-                flats.append(flat)
-            variants = np.stack(flats) if variable else np.repeat(flats[0][None], self.n, axis=0)
+            starts = list(range(self.n)) if variable else [None]
+            fields = self.w.chain_fields(spans, starts, list(range(1, self.n - 1)), b,
+                                         padding.page_cols)  # fmt: skip
+            variants, chain_layouts = _pack_variants(fields)
+            if not variable:
+                variants = np.repeat(variants, self.n, axis=0)
             parts.append(_raw("variants", variants))
         rows = slotted_rows([len(s.next_tokens) for s in spans], self.n)
         span = np.zeros(padding.num_tokens, dtype=np.int64)
@@ -190,12 +189,6 @@ class DraftGraphs:
         flat, layouts = concat_packed(parts)
         layouts.append(("span_rows", flat.size, (padding.num_tokens,)))
         return np.concatenate([flat, span]), layouts, chain_layouts
-
-    def _chain(self, spans: list[DraftSpan], b: int, page_cols: int):
-        """The k - 1 chain steps' fields packed after one another (one variant)."""
-        parts = [pack(self.w.chain_arrays(spans, step, b, page_cols), np.zeros(0, dtype=np.int64))
-                 for step in range(1, self.n - 1)]  # fmt: skip
-        return concat_packed(parts)
 
     def _metas(self, static: torch.Tensor, layouts, chain_layouts, padding: Padding):
         """(exact meta, first rows [b], drafts [b, k], chain) over views of the static buffer;
@@ -240,11 +233,21 @@ def verified_spans(plan: StepPlan) -> list[DraftSpan]:
     return spans
 
 
-def _started(spans: list[DraftSpan], start: int | None) -> list[DraftSpan]:
-    """The spans cut to rows 0 .. start (a chain starting at that row; None: as they are)."""
-    if start is None:
-        return spans
-    return [dataclasses.replace(s, next_tokens=s.next_tokens[: start + 1]) for s in spans]
+def _pack_variants(fields: dict) -> tuple[np.ndarray, list]:
+    """Chain fields [V, S, rows, ...] -> (variants [V, C]: each variant's S steps packed after
+    one another as worker/batch.py's ``pack`` and ``concat_packed`` lay them out, the steps'
+    layouts)."""
+    num_v, num_s = next(iter(fields.values())).shape[:2]
+    empty = np.zeros(0, dtype=np.int64)
+    parts = [pack({name: a[0, s] for name, a in fields.items()}, empty) for s in range(num_s)]
+    flat, layouts = concat_packed(parts)
+    variants = np.zeros((num_v, flat.size), dtype=np.int64)
+    for s, layout in enumerate(layouts):
+        for name, off, shape in layout:
+            size = int(np.prod(shape))
+            if size:
+                variants[:, off : off + size] = fields[name][:, s].reshape(num_v, size)
+    return variants, layouts
 
 
 def _raw(name: str, values: np.ndarray):
