@@ -158,8 +158,8 @@ def test_a_gpu_app_built_without_gpus_asks_for_gpu_bundles(ray_session, free_por
     for one GPU bundle per stage (the request that makes an autoscaler start a GPU node)."""
     assert ray_session.cluster_resources().get("GPU", 0) == 0
     app = build_app({"model": "/models/on-gpu-nodes", "accelerator": "gpu", "pp_size": 2})
-    serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
-    try:
+    try:  # a Serve that fails to start is shut down too: the next tests start their own
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
         target = serve.RunTarget(app, name="gpu-bundles", route_prefix="/gpu")
         serve.run_many(
             [target],
