@@ -12,12 +12,13 @@ reference; tests compare the two). Shapes, with M = (2 + hc) * hc mix weights pe
         (the final collapse before the model norm, model/layers/mhc.py's ``hc_head``)
 
 The pre-mix runs as a split-K projection (`_mix_kernel`: partial mixes and partial sums of
-squares per K split, so a decode batch still spreads over the SMs; fp32 products and sums on CUDA
-cores, a few mixes per row leave tensor-core tiles mostly empty) and `_pre_kernel`, which sums
+squares per K split, so a decode batch still spreads over the SMs) and `_pre_kernel`, which sums
 the partials in split order, turns them into pre/post/comb (sigmoids, softmax and the Sinkhorn
 rounds on [rows, hc, hc] tiles) and collapses the streams. The split count depends on the
 projection width alone, never on N: a token's result does not depend on what shares its batch.
-Everything computes in fp32; bf16 results are rounded to nearest even as bits (kernels/bits.py).
+Everything computes in fp32 (on GPUs the projection of wide streams as three tf32 tensor-core
+products, "tf32x3", whose error is fp32's; of narrow ones on CUDA cores); bf16 results are
+rounded to nearest even as bits (kernels/bits.py).
 """
 
 import torch
@@ -27,18 +28,25 @@ import triton.language as tl
 from dsv4ray.kernels.bits import interpreting, store_rounded
 
 SPLIT_K = 512  # projection columns per split
-MIX_ROWS = 1  # rows per projection program on GPUs (the interpreter, paying per op, takes 16)
+BLOCK_M = 16  # rows per projection program (tl.dot needs >= 16; the interpreter's choice too)
 BLOCK_K = 128
+# Streams of at most FMA_MAX_WIDTH values (small models): one row a program, fp32 products on
+# CUDA cores, where a 16-row tile of a few mixes is mostly empty. Wider ones: 16-row tensor-core
+# tiles ("tf32x3", fp32's error) that read each fn tile once for 16 rows. The path depends on
+# the width alone, so a row's mix never depends on its batch.
+FMA_MAX_WIDTH, MIX_ROWS = 2048, 1
 PRE_ROWS = 2  # rows per pre-mix program (the interpreter, paying per op, takes 16)
 BLOCK_D = 256  # hidden columns per program of the collapse and the post-mix
 
 
 @triton.jit(do_not_specialize=["n"])
 def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
-                MIX_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                MIX_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                FMA: tl.constexpr, PRECISION: tl.constexpr):
     # program (row block, split s): part[s, rows, :] = x[rows, K_s] @ fn[:, K_s]^T and
-    # sq[s, rows] = sum x[rows, K_s]^2, with K_s = [s * split_len, (s + 1) * split_len); fp32
-    # products summed per row in K order (a row's sums ignore the other rows of its block)
+    # sq[s, rows] = sum x[rows, K_s]^2, with K_s = [s * split_len, (s + 1) * split_len); a row's
+    # sums are in K order whatever else its block holds. FMA: fp32 products on CUDA cores;
+    # else tl.dot at PRECISION
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     split = tl.program_id(1)
     mix = tl.arange(0, MIX_PAD)
@@ -54,7 +62,10 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
         fk = tl.load(fn_ptr + mix[:, None] * width + k[None, :],
                      mask=mix_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         sq += tl.sum(xk * xk, axis=1)
-        acc += tl.sum(xk[:, None, :] * fk[None, :, :], axis=2)
+        if FMA:
+            acc += tl.sum(xk[:, None, :] * fk[None, :, :], axis=2)
+        else:
+            acc += tl.dot(xk, tl.trans(fk), input_precision=PRECISION)
     out_rows = split * n + rows
     tl.store(part_ptr + out_rows[:, None] * MIX_PAD + mix[None, :], acc, mask=row_ok[:, None])
     tl.store(sq_ptr + out_rows, sq, mask=row_ok)
@@ -178,10 +189,11 @@ def _collapse(x, fn, base, scale, hc_eps, norm_eps, iters, post, comb) -> torch.
         return collapsed
     part = torch.empty(splits, n, mix_pad, dtype=torch.float32, device=x.device)
     sq = torch.empty(splits, n, dtype=torch.float32, device=x.device)
-    block_m = 16 if interpreting() else MIX_ROWS
+    fma = width <= FMA_MAX_WIDTH
+    block_m = MIX_ROWS if fma and not interpreting() else BLOCK_M
     _mix_kernel[(triton.cdiv(n, block_m), splits)](
         x, fn, part, sq, n, width, num_mix, SPLIT_K, MIX_PAD=mix_pad, BLOCK_M=block_m,
-        BLOCK_K=BLOCK_K)
+        BLOCK_K=BLOCK_K, FMA=fma, PRECISION="ieee" if interpreting() else "tf32x3")
     rows = 16 if interpreting() else PRE_ROWS
     block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
     head = post is None

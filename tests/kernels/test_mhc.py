@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dsv4ray.kernels.mhc import mhc_head, mhc_post, mhc_pre
+from dsv4ray.kernels.mhc import FMA_MAX_WIDTH, mhc_head, mhc_post, mhc_pre
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.mhc import hc_head, hc_post, hc_pre
 
@@ -19,13 +19,15 @@ def _params(hc: int, hidden: int, device):
 
 
 # (rows, hc, hidden): one row, odd rows, rows across projection blocks, a projection wider than
-# one K split (2 splits) with a hidden size off the column block
-CASES = [(1, 2, 64), (7, 4, 128), (37, 2, 256), (5, 4, 320)]
+# one K split (2 splits) with a hidden size off the column block, and one wider than
+# FMA_MAX_WIDTH (tensor-core tiles on GPUs)
+CASES = [(1, 2, 64), (7, 4, 128), (37, 2, 256), (5, 4, 320), (3, 4, 640)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows,hc,hidden", CASES)
 def test_mhc_pre_matches_the_torch_mix(rows, hc, hidden, dtype, device):
+    assert max(h * d for _, h, d in CASES) > FMA_MAX_WIDTH >= min(h * d for _, h, d in CASES)
     fn, base, scale = _params(hc, hidden, device)
     x = (torch.randn(rows, hc, hidden, device=device) * 3).to(dtype)
     post, comb, collapsed = mhc_pre(x, fn, base, scale, HC_EPS, NORM_EPS, ITERS)
