@@ -7,7 +7,14 @@ import torch
 
 from dsv4ray.kernels import dispatch
 from dsv4ray.kernels import moe as moe_kernels
-from dsv4ray.kernels.moe import LIST_MAX_PAIRS, SMALL_PAIRS, fused_moe, fused_moe_ref
+from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.moe import (
+    FP32_FEW_PAIRS,
+    LIST_MAX_PAIRS,
+    SMALL_PAIRS,
+    fused_moe,
+    fused_moe_ref,
+)
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -89,27 +96,39 @@ def test_no_tokens(device):
     assert fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4").shape == (0, HIDDEN)
 
 
+@pytest.mark.parametrize("fmt", ["fp4", "dense"])
 @pytest.mark.parametrize("num_slots", [3, 17])
-def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, device, monkeypatch):
+def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, fmt, device,
+                                                                   monkeypatch):  # fmt: skip
     """The start-up compile runs each tile variant that some batch with num_slots slots per token
-    would take (few pairs, listed, sorted), so no batch size compiles a kernel while serving."""
-    w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+    would take (few pairs, listed, sorted; fp32 experts: their few-pair and listed tiles), so no
+    batch size compiles a kernel while serving."""
+    if fmt == "fp4":
+        w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+    else:
+        w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device)
+        w2, scales = torch.randn(EXPERTS, HIDDEN, INTER, device=device), None
     taken, real = set(), moe_kernels._tiles
+    fp32 = not interpreting()  # what fused_moe passes for fp32 inputs
 
-    def record(listed, fmt, num_pairs):
-        tiles = real(listed, fmt, num_pairs)
+    def record(listed, fmt, num_pairs, fp32=False):
+        tiles = real(listed, fmt, num_pairs, fp32)
         taken.add(tuple(sorted(tiles.items())))
         return tiles
 
     monkeypatch.setattr(moe_kernels, "_tiles", record)
-    moe_kernels.compile_variants(w13, w2, scales, "fp4", (128, 128), num_slots, torch.float32)
+    moe_kernels.compile_variants(w13, w2, scales, fmt, (128, 128), num_slots, torch.float32)
     compiled = set(taken)
     taken.clear()
-    for pairs in (1, SMALL_PAIRS, SMALL_PAIRS + 1, LIST_MAX_PAIRS, LIST_MAX_PAIRS + 1):
+    bounds = (SMALL_PAIRS, FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    for pairs in (1, *bounds, *(b + 1 for b in bounds)):
         tokens = -(-pairs // num_slots)
-        record(tokens * num_slots <= LIST_MAX_PAIRS, "fp4", tokens * num_slots)
+        record(tokens * num_slots <= LIST_MAX_PAIRS, fmt, tokens * num_slots, fp32)
     assert taken <= compiled
-    assert len(compiled) == (3 if num_slots <= SMALL_PAIRS else 2)
+    if fmt == "fp4":
+        assert len(compiled) == (3 if num_slots <= SMALL_PAIRS else 2)
+    else:  # few pairs, more listed pairs, sorted (the interpreter lists with one tile)
+        assert len(compiled) == (3 if fp32 else 2)
 
 
 def _quantized_moe(fmt, scale_fmt, device) -> MoE:
