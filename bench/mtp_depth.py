@@ -1,0 +1,121 @@
+"""How the draft layer's cost amortises as the target deepens: step times with and without drafts.
+
+One draft layer costs the same whatever the target's depth, so the gain of speculation grows with
+it. This runs random checkpoints of the trained checkpoint's shape (model/train.py's
+``TRAINED_SHAPE``) with L layers (the ratios [0, 4, 128, 4, 4, 128] repeated, a window-only MTP
+layer), batch 1, greedy, k drafts, and times decode steps of each engine:
+
+- plain step = decode time / decode tokens; step with drafts = decode time / verification steps
+  (random weights accept few drafts, and a step's work does not depend on how many it accepts);
+- projected batch-1 decode with drafts = T / (step with drafts), with T the mean tokens per
+  verification step that bench/mtp.py measured on the trained checkpoint on this device (read
+  from its results file), against 1 / (plain step).
+
+The trained checkpoint itself is the first row (its measured acceptance, not a projection).
+Writes bench/results/mtp-depth-<device>.json (PERF.md's format) and regenerates BENCHMARKS.md.
+
+    python bench/mtp_depth.py [--depths 12 16] [--k 3] [--prompts 6] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from mtp import ROOT, held_out_prompts  # noqa: E402
+from report import (  # noqa: E402
+    RESULTS_DIR,
+    device_slug,
+    git_commit,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
+
+from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
+from dsv4ray.entrypoints.llm import LLM  # noqa: E402
+from dsv4ray.model.tiny import make_tiny  # noqa: E402
+from dsv4ray.model.train import TRAINED_SHAPE  # noqa: E402
+
+PATTERN = [0, 4, 128, 4, 4, 128]
+
+
+def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> float:
+    """Microseconds per decode step (per verification step with drafts), prefill excluded."""
+    llm = LLM(model, kv_cache_dtype="fp32", enable_prefix_caching=False, speculative_num_steps=k,
+              use_ray=False, device=device)  # fmt: skip
+    full = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    first = SamplingParams(max_tokens=1, ignore_eos=True)
+    try:
+        llm.generate([prompts[0]], full)  # warm-up
+        decode_s, steps = 0.0, 0
+        for prompt in prompts:
+            t0 = time.perf_counter()
+            llm.generate([prompt], first)
+            t1 = time.perf_counter()
+            before = llm.core.stats().get("num_verify_steps", 0)
+            llm.generate([prompt], full)
+            decode_s += (time.perf_counter() - t1) - (t1 - t0)
+            verified = llm.core.stats().get("num_verify_steps", 0) - before
+            steps += verified if k else max_tokens - 1
+    finally:
+        llm.shutdown()
+    return decode_s / steps * 1e6
+
+
+def trained_tokens_per_step(device: str) -> float:
+    """bench/mtp.py's mean tokens per verification step on this device."""
+    path = RESULTS_DIR / f"mtp-{device_slug(device)}.json"
+    if not path.exists():
+        raise SystemExit(f"{path} is missing: run bench/mtp.py on this device first")
+    rows = json.loads(path.read_text())["results"]
+    return next(r["value"] for r in rows if r["name"] == "mean tokens per verification step")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 16])
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    tokens = trained_tokens_per_step(device)
+    prompts = held_out_prompts(args.prompts, 128, args.max_tokens)
+    trained = os.path.join(ROOT, "checkpoints", "stdlib-tiny")
+    rows, ceilings = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [(6, trained, "the trained checkpoint")]
+        for depth in args.depths:
+            ratios = (PATTERN * (depth // len(PATTERN) + 1))[:depth] + [0]
+            path = make_tiny(os.path.join(tmp, f"L{depth}"), "tiny", 0, num_hidden_layers=depth,
+                             compress_ratios=ratios, **TRAINED_SHAPE)  # fmt: skip
+            models.append((depth, path, f"random weights, ratios {ratios}"))
+        for depth, path, what in models:
+            plain = step_us(path, 0, prompts, args.max_tokens, args.device)
+            spec = step_us(path, args.k, prompts, args.max_tokens, args.device)
+            note = (f"{depth} layers ({what}), k={args.k}, batch 1, {args.prompts} prompts of "
+                    f"128 tokens, fp32 pages; steps of {plain:.0f} us plain, {spec:.0f} us "
+                    f"with drafts; {tokens:.2f} tokens per verification step (bench/mtp.py)")
+            name = f"{depth}-layer target: projected batch-1 decode with drafts"
+            ceilings[f"{depth}-layer target: batch-1 decode without drafts"] = {
+                "value": 1e6 / plain, "unit": "tok/s", "note": note}
+            rows.append(result(name, tokens * 1e6 / spec, "tok/s", 1e6 / plain, 1.5, ">=", note))
+            print(f"L={depth}: plain {plain:.0f} us/step, with drafts {spec:.0f} us/step; at "
+                  f"{tokens:.2f} tokens a step {tokens * plain / spec:.2f}x", flush=True)
+    path = write_results("mtp-depth", device, args.commit or git_commit(), ceilings, rows)
+    write_benchmarks_md()
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
