@@ -119,12 +119,16 @@ def test_native_fp32_logits_and_tokens_equal_dequantized(quant_ckpt):
 
 
 def test_native_bf16_passes_the_lossy_gates(quant_ckpt):
-    prompts = _prompts([600, 333], seed=1)
-    native, _ = _engine(quant_ckpt, "native", "bfloat16", prompts)
-    dense, _ = _engine(quant_ckpt, "dequantized", "bfloat16", prompts)
-    for logp, ref in zip(native, dense):
-        assert (logp.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.98
-        assert (ref.exp() * (ref - logp)).sum(-1).mean() <= 0.005
+    """bf16 engines against the fp32 one (the dequantized weights' exact math, which the native
+    fp32 engine equals above), over every teacher-forced position of four prompts (1,833): the
+    native kernels and the dequantized bf16 weights each pass the gates of a lossy format."""
+    prompts = _prompts([600, 333, 500, 400], seed=1)
+    ref = torch.cat(_engine(quant_ckpt, "dequantized", "float32", prompts)[0])
+    for weights in ("native", "dequantized"):
+        logp = torch.cat(_engine(quant_ckpt, weights, "bfloat16", prompts)[0])
+        agree = (logp.argmax(-1) == ref.argmax(-1)).float().mean()
+        kl = (ref.exp() * (ref - logp)).sum(-1).mean()
+        assert agree >= 0.98 and kl <= 0.005, (weights, agree.item(), kl.item())
 
 
 @pytest.mark.parametrize("cuda_graphs", [True, False])
