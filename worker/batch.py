@@ -127,8 +127,9 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
     firsts = np.repeat(np.cumsum(counts) - counts, counts)  # token index of each request's first
     pos = starts[rows] + np.arange(int(counts.sum()), dtype=np.int64) - firsts
     reqs = [tables[e.req_id] for e in entries]
-    page_table = _pad([r.page_ids for r in reqs], padding.page_cols if padding else None)
-    window_table = _pad([r.window_page_ids for r in reqs], padding.window_cols if padding else None)
+    page_table = pad_lists([r.page_ids for r in reqs], padding.page_cols if padding else None)
+    window_table = pad_lists([r.window_page_ids for r in reqs],
+                             padding.window_cols if padding else None)  # fmt: skip
     _check_windows(entries, reqs)
     visible = (pos + 1) // 128
     c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
@@ -286,7 +287,8 @@ class HostStage:
         return out
 
 
-def _pad(lists: list[list[int]], width: int | None) -> np.ndarray:
+def pad_lists(lists: list[list[int]], width: int | None) -> np.ndarray:
+    """[len(lists), width (None: the longest, at least 1)] int64, -1 past each list."""
     longest = max((len(x) for x in lists), default=0)
     if width is not None and longest > width:
         raise ValueError(f"{longest} pages do not fit a padded page table of {width} columns")

@@ -51,6 +51,7 @@ from dsv4ray.worker.batch import (
     concat_packed,
     meta_from,
     pack,
+    pad_lists,
 )  # fmt: skip
 from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
 from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
@@ -289,15 +290,14 @@ class DraftWorker:
         positions = last + np.asarray(steps, dtype=np.int64)[None, :, None]  # [V, S, n]
         scratch = np.array([self.pools.scratch_page(t.state_slot) for t in tables], dtype=np.int64)
         q = positions[..., None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)  # [V, S, n, W]
-        win = _padded([t.window_page_ids for t in tables])  # [n, pages]
+        win = pad_lists([t.window_page_ids for t in tables], None)  # [n, pages]
         page = win[np.arange(n)[:, None], np.clip(q // WINDOW, 0, win.shape[1] - 1)]
         real = np.where((q >= 0) & (q <= last[..., None]), page * WINDOW + q % WINDOW, -1)
         scratch_slots = scratch[:, None] * WINDOW + q % WINDOW
         window_slots = np.where(q > last[..., None], scratch_slots, real)
-        pages = max((len(t.page_ids) for t in tables), default=1)
-        page_table = np.full((rows, max(page_cols or pages, 1)), -1, dtype=np.int64)
-        for i, table in enumerate(tables):
-            page_table[i, : len(table.page_ids)] = table.page_ids
+        pages = pad_lists([t.page_ids for t in tables], page_cols)  # [n, cols]
+        page_table = np.full((rows, pages.shape[1]), -1, dtype=np.int64)  # pad rows: no pages
+        page_table[:n] = pages
         lead = (num_v, num_s)
         windows = np.full((*lead, rows, WINDOW), -1, dtype=np.int64)
         windows[:, :, :n] = window_slots
@@ -318,11 +318,3 @@ class DraftWorker:
             "page_table": np.broadcast_to(page_table, (*lead, *page_table.shape)),
             "window_slots": windows, "c128_slots": np.full((*lead, rows, 1), -1, dtype=np.int64),
         }  # fmt: skip
-
-
-def _padded(lists) -> np.ndarray:
-    """[n, longest] int64 of the lists, -1 padded (at least one column)."""
-    out = np.full((len(lists), max((len(x) for x in lists), default=1) or 1), -1, dtype=np.int64)
-    for i, ids in enumerate(lists):
-        out[i, : len(ids)] = ids
-    return out
