@@ -196,7 +196,7 @@ def _collapse(x, fn, base, scale, hc_eps, norm_eps, iters, post, comb) -> torch.
         BLOCK_K=BLOCK_K, FMA=fma, PRECISION="ieee" if interpreting() else "tf32x3")
     rows = 16 if interpreting() else PRE_ROWS
     block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
-    head = post is None
+    head = post is None  # then the kernel stores no post/comb: the partials stand in as pointers
     _pre_kernel[(triton.cdiv(n, rows), triton.cdiv(hidden, block_d))](
         x, part, sq, base.float().contiguous(), scale.float().contiguous(),
         part if head else post, part if head else comb, collapsed, n, hidden, splits, hc_eps,

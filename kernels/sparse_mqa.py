@@ -9,7 +9,9 @@ and the output projection happen outside.
 
 GPU plan (flash decoding): one program per (token, key split, block of up to 64 heads). Every head
 of the block shares each dequantised [BLOCK_N, 512] KV tile, so an entry is dequantised once per
-head block, and both products run on tensor cores (bf16 operands, fp32 accumulation). The token's
+head block, and both products run on tensor cores (bf16 operands, fp32 accumulation); fp32 pages
+take exact fp32 products instead, broadcast over just the heads when there are at most
+FMA_MAX_HEADS of them (a tensor-core tile would be mostly empty rows). The token's
 key list (window then compressed) is cut into `num_splits` ranges when there are too few tokens to
 fill the GPU; each split writes an unnormalised partial (m, den, acc) and `_combine_kernel` merges
 them.
