@@ -33,7 +33,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-import numpy as np
 import torch
 
 from dsv4ray.cache.draft_pools import DraftPools
@@ -43,16 +42,8 @@ from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import (
-    WINDOW,
-    HostStage,
-    ReqTable,
-    build_batch,
-    concat_packed,
-    meta_from,
-    pack,
-    pad_lists,
-)  # fmt: skip
+from dsv4ray.worker.batch import HostStage, ReqTable, build_batch
+from dsv4ray.worker.draft_chain import chain_metas
 from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
 from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
@@ -195,7 +186,7 @@ class DraftWorker:
             return
         rows = meta.sample_idx
         topk = inputs.topk.index_select(0, rows) if self.reuses_topk else None
-        metas = self._chain_metas(sampled)
+        metas = self._chain_metas(sampled, meta, rows)
         self._record(sampled, self.propose(x.index_select(0, rows), metas, topk), out)
 
     def _record(self, spans: list[DraftSpan], drafts: torch.Tensor, out: StageResult,
@@ -249,72 +240,10 @@ class DraftWorker:
             drafts.append(tokens)
         return torch.stack(drafts, dim=1)
 
-    def _chain_metas(self, spans: list[DraftSpan]) -> list:
-        """The k - 1 chain steps' index tensors, in one upload."""
-        if self.num_steps == 1:
-            return []
-        parts = [pack(self.chain_arrays(spans, step), np.zeros(0, dtype=np.int64))
-                 for step in range(1, self.num_steps)]  # fmt: skip
-        flat, layouts = concat_packed(parts)
-        dev = self.stage.upload(flat, self.device)
+    def _chain_metas(self, spans: list[DraftSpan], meta, rows: torch.Tensor) -> list:
+        """The k - 1 chain steps' index tensors for the spans whose last exact rows of ``meta``
+        are ``rows``, built on the device."""
         last = max(s.start_pos + len(s.next_tokens) for s in spans) + self.num_steps - 2
         rope_len = self.ropes.ensure(last + 1)
-        sub = StepPlan(step_id=-1)
-        metas = [meta_from(dev, layout, sub, self.ropes, rope_len) for layout in layouts]
-        return metas
-
-    def chain_arrays(self, spans: list[DraftSpan], step: int, num_rows: int | None = None,
-                     page_cols: int | None = None) -> dict:  # fmt: skip
-        """Index fields of chain step `step` for the spans as they are (``chain_fields``)."""
-        fields = self.chain_fields(spans, [None], [step], num_rows, page_cols)
-        return {name: a[0, 0] for name, a in fields.items()}
-
-    def chain_fields(self, spans: list[DraftSpan], starts: list, steps: list[int],
-                     num_rows: int | None = None,
-                     page_cols: int | None = None) -> dict:  # fmt: skip
-        """Index fields [V, S, rows, ...] of chain steps `steps` (one token per span at its last
-        exact position + step) for each of V chain starts: start a cuts every span to its rows
-        0 .. a (None: the span as it is). Rows are padded to num_rows and page-table columns to
-        page_cols. Window keys up to the last exact position come from the real window pages,
-        later ones (this chain's earlier steps) and the token's own KV from the span's scratch
-        page. Token ids stay 0: the draft block's MoE routes by score, and its embedding input
-        never leaves the device. Pad rows read nothing and write only the scratch ring."""
-        tables = [self.tables[s.req_id] for s in spans]
-        n, rows = len(spans), num_rows or len(spans)
-        num_v, num_s = len(starts), len(steps)
-        first = np.array([s.start_pos for s in spans], dtype=np.int64)  # [n]
-        length = np.array([len(s.next_tokens) for s in spans], dtype=np.int64)
-        cut = np.array([[ln - 1 if a is None else min(a, ln - 1) for ln in length]
-                        for a in starts], dtype=np.int64).reshape(num_v, n)  # fmt: skip
-        last = (first[None, :] + cut)[:, None, :]  # [V, 1, n]
-        positions = last + np.asarray(steps, dtype=np.int64)[None, :, None]  # [V, S, n]
-        scratch = np.array([self.pools.scratch_page(t.state_slot) for t in tables], dtype=np.int64)
-        q = positions[..., None] + np.arange(-WINDOW + 1, 1, dtype=np.int64)  # [V, S, n, W]
-        win = pad_lists([t.window_page_ids for t in tables], None)  # [n, pages]
-        page = win[np.arange(n)[:, None], np.clip(q // WINDOW, 0, win.shape[1] - 1)]
-        real = np.where((q >= 0) & (q <= last[..., None]), page * WINDOW + q % WINDOW, -1)
-        scratch_slots = scratch[:, None] * WINDOW + q % WINDOW
-        window_slots = np.where(q > last[..., None], scratch_slots, real)
-        pages = pad_lists([t.page_ids for t in tables], page_cols)  # [n, cols]
-        page_table = np.full((rows, pages.shape[1]), -1, dtype=np.int64)  # pad rows: no pages
-        page_table[:n] = pages
-        lead = (num_v, num_s)
-        windows = np.full((*lead, rows, WINDOW), -1, dtype=np.int64)
-        windows[:, :, :n] = window_slots
-        none = np.full((*lead, rows), -1, dtype=np.int64)
-        store = none.copy()
-        store[:, :, :n] = window_slots[..., -1]
-        req_rows = np.full(rows, rows - 1, dtype=np.int64)  # pad rows: a -1 page-table row
-        req_rows[:n] = np.arange(n)
-        padded_positions = np.zeros((*lead, rows), dtype=np.int64)
-        padded_positions[:, :, :n] = positions
-        bound = np.zeros((*lead, rows), dtype=np.int64)
-        bound[:, :, :n] = (positions + 1) // 4
-        return {
-            "token_ids": np.zeros((*lead, rows), dtype=np.int64), "positions": padded_positions,
-            "seq_start": padded_positions, "req_rows": np.broadcast_to(req_rows, (*lead, rows)),
-            "state_slots": np.full((*lead, rows), self.pools.scratch_row, dtype=np.int64),
-            "window_store": store, "c4_out": none, "c128_out": none, "c4_bound": bound,
-            "page_table": np.broadcast_to(page_table, (*lead, *page_table.shape)),
-            "window_slots": windows, "c128_slots": np.full((*lead, rows, 1), -1, dtype=np.int64),
-        }  # fmt: skip
+        return chain_metas(meta, rows, meta.positions.index_select(0, rows), self.pools,
+                           self.num_steps, self.ropes, rope_len)  # fmt: skip

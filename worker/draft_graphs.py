@@ -9,12 +9,11 @@ step at fixed shapes, all its index fields in one int64 buffer:
                  sample_idx holds each request's first row
     drafts       [b, k] the tokens each request's rows' next tokens are compared with, in order
                  (-2 pads: no token equals it)
-    variants     [k + 1, C] the k - 1 chain steps' index fields (worker/draft.py's chain_arrays)
-                 for a chain that starts at row 0, 1, .. k of the request
     span rows    [<= b (k + 1)] the slotted row of each residual row the last stage handed over
 
 The graph counts each request's accepted drafts a (leading rows whose next token equals its
-draft), starts the chain at row a and gathers each request's chain fields from variant a. Fed
+draft) and starts the chain at row a, its k - 1 steps' index fields computed on the device from
+the exact pass's (worker/draft_chain.py). Fed
 from the host, the next tokens are known and the drafts are those tokens, so a is the last
 exact row. Fed from a replayed verification on the device (``run_verified``), every position
 of the step is an exact row with the target's token as its next token, and a is the accepted
@@ -55,6 +54,7 @@ from dsv4ray.worker.cuda_graphs import (
     capture_bucket,
     context_buckets,
 )
+from dsv4ray.worker.draft_chain import chain_metas
 from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.verify import DraftSpan, Handoff
 
@@ -94,10 +94,10 @@ class DraftGraphs:
 
     def _capture(self, b: int, ctx: int) -> GraphBucket:
         padding = Padding(b * self.n, ctx // PAGE, ctx // 128, self.w.pools.scratch_row, self.n)
-        flat, layouts, chain_layouts = self._host([], [], padding, True)
+        flat, layouts = self._host([], [], padding)
         static = torch.from_numpy(flat).to(self.device)
         g = GraphBucket(padding, static, self.capture)
-        g.meta = self._metas(static, layouts, chain_layouts, padding)
+        g.meta = self._metas(static, layouts, padding)
         self.pool = capture_bucket(g, self._forward, self.device, self.pool)
         return g
 
@@ -118,7 +118,7 @@ class DraftGraphs:
         """residual [N, hc * hidden] (top-k [N, k'] or None): the spans' rows in order ->
         drafts [len(spans), k] int64 on the device."""
         drafts = [s.next_tokens[:-1] for s in spans]  # every row's next token matches: a = last
-        g, span_rows = self._upload(spans, drafts, key, variable=False)
+        g, span_rows = self._upload(spans, drafts, key)
         c = self.w.cfg
         stack = residual.view(residual.shape[0], c.hc_mult, c.hidden_size)
         return self._replay(g, key, span_rows, stack, topk, len(spans))
@@ -132,7 +132,7 @@ class DraftGraphs:
         for e in plan.batch:
             drafts.append(plan.token_ids[first + 1 : first + e.num_tokens])
             first += e.num_tokens
-        g, span_rows = self._upload(spans, drafts, key, variable=True)
+        g, span_rows = self._upload(spans, drafts, key)
         self.num_verified += 1
         if draft_fill is not None:
             draft_fill.write_table(g.meta[2])
@@ -142,9 +142,9 @@ class DraftGraphs:
         topk = handoff.topk.index_select(0, span_rows) if handoff.topk is not None else None
         return self._replay(g, key, span_rows, stack, topk, len(spans))
 
-    def _upload(self, spans, drafts, key, variable: bool):
+    def _upload(self, spans, drafts, key):
         g = self.graphs[key]
-        flat, layouts, _ = self._host(spans, drafts, g.padding, variable)
+        flat, layouts = self._host(spans, drafts, g.padding)
         self.w.stage.upload(flat, self.device, out=g.static)
         num_rows = sum(len(s.next_tokens) for s in spans)
         span_rows = unpack(g.static, [("span_rows", layouts[-1][1], (num_rows,))])["span_rows"]
@@ -159,10 +159,9 @@ class DraftGraphs:
         self.replays[key] = self.replays.get(key, 0) + 1
         return g.out[:num_spans]
 
-    def _host(self, spans: list[DraftSpan], drafts: list, padding: Padding, variable: bool):
-        """The bucket's flat buffer, each part's layout (exact, drafts, variants when there are
-        chain steps, span rows: (name, offset, capacity)) and the chain steps' layouts inside
-        one variant. variable: a variant per start row; else every variant is the spans' own."""
+    def _host(self, spans: list[DraftSpan], drafts: list, padding: Padding):
+        """The bucket's flat buffer and each part's layout (exact, drafts, span rows: (name,
+        offset, capacity))."""
         sub = StepPlan(step_id=-1)
         for s in spans:
             sub.batch.append(BatchEntry(s.req_id, s.start_pos, len(s.next_tokens), True))
@@ -174,53 +173,32 @@ class DraftGraphs:
         for i, tokens in enumerate(drafts):
             table[i, : len(tokens)] = tokens
         parts.append(_raw("drafts", table))
-        chain_layouts = []
-        if self.n > 2:
-            starts = list(range(self.n)) if variable else [None]
-            fields = self.w.chain_fields(spans, starts, list(range(1, self.n - 1)), b,
-                                         padding.page_cols)  # fmt: skip
-            variants, chain_layouts = _pack_variants(fields)
-            if not variable:
-                variants = np.repeat(variants, self.n, axis=0)
-            parts.append(_raw("variants", variants))
         rows = slotted_rows([len(s.next_tokens) for s in spans], self.n)
         span = np.zeros(padding.num_tokens, dtype=np.int64)
         span[: len(rows)] = rows
         flat, layouts = concat_packed(parts)
         layouts.append(("span_rows", flat.size, (padding.num_tokens,)))
-        return np.concatenate([flat, span]), layouts, chain_layouts
+        return np.concatenate([flat, span]), layouts
 
-    def _metas(self, static: torch.Tensor, layouts, chain_layouts, padding: Padding):
-        """(exact meta, first rows [b], drafts [b, k], chain) over views of the static buffer;
-        chain: None without chain steps, else (variants [k + 1, C], owner [C] (the request row of
-        every field element), the region [C] the graph gathers one variant per request into,
-        the chain metas over that region)."""
+    def _metas(self, static: torch.Tensor, layouts, padding: Padding):
+        """(exact meta, first rows [b], drafts [b, k]) over views of the static buffer."""
         w, empty = self.w, StepPlan(step_id=-1)
-        rope_len = w.ropes.length
-        exact = meta_from(static, layouts[0], empty, w.ropes, rope_len, True, padding.c128_cols)
-        drafts = unpack(static, layouts[1])["drafts"]
-        if not chain_layouts:
-            return exact, exact.sample_idx, drafts, None
-        variants = unpack(static, layouts[2])["variants"]
-        region = torch.zeros(variants.shape[1], dtype=torch.int64, device=self.device)
-        metas = [meta_from(region, lay, empty, w.ropes, rope_len, True) for lay in chain_layouts]
-        owner = torch.from_numpy(_owners(chain_layouts, variants.shape[1])).to(self.device)
-        return exact, exact.sample_idx, drafts, (variants, owner, region, metas)
+        exact = meta_from(static, layouts[0], empty, w.ropes, w.ropes.length, True,
+                          padding.c128_cols)  # fmt: skip
+        return exact, exact.sample_idx, unpack(static, layouts[1])["drafts"]
 
     def _forward(self, metas) -> torch.Tensor:
-        exact, first, drafts, chain = metas
-        rows = exact.num_tokens
+        exact, first, drafts = metas
+        w, rows = self.w, exact.num_tokens
         next_tokens = exact.token_ids.view(-1, self.n)[:, :-1]  # [b, k]
         accepted = (next_tokens == drafts).long().cumprod(1).sum(1)  # [b]
-        last = first + accepted
-        chain_metas = []
-        if chain is not None:
-            variants, owner, region, chain_metas = chain
-            region.copy_(variants.gather(0, accepted.index_select(0, owner)[None]).squeeze(0))
-        topk = self.topk[:rows] if self.w.reuses_topk else None
-        x = self.w.exact_pass(self.h[:rows], exact, topk)
+        last = first + accepted  # each request's last exact row
+        chain = chain_metas(exact, last, exact.positions.index_select(0, last), w.pools,
+                            w.num_steps, w.ropes, exact.rope_len, static=True)  # fmt: skip
+        topk = self.topk[:rows] if w.reuses_topk else None
+        x = w.exact_pass(self.h[:rows], exact, topk)
         topk = topk.index_select(0, last) if topk is not None else None
-        return self.w.propose(x.index_select(0, last), chain_metas, topk)
+        return w.propose(x.index_select(0, last), chain, topk)
 
 
 def verified_spans(plan: StepPlan) -> list[DraftSpan]:
@@ -233,38 +211,9 @@ def verified_spans(plan: StepPlan) -> list[DraftSpan]:
     return spans
 
 
-def _pack_variants(fields: dict) -> tuple[np.ndarray, list]:
-    """Chain fields [V, S, rows, ...] -> (variants [V, C]: each variant's S steps packed after
-    one another as worker/batch.py's ``pack`` and ``concat_packed`` lay them out, the steps'
-    layouts)."""
-    num_v, num_s = next(iter(fields.values())).shape[:2]
-    empty = np.zeros(0, dtype=np.int64)
-    parts = [pack({name: a[0, s] for name, a in fields.items()}, empty) for s in range(num_s)]
-    flat, layouts = concat_packed(parts)
-    variants = np.zeros((num_v, flat.size), dtype=np.int64)
-    for s, layout in enumerate(layouts):
-        for name, off, shape in layout:
-            size = int(np.prod(shape))
-            if size:
-                variants[:, off : off + size] = fields[name][:, s].reshape(num_v, size)
-    return variants, layouts
-
-
 def _raw(name: str, values: np.ndarray):
     """One packed part of a single field (even size, so later parts stay aligned)."""
     flat = np.ascontiguousarray(values, dtype=np.int64).ravel()
     if flat.size % 2:
         flat = np.concatenate([flat, np.zeros(1, dtype=np.int64)])
     return flat, [(name, 0, values.shape)]
-
-
-def _owners(layouts, size: int) -> np.ndarray:
-    """The request row of every element of packed per-request fields (alignment pads: row 0)."""
-    owner = np.zeros(size, dtype=np.int64)
-    for layout in layouts:
-        for _, off, shape in layout:
-            count = int(np.prod(shape))
-            if count:
-                per_row = count // shape[0]
-                owner[off : off + count] = np.repeat(np.arange(shape[0]), per_row)
-    return owner
