@@ -24,6 +24,7 @@ and runs the forward on them eagerly at each step: the same padded layouts on an
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 
@@ -62,6 +63,7 @@ class GraphBucket:
         self.padding, self.static = padding, static
         self.graph = torch.cuda.CUDAGraph() if capture else None
         self.out = self.meta = None
+        self.sample_offset = 0  # where the step's sample_idx starts in static
 
     def replay(self, forward) -> None:
         if self.graph is None:
@@ -135,6 +137,7 @@ class DecodeGraphs:
         static[: flat.size].copy_(torch.from_numpy(flat))
         g = GraphBucket(padding, static, self.capture)
         g.meta = meta_from(static, layout, empty, self.ropes, self.ropes.length, True, ctx // 128)
+        g.sample_offset = layout[-1][1]
         self.pool = capture_bucket(g, self.forward, self.device, self.pool)
         return g
 
@@ -166,8 +169,12 @@ class DecodeGraphs:
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)
         self.stage.upload(flat, self.device, out=g.static)
-        cols = g.padding.c128_cols
-        meta = meta_from(g.static, layout, plan, self.ropes, self.ropes.length, True, cols)
+        name, offset, _ = layout[-1]  # fixed shapes: only sample_idx's length varies
+        if name != "sample_idx" or offset != g.sample_offset:
+            raise RuntimeError(f"bucket {key}: the step's layout is not the captured one")
+        meta = copy.copy(g.meta)  # the captured views over g.static, this step's samples
+        meta.sample_idx = g.static[offset : offset + len(sample_idx)]
+        meta.sample_req_ids = [e.req_id for e in plan.batch if e.sample]
         if fill is not None:
             fill(meta.token_ids)
         g.replay(self.forward)

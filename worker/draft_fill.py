@@ -60,15 +60,21 @@ class DraftFill:
         self.dst, self.src = np.array(dst, dtype=np.int64), src
         self.table = table  # flat [b, k] index of each draft: entry i's j-th draft
         self.k = k
-        self._src_dev = None
+        self._src_dev = self._table_dev = None  # device copies of src and table
         self.resolved: dict[str, list[int]] | None = None
 
     def _values(self) -> torch.Tensor:
         """The drafts on the device, in dst order."""
-        device = self.pending.device.device
         if self._src_dev is None:
-            self._src_dev = to_device(self.src, torch.long, device)
+            self._upload([])
         return self.pending.device.reshape(-1).index_select(0, self._src_dev)
+
+    def _upload(self, rows: list[int]) -> torch.Tensor:
+        """rows, the source and the table indices in one upload; keeps the last two -> rows."""
+        n, m = len(rows), len(self.src)
+        idx = to_device(rows + self.src + self.table, torch.long, self.pending.device.device)
+        self._src_dev, self._table_dev = idx[n : n + m], idx[n + m :]
+        return idx[:n]
 
     def write_tokens(self, token_ids: torch.Tensor, row_of: np.ndarray | None = None) -> None:
         """Writes the drafts into a step's token ids on the device; row_of: the row of each
@@ -76,7 +82,7 @@ class DraftFill:
         if not len(self.dst):
             return
         rows = self.dst if row_of is None else row_of[self.dst]
-        idx = to_device(rows.tolist(), torch.long, token_ids.device)
+        idx = self._upload(rows.tolist())
         token_ids.index_copy_(0, idx, self._values())
 
     def write_table(self, table: torch.Tensor) -> None:
@@ -85,8 +91,8 @@ class DraftFill:
             return
         if table.shape[1] != self.k:
             raise ValueError(f"a draft table of {table.shape[1]} columns for {self.k} drafts")
-        idx = to_device(self.table, torch.long, table.device)
-        table.view(-1).index_copy_(0, idx, self._values())
+        values = self._values()  # uploads the indices unless write_tokens did
+        table.view(-1).index_copy_(0, self._table_dev, values)
 
     def resolve(self) -> dict[str, list[int]]:
         """Waits for the proposals' host copy and writes the drafts into plan.token_ids; returns
