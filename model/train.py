@@ -38,8 +38,9 @@ from dsv4ray.model.weights import save_state
 
 log = logging.getLogger("dsv4ray.train")
 
-# The `tiny` preset (6 layers, ratios [0, 4, 128, 4, 4, 128] + a window-only MTP layer, hc_mult 2,
-# 2 hash + 4 score MoE layers, vocab 512) narrowed so the checkpoint is a few MB.
+# The `tiny` preset (ratios [0, 4, 128, 4, 4, 128] + a window-only MTP layer, hc_mult 2, 2 hash
+# MoE layers then score-routed ones, vocab 512) narrowed so the checkpoint is a few MB; its depth
+# is TrainConfig.num_layers, the ratio pattern repeated.
 TRAINED_SHAPE = dict(
     hidden_size=128,
     num_attention_heads=2,
@@ -48,7 +49,14 @@ TRAINED_SHAPE = dict(
     index_n_heads=8,
     moe_intermediate_size=64,
 )
+RATIO_PATTERN = (0, 4, 128, 4, 4, 128)
 LN2 = math.log(2.0)
+
+
+def trained_overrides(num_layers: int) -> dict:
+    """The `tiny` preset's overrides of a trained model of num_layers layers."""
+    ratios = [RATIO_PATTERN[i % len(RATIO_PATTERN)] for i in range(num_layers)]
+    return {**TRAINED_SHAPE, "num_hidden_layers": num_layers, "compress_ratios": [*ratios, 0]}
 
 
 @dataclass(frozen=True)
@@ -68,8 +76,11 @@ class TrainConfig:
     eval_windows: int = 256
     eval_batch: int = 32
     device: str = "cpu"
+    num_layers: int = 6  # the ratio pattern repeated; 2 or more, so a C4 layer feeds top-k
 
     def __post_init__(self) -> None:
+        if self.num_layers < 2:
+            raise ValueError(f"TrainConfig.num_layers must be >= 2, got {self.num_layers}")
         for name in ("steps", "batch_size", "seq_len", "log_every", "eval_windows", "eval_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TrainConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -86,9 +97,9 @@ class TrainConfig:
         return torch.device(self.device).type == "cuda"
 
 
-def build_model(seed: int, device: str = "cpu") -> DSV4Reference:
+def build_model(seed: int, device: str = "cpu", num_layers: int = 6) -> DSV4Reference:
     """The random-init model (fp32 master weights) with its MTP block."""
-    cfg = tiny_config("tiny", **TRAINED_SHAPE)
+    cfg = tiny_config("tiny", **trained_overrides(num_layers))
     model = DSV4Reference(cfg, torch.float32)
     model.mtp.append(MTPBlock(cfg))
     randomise(model, torch.Generator().manual_seed(seed))
@@ -216,7 +227,7 @@ def train(
     """Trains from ``build_model(cfg.seed)``; saves to ``out_dir`` when given. Returns the model
     and a summary (config, corpus sizes, losses, held-out figures)."""
     torch.manual_seed(cfg.seed)
-    model = build_model(cfg.seed, cfg.device).train()
+    model = build_model(cfg.seed, cfg.device, cfg.num_layers).train()
     opt, balancer = make_optimizer(model, cfg), BiasBalancer(model, cfg.bias_update_rate)
     gen = torch.Generator().manual_seed(cfg.seed)
     windows = eval_windows(corpus.held_out, cfg.eval_windows, cfg.seq_len)
@@ -261,7 +272,7 @@ def _figures(label: str, m: dict) -> str:
 def _summary(cfg: TrainConfig, corpus: Corpus, losses, elapsed: float) -> dict:
     return {
         "train_config": asdict(cfg),
-        "model_overrides": TRAINED_SHAPE,
+        "model_overrides": trained_overrides(cfg.num_layers),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "corpus": {

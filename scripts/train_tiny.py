@@ -45,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def probe(cfg: TrainConfig, corpus, num_steps: int) -> float:
     """Seconds per training step (a throwaway model; the first step is not timed)."""
-    model = build_model(cfg.seed, cfg.device)
+    model = build_model(cfg.seed, cfg.device, cfg.num_layers)
     opt, balancer = make_optimizer(model, cfg), BiasBalancer(model, cfg.bias_update_rate)
     gen = torch.Generator().manual_seed(cfg.seed)
     batches = [sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen) for _ in range(2)]
