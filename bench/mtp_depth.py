@@ -2,8 +2,8 @@
 
 One draft layer costs the same whatever the target's depth, so the gain of speculation grows with
 it. This runs random checkpoints of the trained checkpoint's shape (model/train.py's
-``TRAINED_SHAPE``) with L layers (the ratios [0, 4, 128, 4, 4, 128] repeated, a window-only MTP
-layer), batch 1, greedy, k drafts, and times decode steps of each engine:
+``trained_overrides``) with L layers (the ratios [0, 4, 128, 4, 4, 128] repeated, a window-only
+MTP layer), batch 1, greedy, k drafts, and times decode steps of each engine:
 
 - plain step = decode time / decode tokens; step with drafts = decode time / verification steps
   (random weights accept few drafts, and a step's work does not depend on how many it accepts);
@@ -39,12 +39,11 @@ from report import (  # noqa: E402
     write_results,
 )
 
+from dsv4ray.config import ModelConfig  # noqa: E402
 from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
 from dsv4ray.entrypoints.llm import LLM  # noqa: E402
 from dsv4ray.model.tiny import make_tiny  # noqa: E402
-from dsv4ray.model.train import TRAINED_SHAPE  # noqa: E402
-
-PATTERN = [0, 4, 128, 4, 4, 128]
+from dsv4ray.model.train import trained_overrides  # noqa: E402
 
 
 def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> float:
@@ -94,12 +93,12 @@ def main() -> None:
     trained = os.path.join(ROOT, "checkpoints", "stdlib-tiny")
     rows, ceilings = [], {}
     with tempfile.TemporaryDirectory() as tmp:
-        models = [(6, trained, "the trained checkpoint")]
+        depth = ModelConfig.from_hf(trained).num_hidden_layers
+        models = [(depth, trained, "the trained checkpoint")]
         for depth in args.depths:
-            ratios = (PATTERN * (depth // len(PATTERN) + 1))[:depth] + [0]
-            path = make_tiny(os.path.join(tmp, f"L{depth}"), "tiny", 0, num_hidden_layers=depth,
-                             compress_ratios=ratios, **TRAINED_SHAPE)  # fmt: skip
-            models.append((depth, path, f"random weights, ratios {ratios}"))
+            shape = trained_overrides(depth)
+            path = make_tiny(os.path.join(tmp, f"L{depth}"), "tiny", 0, **shape)
+            models.append((depth, path, f"random weights, ratios {shape['compress_ratios'][:-1]}"))
         for depth, path, what in models:
             plain = step_us(path, 0, prompts, args.max_tokens, args.device)
             spec = step_us(path, args.k, prompts, args.max_tokens, args.device)
