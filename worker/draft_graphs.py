@@ -13,14 +13,13 @@ step at fixed shapes, all its index fields in one int64 buffer:
 
 The graph counts each request's accepted drafts a (leading rows whose next token equals its
 draft) and starts the chain at row a, its k - 1 steps' index fields computed on the device from
-the exact pass's (worker/draft_chain.py). Fed
-from the host, the next tokens are known and the drafts are those tokens, so a is the last
-exact row. Fed from a replayed verification on the device (``run_verified``), every position
-of the step is an exact row with the target's token as its next token, and a is the accepted
-count the host learns only later: rows past it write window slots (and C4 ring rows) of
-positions past the request's tokens, which the exact pass that reaches those positions
-rewrites before anything reads them (the chain reads positions past the start from its scratch
-page, and top-k only up to the start).
+the exact pass's (worker/draft_chain.py). Fed from the host, the next tokens are known and the
+drafts are those tokens, so a is the last exact row. Fed from a replayed verification on the
+device (``run_verified``), every position of the step is an exact row with the target's token
+as its next token, and a is the accepted count the host learns only later: rows past it write
+window slots (and C4 ring rows) of positions past the request's tokens, which the exact pass
+that reaches those positions rewrites before anything reads them (the chain reads positions
+past the start from its scratch page, and top-k only up to the start).
 
 The target's residual rows (and top-k rows) are copied to their slotted rows of static tensors
 before the replay (pad rows keep earlier steps' finite values; their top-k rows are -1). The
