@@ -3,8 +3,9 @@
 Prompts are line-aligned windows of the held-out Python standard library files (the split
 ``model/train_data.py`` computes from file paths alone, so it holds on any Python version;
 this machine's stdlib may differ from the one the checkpoint was trained on). Two engines with
-the same options, one with ``speculative_num_steps = k`` and one without, decode each prompt
-alone (batch 1, greedy, eos ignored, prefix caching off):
+the same options, one with ``speculative_num_steps = k`` and one without, live side by side and
+decode each prompt alone (batch 1, greedy, eos ignored, prefix caching off), one engine after
+the other, the order alternating from prompt to prompt:
 
 - mean tokens per verification step = (verification steps + accepted drafts) / verification
   steps, over every step that verified drafts (plain decoding makes 1 token per step);
@@ -56,23 +57,18 @@ def held_out_prompts(num: int, length: int, margin: int) -> list[list[int]]:
     raise ValueError(f"found only {len(prompts)} held-out prompts of {length} tokens")
 
 
-def decode_run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    """(batch-1 decode tokens/s, every prompt's tokens) over the prompts, one at a time."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, ignore_eos=True)
-    llm.generate([prompts[0]], params)  # warm-up (allocations, kernels)
-    decode_s, outputs = 0.0, []
-    for prompt in prompts:
-        t0 = time.perf_counter()
-        llm.generate([prompt], first)
-        t1 = time.perf_counter()
-        outputs.append(llm.generate([prompt], params)[0].token_ids)
-        decode_s += (time.perf_counter() - t1) - (t1 - t0)
-    return len(prompts) * (max_tokens - 1) / decode_s, outputs
+def decode_seconds(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[float, list]:
+    """(seconds of the prompt's max_tokens - 1 decode tokens, its tokens): a max_tokens
+    generation's time minus that of a 1-token one (prefill and the first token)."""
+    t0 = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True))
+    t1 = time.perf_counter()
+    out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return (time.perf_counter() - t1) - (t1 - t0), out[0].token_ids
 
 
-def measure(args, k: int) -> tuple[float, list, dict]:
-    llm = LLM(
+def engine(args, k: int) -> LLM:
+    return LLM(
         args.model,
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=False,
@@ -80,14 +76,35 @@ def measure(args, k: int) -> tuple[float, list, dict]:
         use_ray=args.use_ray,
         device=args.device,
     )
+
+
+def measure(args) -> tuple[dict, dict, dict]:
+    """Both engines side by side, each prompt timed on one then the other (the order
+    alternating), so that a host whose speed drifts during the run weighs on both alike.
+    Returns ({k: decode tok/s}, {k: outputs}, the spec engine's counters over the run)."""
+    ks = (0, args.k)
+    llms = {}
     try:
-        before = llm.core.stats()
-        tok_s, outputs = decode_run(llm, args.prompts_ids, args.max_tokens)
-        after = llm.core.stats()
+        for k in ks:
+            llms[k] = engine(args, k)
+        before = llms[args.k].core.stats()
+        seconds, outputs = dict.fromkeys(ks, 0.0), {k: [] for k in ks}
+        for k in ks:  # warm-up (allocations, kernels)
+            decode_seconds(llms[k], args.prompts_ids[0], args.max_tokens)
+        for i, prompt in enumerate(args.prompts_ids):
+            for k in ks if i % 2 == 0 else ks[::-1]:
+                dt, tokens = decode_seconds(llms[k], prompt, args.max_tokens)
+                seconds[k] += dt
+                outputs[k].append(tokens)
+        after = llms[args.k].core.stats()
         if args.profile:
-            kernel_table(llm, args.prompts_ids[0], args.max_tokens, k, args.profile)
+            for k in ks:
+                kernel_table(llms[k], args.prompts_ids[0], args.max_tokens, k, args.profile)
     finally:
-        llm.shutdown()
+        for llm in llms.values():
+            llm.shutdown()
+    decoded = len(args.prompts_ids) * (args.max_tokens - 1)
+    tok_s = {k: decoded / seconds[k] for k in ks}
     return tok_s, outputs, {name: after[name] - before[name] for name in after}
 
 
@@ -134,8 +151,9 @@ def main() -> None:
                     f"{args.kv_cache_dtype} pages, batch 1, one {args.max_tokens}-token "
                     "generation per engine; GPU kernels by total time (count, ms, name)\n")
     args.prompts_ids = held_out_prompts(args.prompts, args.prompt_len, args.max_tokens)
-    plain_tok_s, plain_out, _ = measure(args, 0)
-    spec_tok_s, spec_out, stats = measure(args, args.k)
+    tok_s, outputs, stats = measure(args)
+    plain_tok_s, spec_tok_s = tok_s[0], tok_s[args.k]
+    plain_out, spec_out = outputs[0], outputs[args.k]
     same = sum(a == b for a, b in zip(plain_out, spec_out))
     steps, accepted = stats["num_verify_steps"], stats["num_accepted_draft_tokens"]
     mean_len = (steps + accepted) / steps
