@@ -24,12 +24,11 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mtp import ROOT, held_out_prompts  # noqa: E402
+from mtp import ROOT, decode_seconds, held_out_prompts  # noqa: E402
 from report import (  # noqa: E402
     RESULTS_DIR,
     device_slug,
@@ -40,33 +39,32 @@ from report import (  # noqa: E402
 )
 
 from dsv4ray.config import ModelConfig  # noqa: E402
-from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
 from dsv4ray.entrypoints.llm import LLM  # noqa: E402
 from dsv4ray.model.tiny import make_tiny  # noqa: E402
 from dsv4ray.model.train import trained_overrides  # noqa: E402
 
 
-def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> float:
-    """Microseconds per decode step (per verification step with drafts), prefill excluded."""
-    llm = LLM(model, kv_cache_dtype="fp32", enable_prefix_caching=False, speculative_num_steps=k,
-              use_ray=False, device=device)  # fmt: skip
-    full = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    first = SamplingParams(max_tokens=1, ignore_eos=True)
+def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> tuple:
+    """(plain, with drafts) microseconds per decode step (per verification step with drafts),
+    prefill excluded; both engines side by side, each prompt timed on one then the other."""
+    ks, llms = (0, k), {}
     try:
-        llm.generate([prompts[0]], full)  # warm-up
-        decode_s, steps = 0.0, 0
-        for prompt in prompts:
-            t0 = time.perf_counter()
-            llm.generate([prompt], first)
-            t1 = time.perf_counter()
-            before = llm.core.stats().get("num_verify_steps", 0)
-            llm.generate([prompt], full)
-            decode_s += (time.perf_counter() - t1) - (t1 - t0)
-            verified = llm.core.stats().get("num_verify_steps", 0) - before
-            steps += verified if k else max_tokens - 1
+        for kk in ks:
+            llms[kk] = LLM(model, kv_cache_dtype="fp32", enable_prefix_caching=False,
+                           speculative_num_steps=kk, use_ray=False, device=device)  # fmt: skip
+            decode_seconds(llms[kk], prompts[0], max_tokens)  # warm-up
+        seconds, steps = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0)
+        for i, prompt in enumerate(prompts):
+            for kk in ks if i % 2 == 0 else ks[::-1]:
+                before = llms[kk].core.stats().get("num_verify_steps", 0)
+                dt, _ = decode_seconds(llms[kk], prompt, max_tokens)
+                verified = llms[kk].core.stats().get("num_verify_steps", 0) - before
+                seconds[kk] += dt
+                steps[kk] += verified if kk else max_tokens - 1
     finally:
-        llm.shutdown()
-    return decode_s / steps * 1e6
+        for llm in llms.values():
+            llm.shutdown()
+    return tuple(seconds[kk] / steps[kk] * 1e6 for kk in ks)
 
 
 def trained_tokens_per_step(device: str) -> float:
@@ -100,8 +98,7 @@ def main() -> None:
             path = make_tiny(os.path.join(tmp, f"L{depth}"), "tiny", 0, **shape)
             models.append((depth, path, f"random weights, ratios {shape['compress_ratios'][:-1]}"))
         for depth, path, what in models:
-            plain = step_us(path, 0, prompts, args.max_tokens, args.device)
-            spec = step_us(path, args.k, prompts, args.max_tokens, args.device)
+            plain, spec = step_us(path, args.k, prompts, args.max_tokens, args.device)
             note = (f"{depth} layers ({what}), k={args.k}, batch 1, {args.prompts} prompts of "
                     f"128 tokens, fp32 pages; steps of {plain:.0f} us plain, {spec:.0f} us "
                     f"with drafts; {tokens:.2f} tokens per verification step (bench/mtp.py)")
