@@ -14,7 +14,7 @@ MTP layer), batch 1, greedy, k drafts, and times decode steps of each engine:
 The trained checkpoint itself is the first row (its measured acceptance, not a projection).
 Writes bench/results/mtp-depth-<device>.json (PERF.md's format) and regenerates BENCHMARKS.md.
 
-    python bench/mtp_depth.py [--depths 12 16] [--k 3] [--prompts 6] [--max-tokens 64]
+    python bench/mtp_depth.py [--depths 6 18] [--k 3] [--prompts 6] [--max-tokens 64]
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def trained_tokens_per_step(device: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[12, 16])
+    parser.add_argument("--depths", type=int, nargs="+", default=[6, 18])
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
