@@ -82,8 +82,11 @@ class StagePools:
         dim, idim = cfg.head_dim, cfg.index_head_dim
         self.c4_state = [_ring(rows, ring4, 2 * dim, device) for _ in self.c4]
         self.indexer_state = [_ring(rows, ring4, 2 * idim, device) for _ in self.indexer]
-        # C128 rings never need snapshots: matched prefixes end on 256-token boundaries.
-        self.c128_state = [_ring(sizes.num_state_slots, ring128, dim, device) for _ in self.c128]
+        # C128 rings never need snapshots: matched prefixes end on 256-token boundaries. Every
+        # layer's ring is a view of one [layers, slots, ring, dim] pair, so that a rollback of
+        # rejected drafts empties its rows in every layer at once.
+        self._c128_rings = _ring((len(self.c128), sizes.num_state_slots), ring128, dim, device)
+        self.c128_state = list(zip(*self._c128_rings))
 
     def _pages(self, kind: str, num: int, device) -> torch.Tensor:
         return torch.zeros(num, self.layouts[kind].page_bytes, dtype=torch.uint8, device=device)
@@ -106,16 +109,18 @@ class StagePools:
             kv.index_fill_(0, idx, 0.0)  # a scalar argument: `kv[idx] = 0.0` copies it over
             score.index_fill_(0, idx, float("-inf"))  # with a blocking copy
 
-    def reset_c128_rows(self, slot: int, positions: range) -> None:
-        """Empties the C128 ring rows of positions that rejected draft tokens wrote."""
-        if not self.c128_state or not len(positions):
+    def reset_c128_rows(self, resets: list[tuple[int, range]]) -> None:
+        """Empties the C128 ring rows of positions that rejected draft tokens wrote: resets
+        [(state slot, positions)], in every C128 layer with one fill of each tensor."""
+        kv, score = self._c128_rings  # [layers, slots, ring, dim]
+        layers, slots, ring, dim = kv.shape
+        rows = [slot * ring + p % ring for slot, positions in resets for p in positions]
+        if not layers or not rows:
             return
-        ring = self.c128_state[0][0].shape[1]
-        step = positions.step
-        rows = torch.arange(positions.start, positions.stop, step, device=self._device) % ring
-        for kv, score in self.c128_state:
-            kv[slot].index_fill_(0, rows, 0.0)
-            score[slot].index_fill_(0, rows, float("-inf"))
+        flat = [layer * slots * ring + row for layer in range(layers) for row in rows]
+        idx = device_index(flat, self._device)
+        kv.view(-1, dim).index_fill_(0, idx, 0.0)
+        score.view(-1, dim).index_fill_(0, idx, float("-inf"))
 
     def copy_c4_rings(self, src_rows: list[int], dst_rows: list[int]) -> None:
         """Copies the C4 main + indexer rings between rows (snapshot in, or restore out)."""
@@ -144,9 +149,11 @@ class StagePools:
         return sum(t.numel() * t.element_size() for t in tensors) + hisparse
 
 
-def _ring(rows: int, ring: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    kv = torch.zeros(rows, ring, width, dtype=torch.float32, device=device)
-    score = torch.full((rows, ring, width), float("-inf"), dtype=torch.float32, device=device)
+def _ring(rows, ring: int, width: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty rings [*rows, ring, width] (rows: an int or a tuple of leading dims)."""
+    shape = (*(rows if isinstance(rows, tuple) else (rows,)), ring, width)
+    kv = torch.zeros(shape, dtype=torch.float32, device=device)
+    score = torch.full(shape, float("-inf"), dtype=torch.float32, device=device)
     return kv, score
 
 

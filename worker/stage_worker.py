@@ -348,17 +348,20 @@ class StageWorker:
             self.sampling.pop(req_id, None)
         for new in plan.new_requests:
             self._add(new)
+        resets = []  # (state slot, positions) whose C128 ring rows rejected drafts wrote
         for diff in plan.diffs:
             table = self.tables[diff.req_id]
             if diff.num_pages >= 0:  # a rollback of rejected drafts comes first
                 del table.page_ids[diff.num_pages :]
             if diff.rejected:
-                self.pools.reset_c128_rows(table.state_slot, range(*diff.rejected))
+                resets.append((table.state_slot, range(*diff.rejected)))
             table.page_ids.extend(diff.new_page_ids)
             for idx, page in diff.new_window_pages:
                 _set(table.window_page_ids, idx, page)
             for idx in diff.freed_window_idxs:
                 table.window_page_ids[idx] = -1
+        if resets:
+            self.pools.reset_c128_rows(resets)
 
     def _add(self, new: NewRequest) -> None:
         self.tables[new.req_id] = ReqTable(

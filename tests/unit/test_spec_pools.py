@@ -37,8 +37,12 @@ def test_rejected_c128_rows_are_reset_and_nothing_else(tiny_ckpt):
     for kv, score in pools.c128_state + pools.c4_state:
         kv.fill_(1.0)
         score.fill_(2.0)
-    pools.reset_c128_rows(1, range(300, 303))  # ring rows 44, 45, 46 of slot 1
+    # ring rows 44, 45, 46 of slot 1 and 255, 0 of slot 0 (a span across the ring's end)
+    pools.reset_c128_rows([(1, range(300, 303)), (0, range(511, 513))])
+    assert len(pools.c128_state) == 2  # every C128 layer of the stage
     for kv, score in pools.c128_state:
-        assert (kv[1, 44:47] == 0).all() and (score[1, 44:47] == float("-inf")).all()
-        assert (kv[0] == 1).all() and (kv[1, :44] == 1).all() and (kv[1, 47:] == 1).all()
+        for slot, rows in ((1, [44, 45, 46]), (0, [255, 0])):
+            assert (kv[slot, rows] == 0).all() and (score[slot, rows] == float("-inf")).all()
+            kept = [r for r in range(256) if r not in rows]
+            assert (kv[slot, kept] == 1).all() and (score[slot, kept] == 2).all()
     assert all((kv == 1).all() for kv, _ in pools.c4_state)
