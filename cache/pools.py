@@ -86,7 +86,8 @@ class StagePools:
         # layer's ring is a view of one [layers, slots, ring, dim] pair, so that a rollback of
         # rejected drafts empties its rows in every layer at once.
         self._c128_rings = _ring((len(self.c128), sizes.num_state_slots), ring128, dim, device)
-        self.c128_state = list(zip(*self._c128_rings))
+        kv, score = self._c128_rings  # one view per layer (not unbind's: those refuse writes)
+        self.c128_state = [(kv[i], score[i]) for i in range(len(self.c128))]
 
     def _pages(self, kind: str, num: int, device) -> torch.Tensor:
         return torch.zeros(num, self.layouts[kind].page_bytes, dtype=torch.uint8, device=device)
