@@ -16,7 +16,8 @@ step (``execute(plan, last_stage_result)``):
    step j feeds the block's own output stack of step j - 1 with draft j at the next position, and
    its logits give draft j + 1. Chain steps write their window KV to the request's scratch page,
    complete no C4 entry, and (DSA-style) reuse step 0's top-k: the top-k of the last exact
-   position (``stats["num_topk_reuse_rows"]`` counts the rows that reused it).
+   position (``stats["num_topk_reuse_rows"]`` counts the rows that reused it). Their index
+   fields are computed on the device from the exact pass's (worker/draft_chain.py).
 
 Decode steps (every span sampled, at most k + 1 positions) replay one CUDA graph for the exact
 pass and the chain together (worker/draft_graphs.py); others run eagerly. After a replayed

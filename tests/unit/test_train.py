@@ -108,3 +108,14 @@ def test_checkpoint_loads_in_reference_and_engine(trained):
     finally:
         llm.shutdown()
     assert out.token_ids == reference_greedy(ref, prompt, 6)
+
+
+def test_num_layers_repeats_the_ratio_pattern_and_is_checked():
+    """--num-layers deepens the trained shape: the ratio pattern repeated, the MTP layer last and
+    window-only; a depth with no C4 layer to feed top-k is refused by name."""
+    model = build_model(seed=0, num_layers=8)
+    assert model.cfg.num_hidden_layers == 8
+    assert list(model.cfg.layer_ratios) == [0, 4, 128, 4, 4, 128, 0, 4]
+    assert model.cfg.mtp_ratio == 0
+    with pytest.raises(ValueError, match="num_layers must be >= 2"):
+        TrainConfig(num_layers=1)
