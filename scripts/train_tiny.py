@@ -1,7 +1,7 @@
 r"""Trains the stdlib-tiny checkpoint on this Python's standard library sources.
 
-    .venv/bin/python scripts/train_tiny.py --device cuda --batch-size 256 --warmup-steps 50 \
-        --steps 575 --out checkpoints/stdlib-tiny
+    .venv/bin/python scripts/train_tiny.py --device cuda --num-layers 12 --batch-size 128 \
+        --warmup-steps 50 --steps 520 --log-every 40 --out checkpoints/stdlib-tiny
 
 (the committed checkpoint; checkpoints/stdlib-tiny/TRAINING.md gives the Python, torch and GPU).
 
