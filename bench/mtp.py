@@ -78,24 +78,35 @@ def engine(args, k: int) -> LLM:
     )
 
 
+def side_by_side(llms: dict, prompts: list, max_tokens: int) -> tuple[dict, dict, dict]:
+    """Engines {k: LLM} alive together, each prompt timed on one then the other (the order
+    alternating), so that a host whose speed drifts during the run weighs on all alike; one
+    warm-up prompt each first. Returns ({k: decode seconds}, {k: outputs}, {k: decode steps}:
+    verification steps with drafts, max_tokens - 1 per prompt without)."""
+    ks = list(llms)
+    for k in ks:  # warm-up (allocations, kernels)
+        decode_seconds(llms[k], prompts[0], max_tokens)
+    seconds, outputs, steps = dict.fromkeys(ks, 0.0), {k: [] for k in ks}, dict.fromkeys(ks, 0)
+    for i, prompt in enumerate(prompts):
+        for k in ks if i % 2 == 0 else ks[::-1]:
+            before = llms[k].core.stats().get("num_verify_steps", 0)
+            dt, tokens = decode_seconds(llms[k], prompt, max_tokens)
+            verified = llms[k].core.stats().get("num_verify_steps", 0) - before
+            seconds[k] += dt
+            outputs[k].append(tokens)
+            steps[k] += verified if k else max_tokens - 1
+    return seconds, outputs, steps
+
+
 def measure(args) -> tuple[dict, dict, dict]:
-    """Both engines side by side, each prompt timed on one then the other (the order
-    alternating), so that a host whose speed drifts during the run weighs on both alike.
-    Returns ({k: decode tok/s}, {k: outputs}, the spec engine's counters over the run)."""
-    ks = (0, args.k)
-    llms = {}
+    """Returns ({k: decode tok/s}, {k: outputs}, the spec engine's counters over the run) of
+    the engines without and with drafts, timed ``side_by_side``."""
+    ks, llms = (0, args.k), {}
     try:
         for k in ks:
             llms[k] = engine(args, k)
         before = llms[args.k].core.stats()
-        seconds, outputs = dict.fromkeys(ks, 0.0), {k: [] for k in ks}
-        for k in ks:  # warm-up (allocations, kernels)
-            decode_seconds(llms[k], args.prompts_ids[0], args.max_tokens)
-        for i, prompt in enumerate(args.prompts_ids):
-            for k in ks if i % 2 == 0 else ks[::-1]:
-                dt, tokens = decode_seconds(llms[k], prompt, args.max_tokens)
-                seconds[k] += dt
-                outputs[k].append(tokens)
+        seconds, outputs, _ = side_by_side(llms, args.prompts_ids, args.max_tokens)
         after = llms[args.k].core.stats()
         if args.profile:
             for k in ks:

@@ -28,7 +28,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mtp import ROOT, decode_seconds, held_out_prompts  # noqa: E402
+from mtp import ROOT, held_out_prompts, side_by_side  # noqa: E402
 from report import (  # noqa: E402
     RESULTS_DIR,
     device_slug,
@@ -46,25 +46,17 @@ from dsv4ray.model.train import trained_overrides  # noqa: E402
 
 def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> tuple:
     """(plain, with drafts) microseconds per decode step (per verification step with drafts),
-    prefill excluded; both engines side by side, each prompt timed on one then the other."""
-    ks, llms = (0, k), {}
+    prefill excluded; both engines timed ``side_by_side`` (bench/mtp.py)."""
+    llms = {}
     try:
-        for kk in ks:
+        for kk in (0, k):
             llms[kk] = LLM(model, kv_cache_dtype="fp32", enable_prefix_caching=False,
                            speculative_num_steps=kk, use_ray=False, device=device)  # fmt: skip
-            decode_seconds(llms[kk], prompts[0], max_tokens)  # warm-up
-        seconds, steps = dict.fromkeys(ks, 0.0), dict.fromkeys(ks, 0)
-        for i, prompt in enumerate(prompts):
-            for kk in ks if i % 2 == 0 else ks[::-1]:
-                before = llms[kk].core.stats().get("num_verify_steps", 0)
-                dt, _ = decode_seconds(llms[kk], prompt, max_tokens)
-                verified = llms[kk].core.stats().get("num_verify_steps", 0) - before
-                seconds[kk] += dt
-                steps[kk] += verified if kk else max_tokens - 1
+        seconds, _, steps = side_by_side(llms, prompts, max_tokens)
     finally:
         for llm in llms.values():
             llm.shutdown()
-    return tuple(seconds[kk] / steps[kk] * 1e6 for kk in ks)
+    return tuple(seconds[kk] / steps[kk] * 1e6 for kk in (0, k))
 
 
 def trained_tokens_per_step(device: str) -> float:
