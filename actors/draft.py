@@ -45,8 +45,8 @@ class DraftActor:
     def allocate(self, sizes: dict) -> int:
         return self.worker.allocate(PoolSizes(**sizes))
 
-    def capture_graphs(self, max_batch: int, max_len: int) -> None:
-        self.worker.capture_graphs(max_batch, max_len)
+    def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
+        self.worker.capture_graphs(max_batch, max_len, capture)
 
     def stats(self) -> dict:
         return dict(self.worker.stats)

@@ -44,6 +44,7 @@ class StageActor:
             "node": ray.get_runtime_context().get_node_id(),
             "start": self.worker.model.start,
             "end": self.worker.model.end,
+            "gpu": self.worker.gpu_uuid(),
         }
 
     def available_bytes(self, memory_fraction: float) -> float | None:
@@ -52,8 +53,9 @@ class StageActor:
     def allocate(self, sizes: dict) -> int:
         return self.worker.allocate(PoolSizes(**sizes))
 
-    def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int) -> None:
-        self.worker.capture_graphs(max_batch, max_len, draft_steps)
+    def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int,
+                       capture: bool = True) -> None:  # fmt: skip
+        self.worker.capture_graphs(max_batch, max_len, draft_steps, capture)
 
     def attach_host(self, layout_args: dict, path: str) -> int:
         return self.worker.attach_host(layout_args, path)
@@ -71,8 +73,20 @@ class StageActor:
         transport = MooncakeTransport(ray.util.get_node_ip_address(), protocol)
         return self.worker.open_transfer(transport)
 
+    def export_tokens(self):
+        return self.worker.export_tokens()
+
+    def map_tokens(self, exported) -> bytes:
+        return self.worker.map_tokens(exported)
+
+    def wait_for_tokens(self, event_handle: bytes) -> None:
+        self.worker.wait_for_tokens(event_handle)
+
+    def take(self, plan: bytes, result: StageResult) -> StageResult:
+        return self.worker.take(decode(plan), result)
+
     def first(self, plan: bytes) -> StageResult:
-        return self.worker.execute(decode(plan))
+        return self.worker.step(decode(plan))
 
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
-        return self.worker.execute(decode(plan), prev)
+        return self.worker.step(decode(plan), prev)

@@ -357,6 +357,27 @@ def _log_stage(cap: StageCapacity, counts: Mapping[str, int], num_model_layers: 
     )  # fmt: skip
 
 
+def share_devices(
+    available: Sequence[float | None], devices: Sequence[str | None], weights: Sequence[float]
+) -> list[float | None]:
+    """Each stage's pool budget when stages share a device: they all measured the same free
+    memory, so each takes a share of it in proportion to its weight (its bytes per full
+    token), and together they fit. devices[i] None (CPU) or alone on its device: unchanged."""
+    out = list(available)
+    groups: dict[str, list[int]] = {}
+    for i, device in enumerate(devices):
+        if device is not None and available[i] is not None:
+            groups.setdefault(device, []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            continue
+        budget = min(available[i] for i in members)
+        total = sum(weights[i] for i in members)
+        for i in members:
+            out[i] = budget * weights[i] / total
+    return out
+
+
 def pipeline_capacity(stage_caps: Sequence[StageCapacity]) -> PipelineCapacity:
     """Minimum over stages, which must cover contiguous layer ranges in stage order."""
     if not stage_caps:

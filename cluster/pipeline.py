@@ -18,6 +18,7 @@ import dataclasses
 import logging
 import os
 import uuid
+from collections import deque
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
@@ -28,13 +29,13 @@ from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cluster.placement import ensure_ray, stage_bundle
+from dsv4ray.cluster.placement import ensure_ray, stage_bundle, wait_for_placement
 from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure
-from dsv4ray.engine.plan import StageResult, StepPlan, encode
+from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StageResult, StepPlan, encode
 from dsv4ray.worker.local_pipeline import graph_shapes, pool_sizes, size_pipeline
 
 log = logging.getLogger("dsv4ray.pipeline")
@@ -56,13 +57,22 @@ class RayPipeline:
         self.config, self.cfg = config, cfg
         self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
         self.use_gpu = config.device == "cuda"
-        self.depth = config.pp_size
+        # overlap scheduling: a lookahead plan behind the one in flight, results one step late
+        self.lag = config.uses_overlap
+        self.depth = max(2, config.pp_size) if self.lag else config.pp_size
+        self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
         self.own_pg = placement is None
-        self.pg = placement or placement_group(
-            [stage_bundle(self.use_gpu, num_gpus=config.num_gpus_per_stage) for _ in self.ranges],
-            strategy="PACK",
-        )
-        ray.get(self.pg.ready(), timeout=config.execution_timeout_s)
+        bundle = stage_bundle(self.use_gpu, num_gpus=config.num_gpus_per_stage)
+        bundles = [bundle] * len(self.ranges)
+        self.pg = placement or placement_group(bundles, strategy="PACK")
+        try:
+            wait_for_placement(self.pg, bundles if self.own_pg else self.pg.bundle_specs,
+                               config.execution_timeout_s, f"pipeline of {len(self.ranges)} "
+                               "stages")  # fmt: skip
+        except ValueError:
+            if self.own_pg:
+                remove_placement_group(self.pg)
+            raise
         self.actors: list = []
         self.draft = None  # the DraftActor, with speculative decoding
         self.dag: StageGraph | None = None
@@ -84,11 +94,12 @@ class RayPipeline:
         infos = self.infos = self._get([a.ready.remote() for a in self.actors])
         draft_info = [self._get(self.draft.ready.remote())] if self.draft is not None else []
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
-        self.capacity = size_pipeline(self.cfg, ec, available)
+        devices = [info["gpu"] for info in infos]
+        self.capacity = size_pipeline(self.cfg, ec, available, devices)
         sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
         graphs = graph_shapes(ec, self.cfg, self.capacity)
-        if graphs is not None:  # one whole-model stage (and its draft worker) on CUDA
+        if graphs is not None:  # every stage (and the draft worker) on CUDA
             k = ec.speculative_num_steps
             refs = [a.capture_graphs.remote(*graphs, k) for a in self.actors]
             refs += [self.draft.capture_graphs.remote(*graphs)] if self.draft is not None else []
@@ -98,16 +109,20 @@ class RayPipeline:
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
         if self.host_args is not None:
             self._attach_regions()
+        take = self.lag and len(self.actors) > 1
+        if take and devices[0] is not None and devices[0] == devices[-1]:
+            self._share_sampled_tokens()
         try:
             self.dag = StageGraph(
                 self.actors,
                 self.depth,
                 ec.execution_timeout_s,
                 warmup=encode(StepPlan(step_id=-1)),
-                nccl=self.use_gpu,
+                devices=devices,
                 draft=self.draft,
                 local_pids=self._local_pids(infos + draft_info),
                 buffer_bytes=None if self.use_gpu else self._step_bytes(),
+                take=take,
             )
         except Exception as exc:  # a stage died while the graph was compiled or warmed up
             raise PipelineFailure(describe(exc)) from exc
@@ -116,6 +131,14 @@ class RayPipeline:
             len(self.actors),
             [(i["start"], i["end"], i["pid"]) for i in infos],
         )
+
+    def _share_sampled_tokens(self) -> None:
+        """First and last stage on one GPU: the last writes its sampled ids straight into the
+        first's table (CUDA IPC), so the graph's edge back carries no tensor and nobody waits
+        for the step to finish before the next plan is submitted."""
+        first, last = self.actors[0], self.actors[-1]
+        event = self._get(last.map_tokens.remote(self._get(first.export_tokens.remote())))
+        self._get(first.wait_for_tokens.remote(event))
 
     @staticmethod
     def _local_pids(infos: list[dict]) -> list[int]:
@@ -156,7 +179,7 @@ class RayPipeline:
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
             ec.weight_format,
-            ec.cuda_graphs and len(self.ranges) == 1,
+            ec.cuda_graphs,
         )
 
     def _draft_actor(self):
@@ -238,18 +261,31 @@ class RayPipeline:
             _unlink(region["path"])
         self.host_args, self.tiers, self.regions = None, [], []
 
-    def submit(self, plan: StepPlan):
+    def submit(self, plan: StepPlan) -> int:
+        """Runs the plan through the graph -> its step id (``collect`` takes it). With lag the
+        graph's output for a plan is the previous lagged plan's result (NO_RESULT first)."""
+        plan.lag = self.lag
         data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
         try:
-            return self.dag.execute(data)
+            self.refs.append(self.dag.execute(data))
         except Exception as exc:  # the compiled graph reports a dead actor in many types
             raise PipelineFailure(describe(exc)) from exc
+        return plan.step_id
 
-    def collect(self, ref) -> StageResult:
-        try:
-            return ray.get(ref, timeout=self.config.execution_timeout_s)
-        except Exception as exc:
-            raise PipelineFailure(describe(exc)) from exc
+    def collect(self, step_id: int) -> StageResult:
+        """The result of a submitted step: the next output that carries it (a lagged one comes
+        with the plan after it, or with a flush when no plan followed)."""
+        while True:
+            if not self.refs:
+                self.submit(StepPlan(step_id=FLUSH_STEP))
+            try:
+                result = ray.get(self.refs.popleft(), timeout=self.config.execution_timeout_s)
+            except Exception as exc:
+                raise PipelineFailure(describe(exc)) from exc
+            if result.step_id == step_id:
+                return result
+            if result.step_id != NO_RESULT:
+                raise RuntimeError(f"step {result.step_id}'s result came for step {step_id}")
 
     def rebuild(self) -> None:
         """After a stage died: the survivors exit first (a clean exit removes every channel
@@ -262,6 +298,7 @@ class RayPipeline:
         self._build()
 
     def _teardown(self) -> None:
+        self.refs.clear()
         if self.dag is not None:
             self.dag.teardown()
             self.dag = None

@@ -56,6 +56,69 @@ def stage_bundle(
     return {**device, **(extra or {})}
 
 
+def wait_for_placement(pg, bundles: list[Mapping[str, float]], timeout_s: float,
+                       what: str = "pipeline") -> None:  # fmt: skip
+    """Waits until the placement group of ``bundles`` (strategy PACK) is placed, logging every
+    PLACEMENT_LOG_S what it asks for and what the cluster has. Raises ValueError saying both
+    at once when no set of the cluster's nodes could ever hold it and no autoscaler could add
+    one, or after timeout_s."""
+    import ray
+
+    asked = _describe_bundles(bundles)
+    problem = unplaceable(bundles, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    if problem and not declared_node_types():
+        raise ValueError(f"the {what} cannot be placed: {asked}, but {problem}, and no "
+                         "autoscaler can add nodes. Use fewer stages, or num_gpus_per_stage "
+                         "below 1 so that stages share GPUs.")  # fmt: skip
+    placed, waited = pg.ready(), 0.0
+    while True:
+        wait_s = max(min(PLACEMENT_LOG_S, timeout_s - waited), 0.0)
+        ready, _ = ray.wait([placed], timeout=wait_s)
+        if ready:
+            return
+        waited += wait_s
+        free = ray.available_resources()
+        have = {k: round(free.get(k, 0.0), 2) for k in sorted({k for b in bundles for k in b})}
+        message = f"the {what} waits {waited:.0f} s for {asked}; the cluster has {have} free"
+        if waited >= timeout_s:
+            raise ValueError(f"{message}: gave up after {timeout_s:.0f} s")
+        log.warning("%s%s", message, f" ({problem})" if problem else "")
+
+
+PLACEMENT_LOG_S = 5.0  # how often a pipeline waiting for its placement group says so
+
+
+def unplaceable(bundles: list[Mapping[str, float]], nodes: list[Mapping[str, float]]) -> str:
+    """Why the nodes (their total resources) can never hold the bundles together, or ''."""
+    for bundle in bundles:
+        if not any(_fits(bundle, node) for node in nodes):
+            return f"no node has {dict(bundle)}"
+    total: dict[str, float] = {}
+    for bundle in bundles:
+        for key, value in bundle.items():
+            total[key] = total.get(key, 0.0) + value
+    cluster: dict[str, float] = {}
+    for node in nodes:
+        for key, value in node.items():
+            cluster[key] = cluster.get(key, 0.0) + value
+    short = {k: v for k, v in total.items() if v > cluster.get(k, 0.0) + 1e-9}
+    if short:
+        have = {k: cluster.get(k, 0.0) for k in short}
+        return f"they need {short} in all and the cluster has {have}"
+    return ""
+
+
+def _fits(bundle: Mapping[str, float], node: Mapping[str, float]) -> bool:
+    return all(value <= node.get(key, 0.0) + 1e-9 for key, value in bundle.items())
+
+
+def _describe_bundles(bundles: list[Mapping[str, float]]) -> str:
+    shapes = sorted({tuple(sorted(b.items())) for b in bundles})
+    if len(shapes) == 1:
+        return f"{len(bundles)} bundles of {dict(shapes[0])} (strategy PACK)"
+    return f"bundles {[dict(b) for b in bundles]} (strategy PACK)"
+
+
 def check_accelerator(accelerator: object) -> str:
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator must be one of {ACCELERATORS}, got {accelerator!r}")

@@ -37,23 +37,28 @@ class StageGraph:
         depth: int,
         timeout_s: float,
         warmup,
-        nccl: bool = False,
+        devices: list[str | None] | None = None,
         draft=None,
         local_pids: list[int] = (),
         buffer_bytes: int | None = None,
+        take: bool = False,
     ) -> None:
         """depth: inputs in flight at most; timeout_s: bound on a submit and on the warm-up;
-        warmup: an input every actor accepts; draft: an actor after the last stage, or None;
-        local_pids: the processes of the actors on this machine (their channel files are
-        recorded again at teardown); buffer_bytes: the channels' first buffer size (a larger
-        message grows a channel into new files). Raises whatever compiling or the warm-up
-        raised (a dead actor), after removing the channel files made so far."""
+        warmup: an input every actor accepts; devices: each stage's GPU (None on CPU): tensors
+        go over NCCL between different GPUs, through host memory between stages that share
+        one; draft: an actor after the last stage, or None; local_pids: the processes of the
+        actors on this machine (their channel files are recorded again at teardown);
+        buffer_bytes: the channels' first buffer size (a larger message grows a channel into
+        new files); take: the last result goes back to the first stage's ``take`` (overlap
+        scheduling over several stages). Raises whatever compiling or the warm-up raised (a
+        dead actor), after removing the channel files made so far."""
         self.actors, self.timeout_s = actors + ([draft] if draft is not None else []), timeout_s
         self.dag, self.channel_files, self.local_pids = None, [], list(local_pids)
         with BUILD_LOCK:  # no other graph of this process maps channel files meanwhile
             before = mapped_channel_files()
             try:
-                self.dag = self._compile(actors, depth, nccl, draft, buffer_bytes)
+                devices = devices or [None] * len(actors)
+                self.dag = self._compile(actors, depth, devices, draft, buffer_bytes, take)
                 ray.get(self.dag.execute(warmup), timeout=timeout_s)  # channels map on first use
             except BaseException:
                 self.channel_files = self._channel_files(before)
@@ -62,17 +67,16 @@ class StageGraph:
             self.channel_files = self._channel_files(before)
         log.debug("compiled graph: %d channel files", len(self.channel_files))
 
-    def _compile(self, stages: list, depth: int, nccl: bool, draft, buffer_bytes: int | None):
+    def _compile(self, stages: list, depth: int, devices: list, draft, buffer_bytes: int | None,
+                 take: bool):  # fmt: skip
         with InputNode() as data:
             out = stages[0].first.bind(data)
-            for actor in stages[1:]:
-                if nccl:
-                    out = out.with_tensor_transport(transport="nccl")
-                out = actor.next.bind(data, out)
-            if draft is not None:
-                if nccl:  # the draft shares the last stage's GPU: NCCL cannot link a GPU to itself
-                    out = out.with_tensor_transport(transport="shm")
-                out = draft.next.bind(data, out)
+            for i, actor in enumerate(stages[1:], 1):
+                out = actor.next.bind(data, _transport(out, devices[i - 1], devices[i]))
+            if draft is not None:  # on the last stage's GPU
+                out = draft.next.bind(data, _transport(out, devices[-1], devices[-1]))
+            if take:
+                out = stages[0].take.bind(data, _transport(out, devices[-1], devices[0]))
         return out.experimental_compile(
             _max_inflight_executions=depth,
             _submit_timeout=self.timeout_s,
@@ -117,6 +121,14 @@ class StageGraph:
             self.dag.teardown()
         except Exception as exc:  # a graph with a dead actor may not tear down cleanly
             log.warning("compiled graph teardown: %s", describe(exc))
+
+
+def _transport(node, src: str | None, dst: str | None):
+    """NCCL between two GPUs; through host memory between actors that share one (two NCCL ranks
+    cannot live on one device); plain shared memory on CPUs."""
+    if src is None or dst is None:
+        return node
+    return node.with_tensor_transport(transport="nccl" if src != dst else "shm")
 
 
 def kill_actors(actors: list) -> None:

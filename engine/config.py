@@ -131,11 +131,6 @@ class EngineConfig:
                 )
 
     def _check_combinations(self) -> None:
-        if self.pp_size > 1 and self.use_ray is False:
-            raise ValueError(
-                f"pp_size={self.pp_size} runs its stages as Ray actors; use_ray=False allows "
-                "only pp_size 1"
-            )
         if self.host_cache_tokens is not None and not self.enable_hicache:
             raise ValueError("host_cache_tokens is set but enable_hicache is False")
         if self.hicache_write_policy not in WRITE_POLICIES:
@@ -154,10 +149,10 @@ class EngineConfig:
             raise ValueError(
                 f"overlap_scheduling must be 'auto', True or False, got {self.overlap_scheduling!r}"
             )
-        if self.overlap_scheduling is True and (self.uses_ray or self.speculative_num_steps):
+        if self.overlap_scheduling is True and not self._overlap_possible:
             raise ValueError(
-                "overlap_scheduling runs one stage in this process without drafts: it needs "
-                "pp_size 1, no host tier, no speculative_num_steps and use_ray not True"
+                "overlap_scheduling does not combine with speculative_num_steps or "
+                "prefill_pp_size yet"
             )
         if self.enable_hicache and self.speculative_num_steps:
             raise ValueError(
@@ -170,14 +165,19 @@ class EngineConfig:
         return SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)
 
     @property
+    def _overlap_possible(self) -> bool:
+        return not self.speculative_num_steps and not self.prefill_pp_size
+
+    @property
     def uses_overlap(self) -> bool:
-        """Whether the engine schedules a decode's next token while its last one is computed:
-        in-process pipelines without drafts, on CUDA unless asked for elsewhere."""
+        """Whether the engine schedules a decode's next token while its last one is computed
+        (any pp, in process or on stage actors), without drafts or a prefill pipeline; on CUDA
+        unless asked for elsewhere."""
         if self.overlap_scheduling == "auto":
             on = self.device == "cuda"
         else:
             on = bool(self.overlap_scheduling)
-        return on and not self.uses_ray and not self.speculative_num_steps
+        return on and self._overlap_possible
 
     def _check_hisparse(self) -> None:
         for name, low in (("hisparse_hot_rows", 2), ("hisparse_host_tokens", PAGE_SIZE)):

@@ -1,11 +1,14 @@
 """The Pipeline protocol: what EngineCore needs from a pipeline of stages.
 
-Two implementations: ``worker.local_pipeline.LocalPipeline`` (stages in this process) and
-``cluster.pipeline.RayPipeline`` (stage actors over a Ray compiled graph). ``capacity`` is the
-pipeline's pool sizes (the minimum over its stages, each sized by its own layer slice);
-``depth`` how many plans may be in flight; ``submit`` returns a handle that ``collect`` turns
-into the last stage's StageResult (through the draft worker, when one follows the last stage). A
-dead stage or draft worker surfaces as PipelineFailure, nothing else.
+Two transports of the same stage code (worker/stage_worker.py): ``worker.local_pipeline.
+LocalPipeline`` calls the stages in this process, ``cluster.pipeline.RayPipeline`` runs them as
+actors over a Ray compiled graph; both replay every stage's CUDA graphs and both overlap
+scheduling with the device (plan.lag: the host commits step n and schedules step n + 1 while the
+stages run step n). ``capacity`` is the pipeline's pool sizes (the minimum over its stages, each
+sized by its own layer slice); ``depth`` how many plans may be in flight; ``submit`` returns a
+handle that ``collect`` turns into the last stage's StageResult (through the draft worker, when
+one follows the last stage), in submission order. A dead stage or draft worker surfaces as
+PipelineFailure, nothing else.
 """
 
 from __future__ import annotations

@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 
 LOOKAHEAD_TOKEN = -1  # a token id the last stage fills from the previous plan's samples
+FLUSH_STEP = -2  # step id of a lagged pipeline's flush: a plan without a batch
+NO_RESULT = -3  # step id of what a lagging last stage returns when no step was held
 PENDING_DRAFT = -1  # a draft id the stages fill from the draft worker's last proposals
 
 
@@ -114,6 +116,10 @@ class StepPlan:
     eager: bool = False
     lookahead: list[str] = field(default_factory=list)
     draft: bool = False  # a draft worker follows the last stage
+    # the driver keeps another plan in flight behind this one: the last stage launches this
+    # step, then returns the previous lagged step's result, settled (a plan without a batch
+    # only flushes it; worker/stage_worker.py ``step``)
+    lag: bool = False
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # entries whose drafts the previous plan's draft pass proposed and that have not reached the
     # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device
@@ -183,6 +189,11 @@ class StageResult:
     pending_drafts: Any = None
     # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
     resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # overlap scheduling over several stages (worker/overlap.py): the last stage's sampled ids
+    # [R] for the first stage's table, and the step's token ids [T] as the first stage filled
+    # them, for the stages after it
+    samples: torch.Tensor | None = None
+    token_ids: torch.Tensor | None = None
 
 
 def encode(plan: StepPlan) -> bytes:
@@ -217,6 +228,7 @@ def decode(data: bytes) -> StepPlan:
         eager=raw["eager"],
         lookahead=raw["lookahead"],
         draft=raw["draft"],
+        lag=raw["lag"],
         next_tokens=raw["next_tokens"],
         draft_lookahead=raw["draft_lookahead"],
         kv_sends=[KVSend.from_dict(item) for item in raw["kv_sends"]],

@@ -6,8 +6,9 @@ every index tensor of worker/batch.py at fixed shapes:
 
     batch bucket b in (1, 2, 4, ..., max_batch): rows = tokens = b (rows past the step's requests
     are pad rows: no reads, -1 write slots, the scratch compressor state slot);
-    context bucket L in (4096, 16384, 65536) up to the longest context: page-table columns L / 256,
-    C128 columns L / 128, RoPE tables covering L.
+    context bucket L in (4096, 16384, 65536, then doubling: 131072 .. 1048576 ..), the last one the
+    longest context rounded up to a page, so every context up to it has a bucket: page-table
+    columns L / 256, C128 columns L / 128, RoPE tables covering L.
 
 A step fills its bucket's buffer with one non-blocking upload and replays the graph; the step's
 logits [b, V] fp32 (head included) come back in the graph's output tensor (valid until the next
@@ -17,8 +18,11 @@ request (worker/batch.py), every request a decode whose last token is followed b
 drafts, and the graph returns the logits of every row, the pre-head residual stack and the
 running top-k the draft worker reads (VERIFY_MAX_BATCH bounds those buckets: their logits are
 n times a decode graph's).
-Prefill, mixed and longer-context steps run eagerly. Graphs are captured once at startup, so no
-Triton compilation or capture happens while serving. capture=False keeps the static buffers
+Every stage of a pipeline captures its own layer range: the first embeds the step's tokens, a
+later one copies the residual stack [T, hc, hidden] and top-k [T, k] it received into its static
+input rows before the replay (``prepare``), and the last runs the head. Prefill and mixed steps
+run eagerly. Graphs are captured once at startup, so no Triton compilation or capture happens
+while serving. capture=False keeps the static buffers
 and runs the forward on them eagerly at each step: the same padded layouts on any device.
 """
 
@@ -36,7 +40,8 @@ from dsv4ray.worker.batch import PAGE, HostStage, Padding, host_arrays, meta_fro
 from dsv4ray.worker.rope_tables import RopeTables
 
 log = logging.getLogger("dsv4ray.worker")
-CONTEXT_BUCKETS = (4096, 16384, 65536)
+FIRST_CONTEXT = 4096
+QUAD_UNTIL = 65536  # buckets grow 4x up to here, then 2x (padding costs at most half the bucket)
 VERIFY_MAX_BATCH = 64
 
 
@@ -50,9 +55,14 @@ def batch_buckets(max_batch: int) -> tuple[int, ...]:
 
 
 def context_buckets(max_len: int) -> tuple[int, ...]:
-    """CONTEXT_BUCKETS up to max_len; max_len (rounded up to a page) alone when it is shorter."""
-    sizes = tuple(c for c in CONTEXT_BUCKETS if c <= max_len)
-    return sizes or (-(-max_len // PAGE) * PAGE,)
+    """4096, 16384, 65536, 131072, 262144, ... below max_len, then max_len rounded up to a page:
+    every context up to max_len replays a graph."""
+    top = -(-max_len // PAGE) * PAGE
+    sizes, ctx = [], FIRST_CONTEXT
+    while ctx < top:
+        sizes.append(ctx)
+        ctx *= 4 if ctx < QUAD_UNTIL else 2
+    return (*sizes, top)
 
 
 class GraphBucket:
@@ -91,7 +101,7 @@ def capture_bucket(g: GraphBucket, forward, device, pool):
 
 
 class DecodeGraphs:
-    """Captures and replays the decode graphs of one whole-model stage (first and last);
+    """Captures and replays the decode graphs of one stage (any layer range);
     tokens_per_entry > 1: verification steps of that many slotted rows per request."""
 
     def __init__(self, forward, ropes: RopeTables, scratch_slot: int, max_batch: int,
@@ -160,11 +170,13 @@ class DecodeGraphs:
         decode = entry.sample and entry.num_tokens - entry.num_drafts == 1
         return decode and entry.num_tokens <= self.n
 
-    def run(self, plan: StepPlan, tables, key: tuple[int, int], fill=None):
-        """Fills the bucket's buffer and replays it -> (the forward's output, meta): logits
-        [b, V] fp32 of a decode bucket; (logits [b n, V] fp32, stack [b n, hc, hidden], top-k
-        [b n, k] or None) in slotted rows of a verification bucket. fill(token_ids) may rewrite
-        the uploaded token ids on the device before the replay (lookahead tokens)."""
+    def run(self, plan: StepPlan, tables, key: tuple[int, int], prepare=None):
+        """Fills the bucket's buffer and replays it -> (the forward's output, meta). The last
+        stage's output: logits [b, V] fp32 of a decode bucket; (logits [b n, V] fp32, stack
+        [b n, hc, hidden], top-k [b n, k] or None) in slotted rows of a verification bucket.
+        An earlier stage's: (stack, top-k or None) over the bucket's rows. prepare(meta) runs on
+        the device before the replay: lookahead and draft tokens into meta.token_ids, or a
+        later stage's received rows into its static inputs."""
         g = self.graphs[key]
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)
@@ -175,8 +187,8 @@ class DecodeGraphs:
         meta = copy.copy(g.meta)  # the captured views over g.static, this step's samples
         meta.sample_idx = g.static[offset : offset + len(sample_idx)]
         meta.sample_req_ids = [e.req_id for e in plan.batch if e.sample]
-        if fill is not None:
-            fill(meta.token_ids)
+        if prepare is not None:
+            prepare(meta)
         g.replay(self.forward)
         self.replays[key] = self.replays.get(key, 0) + 1
         return g.out, meta

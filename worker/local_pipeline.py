@@ -12,7 +12,12 @@ import gc
 
 import torch
 
-from dsv4ray.cache.configurator import pipeline_capacity, size_stage
+from dsv4ray.cache.configurator import (
+    bytes_per_full_token,
+    pipeline_capacity,
+    share_devices,
+    size_stage,
+)
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cache.layout import KINDS, layout_for
@@ -25,13 +30,22 @@ from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.stage_worker import StageWorker
 
 
-def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | None]):
-    """Pools of every stage from its own layer slice; the pipeline takes the minimum."""
+def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | None],
+                  devices: list[str | None] | None = None):  # fmt: skip
+    """Pools of every stage from its own layer slice; the pipeline takes the minimum. devices:
+    each stage's GPU (stages on one GPU split the free memory they all measured)."""
     entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
     skip = [spec.skip_topk for spec in cfg.layers]
     ranges = split_layers(cfg.num_hidden_layers, ec.pp_size)
     speculative = ec.speculative_num_steps > 0
     hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
+    if devices is not None:
+        weights = [
+            bytes_per_full_token(cfg.layer_ratios[s:e], skip[s:e], entry_bytes,
+                                 mtp=speculative and i == len(ranges) - 1)  # fmt: skip
+            for i, (s, e) in enumerate(ranges)
+        ]
+        available = share_devices(available, devices, weights)
     caps = [
         size_stage(
             i,
@@ -67,10 +81,9 @@ def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
 
 
 def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | None:
-    """(largest batch, longest context) of the CUDA graphs a CUDA engine captures once its pools
-    are allocated; None when it captures none (CPU, cuda_graphs off, several stages: a stage
-    captures only a whole-model forward, the draft worker only beside one)."""
-    if not ec.cuda_graphs or torch.device(ec.device).type != "cuda" or ec.pp_size != 1:
+    """(largest batch, longest context) of the CUDA graphs every stage of a CUDA engine (and its
+    draft worker) captures once its pools are allocated; None on CPU or with cuda_graphs off."""
+    if not ec.cuda_graphs or torch.device(ec.device).type != "cuda":
         return None
     max_len = ec.max_model_len or cfg.max_position_embeddings
     return ec.max_running_requests, min(max_len, cap.num_full_tokens)
@@ -89,8 +102,8 @@ def draft_worker(ec: EngineConfig, cfg: ModelConfig) -> DraftWorker:
 
 
 class LocalPipeline:
-    """Stage workers called in order in this process (pp_size 1, or tests of a split), then the
-    draft worker."""
+    """Stage workers called in order in this process (pp_size 1, or several stages sharing this
+    process's device), then the draft worker."""
 
     host_lost = False  # no host tier in process
 
@@ -112,9 +125,8 @@ class LocalPipeline:
             self.draft.defer_drafts = True
         self.last_drafts = None  # the last step's PendingDrafts
         self.fills: dict[int, DraftFill] = {}  # step id -> its plan's pending drafts
-        self.capacity = size_pipeline(
-            cfg, ec, [w.available_bytes(ec.memory_fraction) for w in self.workers]
-        )
+        available = [w.available_bytes(ec.memory_fraction) for w in self.workers]
+        self.capacity = size_pipeline(cfg, ec, available, [w.gpu_uuid() for w in self.workers])
         sizes = pool_sizes(self.capacity, self.draft is not None)
         for w in self.workers:
             w.allocate(sizes)
@@ -132,6 +144,7 @@ class LocalPipeline:
         """Runs the plan; with overlap scheduling the sampled ids stay on the device until
         ``collect``, so the host can build the next plan while the device computes. Drafts of
         plan.draft_lookahead come from the last step's proposals on the device."""
+        plan.lag = self.depth > 1  # the last stage hands its sampled ids to the first
         fill = None
         if plan.draft_lookahead:
             if self.last_drafts is None:
@@ -145,7 +158,7 @@ class LocalPipeline:
         last = self.workers[-1]
         result = last.execute(plan, result, self.depth > 1, handoff, fill)
         if self.draft is None:
-            return result
+            return self.workers[0].take(plan, result) if len(self.workers) > 1 else result
         result = self.draft.execute(plan, result, fill)
         self.last_drafts = result.pending_drafts
         return result

@@ -1,12 +1,23 @@
-"""The stage's side of overlap scheduling (engine/lookahead.py): a lookahead entry's token id is
-filled on the device from the previous step's sampled ids, and sampled ids reach the host only
+"""The stages' side of overlap scheduling (engine/lookahead.py): a lookahead entry's token id is
+filled on the device from the token its request sampled last, and sampled ids reach the host only
 when the engine collects the step.
 
-A lookahead entry is a request's one token that its previous plan samples. That plan ran just
-before on this stage (stages run plans in order), so its ids are the ones `prev_samples` holds:
-(request ids in sampling order, token ids [R] on the device). A row that could not sample holds
--1; the request ends at that plan's commit and its lookahead entry is skipped, so the id used
-for it (clamped to 0) only has to be a valid embedding index.
+The first stage keeps ``SampledTokens``: the latest sampled id of every compressor-state slot
+[num_slots] on its device (slot ids are the same in every stage). A lookahead entry is a request's
+one token that its previous plan samples; that plan's sampling wrote the request's slot before
+this plan's fill reads it:
+
+    one stage       it samples and fills in stream order;
+    several stages  the last stage's ids reach the first before the next plan runs there: in
+                    process it writes them itself; a stage actor hands them back in
+                    StageResult.samples (the graph's edge from the last stage to the first,
+                    ``take``), or writes them into the first stage's table through CUDA IPC when
+                    both share a GPU, with an interprocess event the first stage's stream waits on.
+
+A row that could not sample holds -1; the request ends at that plan's commit and its lookahead
+entry is skipped, so the id used for it (clamped to 0) only has to be a valid embedding index.
+Stages after the first get the filled ids with the residual rows (StageResult.token_ids): layers
+with hash-routed experts read them.
 """
 
 from __future__ import annotations
@@ -16,31 +27,64 @@ import logging
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.worker.sampler import to_device
 
 log = logging.getLogger("dsv4ray.worker")
 
 
-def fill_lookahead(plan: StepPlan, token_ids: torch.Tensor, prev_samples) -> None:
-    """Writes into the step's token ids [T] (on the device) each lookahead entry's token, read
-    from the previous step's sampled ids without a host round trip."""
-    if not plan.lookahead:
-        return
-    if prev_samples is None:
-        raise RuntimeError(f"step {plan.step_id} looks ahead but no previous step sampled")
-    prev_ids, prev_tokens = prev_samples
-    row_of = {req_id: i for i, req_id in enumerate(prev_ids)}
-    wanted = set(plan.lookahead)
-    idx, rows, offset = [], [], 0
-    for entry in plan.batch:
-        if entry.req_id in wanted:
-            idx.append(offset)
-            rows.append(row_of[entry.req_id])
-        offset += entry.num_tokens
-    index = torch.tensor([idx, rows], dtype=torch.int64)
-    if token_ids.is_cuda:
-        index = index.pin_memory()
-    index = index.to(token_ids.device, non_blocking=True)
-    token_ids.index_copy_(0, index[0], prev_tokens.index_select(0, index[1]).clamp(min=0))
+class SampledTokens:
+    """The latest sampled id of each state slot (int64 [num_slots], on the first stage; or the
+    last stage's mapping of it over CUDA IPC, with the interprocess event it records)."""
+
+    def __init__(self, ids: torch.Tensor, event=None) -> None:
+        self.ids, self.event = ids, event
+
+    @classmethod
+    def allocate(cls, num_slots: int, device) -> SampledTokens:
+        return cls(torch.zeros(num_slots, dtype=torch.int64, device=device))
+
+    def export(self):
+        """What another process on this GPU maps the table with (``open_peer``)."""
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(self.ids)
+
+    @classmethod
+    def open_peer(cls, exported) -> tuple[SampledTokens, bytes]:
+        """The first stage's table mapped here, with a new interprocess event; returns it and
+        the event's handle for the first stage (``wait_for``)."""
+        rebuild, args = exported
+        event = torch.cuda.Event(interprocess=True)
+        event.record()  # an interprocess event exists on the device once recorded
+        return cls(rebuild(*args), event), event.ipc_handle()
+
+    def wait_for(self, event_handle: bytes) -> None:
+        self.event = torch.cuda.Event.from_ipc_handle(self.ids.device, event_handle)
+
+    def record(self, slots: list[int], token_ids: torch.Tensor) -> None:
+        """token_ids [R] (any device; -1 where sampling failed) into their slots."""
+        if slots:
+            idx = to_device(slots, torch.long, self.ids.device)
+            self.ids.index_copy_(0, idx, token_ids.to(self.ids.device).clamp(min=0))
+
+    def wait(self) -> None:
+        """Orders this stream after the last write of a writer in another process."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.ids.device).wait_event(self.event)
+
+    def fill(self, plan: StepPlan, token_ids: torch.Tensor, tables) -> None:
+        """Writes each lookahead entry's token into the step's token ids [T] on the device."""
+        if not plan.lookahead:
+            return
+        wanted = set(plan.lookahead)
+        idx, slots, offset = [], [], 0
+        for entry in plan.batch:
+            if entry.req_id in wanted:
+                idx.append(offset)
+                slots.append(tables[entry.req_id].state_slot)
+            offset += entry.num_tokens
+        index = to_device(idx + slots, torch.long, token_ids.device).view(2, -1)
+        token_ids.index_copy_(0, index[0], self.ids.to(token_ids.device).index_select(0, index[1]))
 
 
 def record_samples(result: StageResult, req_ids: list[str], rows: list, pending) -> None:

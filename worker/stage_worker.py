@@ -18,19 +18,20 @@ from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
-from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
+from dsv4ray.engine.plan import NO_RESULT, NewRequest, StageResult, StepPlan
+from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch, slotted_rows
-from dsv4ray.worker.cuda_graphs import DecodeGraphs
+from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
 from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.kv_export import KVPort, run_handoffs
-from dsv4ray.worker.overlap import fill_lookahead, record_samples
+from dsv4ray.worker.overlap import SampledTokens, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
+from dsv4ray.worker.stage_graphs import StageGraphs
 from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over, sample_with_drafts, verify_rows
 
 log = logging.getLogger("dsv4ray.worker")
@@ -70,12 +71,21 @@ class StageWorker:
         specs = [self.cfg.layers[i].rope for i in range(start, end)]
         self.ropes = RopeTables(specs, self.device)
         self.stage = HostStage()
-        # graphs capture the whole model: one stage, on CUDA
-        on_cuda = self.device.type == "cuda"
-        self.use_graphs = cuda_graphs and on_cuda and self.is_first and self.is_last
-        self.graphs: DecodeGraphs | None = None
-        # the last step's sampled ids on the device, by request (a lookahead step reads them)
-        self.prev_samples: tuple[list[str], torch.Tensor] | None = None
+        # every stage captures its own layer range, on CUDA
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.graphs: StageGraphs | None = None
+        # the latest sampled id of every state slot, on the first stage (lookahead entries)
+        self.sampled: SampledTokens | None = None
+        self.peer_tokens: SampledTokens | None = None  # the first stage's, mapped over CUDA IPC
+        self.num_eager_steps = 0  # steps with a batch that ran without a graph
+        self.held: StageResult | None = None  # a lagged step's result, sampling still deferred
+
+    def gpu_uuid(self) -> str | None:
+        """The physical GPU this stage runs on (stages that share one share its memory and
+        cannot form an NCCL pair), None on CPU."""
+        if self.device.type != "cuda":
+            return None
+        return str(torch.cuda.get_device_properties(self.device).uuid)
 
     def available_bytes(self, memory_fraction: float) -> float | None:
         """Free device memory for pools after the weights (None on CPU: size by tokens)."""
@@ -86,11 +96,13 @@ class StageWorker:
         return free * memory_fraction
 
     def allocate(self, sizes: PoolSizes) -> int:
-        if self.is_first and self.is_last:  # one more state slot: the ring of graphs' pad rows
-            sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
+        # one more state slot: the compressor ring the pad rows of captured steps write
+        sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
         )
+        if self.is_first:
+            self.sampled = SampledTokens.allocate(sizes.num_state_slots, self.device)
         log.info(
             "stage [%d, %d): pools %.1f MiB in %s pages",
             self.model.start,
@@ -119,21 +131,8 @@ class StageWorker:
         if draft_steps and self.pools.hisparse is not None:
             log.info("verification steps run eagerly with HiSparse (their C4 reads are staged)")
             return
-        scratch = self.pools.sizes.num_state_slots - 1
-        forward = self._forward_verify if draft_steps else self._forward_static
-        self.graphs = DecodeGraphs(forward, self.ropes, scratch, max_batch, max_len,
-                                   self.device, draft_steps + 1, capture)  # fmt: skip
+        self.graphs = StageGraphs(self, max_batch, max_len, draft_steps, capture)
         self.graphs.capture_all()
-
-    def _forward_static(self, meta: BatchMeta) -> torch.Tensor:
-        """A decode step's logits [b, V] fp32 (every row of a decode step samples)."""
-        return self.model.logits(self._run(meta, None, LayerEvents())[0])
-
-    def _forward_verify(self, meta: BatchMeta):
-        """A verification step's (logits [T, V] fp32 of every row, pre-head stack [T, hc,
-        hidden], running top-k [T, k] or None)."""
-        x, topk = self._run(meta, None, LayerEvents())
-        return self.model.logits(x), x, topk
 
     @property
     def is_first(self) -> bool:
@@ -162,11 +161,16 @@ class StageWorker:
         self.host_io = None
 
     def stats(self) -> dict:
-        """This stage's counters: steps replayed from CUDA graphs; HiSparse hits, misses and
-        bytes when it is on."""
+        """This stage's counters: steps replayed from CUDA graphs (by "batch x context"
+        bucket) and run eagerly, Triton kernel variants compiled in its process; HiSparse hits,
+        misses and bytes when it is on."""
         store = self.pools.hisparse if self.pools is not None else None
         out = store.stats() if store is not None else {}
-        out["num_graph_steps"] = sum(self.graphs.replays.values()) if self.graphs else 0
+        replays = self.graphs.replays if self.graphs is not None else {}
+        out["num_graph_steps"] = sum(replays.values())
+        out["graph_steps"] = {f"{b}x{ctx}": n for (b, ctx), n in sorted(replays.items())}
+        out["num_eager_steps"] = self.num_eager_steps
+        out["num_kernel_variants"] = sum(compiled_variants().values())  # of this process
         return out
 
     def open_transfer(self, transport) -> dict:
@@ -174,6 +178,20 @@ class StageWorker:
         handoffs; returns the stage's endpoint (``engine.handoff.StageEndpoint`` as a dict)."""
         self.kv_port = KVPort(self.pools, transport)
         return to_dict(self.kv_port.endpoint)
+
+    def step(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+        """One step as a pipeline's transport runs it (a stage actor's graph methods). With
+        plan.lag the last stage launches the step, then settles and returns the one it held
+        before (NO_RESULT when none), so the device runs this step while the driver commits the
+        previous one and schedules the next; a plan without a batch only flushes the held one."""
+        if not (plan.lag and self.is_last):
+            return self.execute(plan, inputs)
+        result = self.execute(plan, inputs, defer_sampling=True)
+        held, self.held = self.held, (result if plan.batch else None)
+        out = self.finish(held) if held is not None else StageResult(NO_RESULT)
+        # this step's sampled ids travel on to the first stage now (``take``)
+        out.samples, result.samples = result.samples, None
+        return out
 
     @torch.no_grad()
     def execute(
@@ -233,26 +251,19 @@ class StageWorker:
         if not plan.batch:
             self._snapshots(plan)
             return
-        # decode graphs return logits only; a step feeding a draft worker needs verify graphs
-        graphs = self.graphs is not None and (self.graphs.n > 1) == plan.draft
-        key = self.graphs.pick(plan, self.tables) if graphs else None
-        fill = lambda token_ids: fill_lookahead(plan, token_ids, self.prev_samples)  # noqa: E731
-        if key is not None and self.graphs.n > 1:
-            self._verify_graph(plan, key, result, handoff, draft_fill)
+        key = self.graphs.pick(plan) if self.graphs is not None else None
+        if key is not None:
+            self._replay(plan, inputs, key, result, handoff, draft_fill)
             return
-        if key is not None:  # a whole decode step, head included: every row's logits
-            logits, meta = self.graphs.run(plan, self.tables, key, fill)
-            self._snapshots(plan)
-            self._sample(plan, meta, None, result, logits[meta.sample_idx])
-            return
+        self.num_eager_steps += 1
         meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
         meta.hisparse_step = scratch_step(
             plan, self.pools, self.tables, self.cfg.index_topk, self.device, self.stage
         )
-        fill(meta.token_ids)
+        self.fill_tokens(plan, meta.token_ids, inputs)
         if draft_fill is not None:
             draft_fill.write_tokens(meta.token_ids)
-        x, topk = self._run(meta, inputs, events)
+        x, topk = self.run_layers(meta, inputs, events)
         self._snapshots(plan)
         if self.is_last:
             if draft_fill is not None:  # verifying on the host reads the drafts
@@ -262,15 +273,26 @@ class StageWorker:
                 hand_over(plan, self.finish(result), x, topk)
         else:
             result.residual, result.topk = x.flatten(-2), topk
+            result.token_ids = meta.token_ids if plan.lookahead else None
 
-    def _verify_graph(self, plan: StepPlan, key, result: StageResult, handoff: bool,
+    def _replay(self, plan: StepPlan, inputs, key, result: StageResult, handoff: bool,
+                draft_fill: DraftFill | None) -> None:  # fmt: skip
+        """A step replayed from the stage's graphs: an earlier stage hands its rows on, the last
+        samples from every row's logits (a decode bucket) or verifies drafts."""
+        out, meta, rows = self.graphs.run(plan, inputs, key, draft_fill)
+        self._snapshots(plan)
+        if not self.is_last:
+            self.graphs.hand_on(out, rows, result)
+            result.token_ids = meta.token_ids[: len(rows)] if plan.lookahead else None
+        elif self.graphs.n == 1:
+            self._sample(plan, meta, None, result, out[meta.sample_idx])
+        else:
+            self._verify_graph(plan, out, rows, result, handoff, draft_fill)
+
+    def _verify_graph(self, plan: StepPlan, out, rows, result: StageResult, handoff: bool,
                       draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
-        rows = slotted_rows([e.num_tokens for e in plan.batch], self.graphs.n)
-        fill = None if draft_fill is None else lambda ids: draft_fill.write_tokens(ids, rows)
-        (logits, x, topk), _ = self.graphs.run(plan, self.tables, key, fill)
-        self._snapshots(plan)
-        self.prev_samples = None
+        logits, x, topk = out
         launched = verify_rows(plan, logits, rows, self.sampling)
         if handoff:  # every batch token is scored: its target token is token_ids[its index]
             result.pending = launched
@@ -288,7 +310,8 @@ class StageWorker:
             raise RuntimeError(f"step {plan.step_id} has host tier copies but no region is mapped")
         return self.host_io.run(plan)
 
-    def _run(self, meta: BatchMeta, inputs: StageResult | None, events: LayerEvents):
+    def run_layers(self, meta: BatchMeta, inputs: StageResult | None, events: LayerEvents):
+        """The stage's layers over a step -> (stack [T, hc, hidden], running top-k or None)."""
         meta = meta.derive()  # a captured step derives its slot lists inside its graph
         if self.is_first:
             x, topk = self.model.embed_tokens(meta.token_ids), None
@@ -305,7 +328,6 @@ class StageWorker:
         [R, V] when a replayed graph computed them."""
         if plan.full_logits:
             self._full_logits(plan, x, result)
-        self.prev_samples = None
         if any(e.num_drafts for e in plan.batch):
             sample_with_drafts(self.model, plan, x, self.sampling, result)
             return
@@ -324,7 +346,51 @@ class StageWorker:
             [plan.logprobs.get(req_id) for req_id in req_ids],
         )
         result.pending = (req_ids, rows, pending)
-        self.prev_samples = (req_ids, pending.token_ids)
+        self._share_samples(plan, req_ids, pending.token_ids, result)
+
+    def _share_samples(self, plan: StepPlan, req_ids: list[str], token_ids, result) -> None:
+        """The sampled ids [R] (device) toward the first stage's table, for the next plan's
+        lookahead entries (worker/overlap.py)."""
+        slots = [self.tables[req_id].state_slot for req_id in req_ids]
+        if self.sampled is not None:  # this stage is also the first
+            self.sampled.record(slots, token_ids)
+        elif self.peer_tokens is not None:
+            self.peer_tokens.record(slots, token_ids)
+            self.peer_tokens.event.record()
+        elif plan.lag:  # through the graph's edge back to the first stage (``take``)
+            result.samples = token_ids
+
+    def export_tokens(self):
+        """The first stage's table of sampled ids, for a last stage on the same GPU."""
+        return self.sampled.export()
+
+    def map_tokens(self, exported) -> bytes:
+        """The last stage writes its sampled ids into the first stage's table (same GPU);
+        returns the handle of the event it records after each write."""
+        self.peer_tokens, handle = SampledTokens.open_peer(exported)
+        return handle
+
+    def wait_for_tokens(self, event_handle: bytes) -> None:
+        self.sampled.wait_for(event_handle)
+
+    def take(self, plan: StepPlan, result: StageResult) -> StageResult:
+        """The first stage, after the last stage of a lagged plan: its sampled ids into the
+        table (or, over CUDA IPC, this stream ordered after their write)."""
+        if result.samples is not None:
+            req_ids = [e.req_id for e in plan.batch if e.sample]
+            self.sampled.record([self.tables[r].state_slot for r in req_ids], result.samples)
+            result.samples = None
+        self.sampled.wait()
+        return result
+
+    def fill_tokens(self, plan: StepPlan, token_ids: torch.Tensor, inputs) -> None:
+        """Lookahead entries' ids on the first stage; a later stage takes the filled ids."""
+        if not plan.lookahead:
+            return
+        if self.is_first:
+            self.sampled.fill(plan, token_ids, self.tables)
+        else:
+            token_ids[: plan.num_tokens].copy_(inputs.token_ids)
 
     def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
         """One head pass and one host copy for every scored request's tokens."""

@@ -31,15 +31,17 @@ def _engine(ckpt, **kw):
 
 
 @pytest.mark.parametrize(
-    "pp,policy", [(1, "write_through"), (2, "write_through"), (1, "write_back")]
+    "pp,policy,overlap",
+    [(1, "write_through", False), (2, "write_through", True), (1, "write_back", True)],
 )
 def test_evicted_prefixes_are_served_from_the_host_tier(
-    ray_session, tiny_ckpt, tiny_model, pp, policy
+    ray_session, tiny_ckpt, tiny_model, pp, policy, overlap
 ):
     if pp == 2:  # the tiny preset splits into stages [0, 4, 128] and [4, 4, 128]
         assert PRESETS["tiny"]["compress_ratios"][:6] == [0, 4, 128, 4, 4, 128]
     a, b, c = _prompts(pp)
-    llm = _engine(tiny_ckpt, pp_size=pp, hicache_write_policy=policy)
+    llm = _engine(tiny_ckpt, pp_size=pp, hicache_write_policy=policy,
+                  overlap_scheduling=overlap)  # fmt: skip
     try:
         for prompt in (a, b, c):  # each evicts the previous prefix from the device
             llm.generate([prompt], GREEDY)

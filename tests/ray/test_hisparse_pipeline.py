@@ -24,8 +24,9 @@ def test_pp2_with_host_tier_preemption_and_restart_equals_all_on_device(
     ckpt = make_tiny(str(tmp_path_factory.mktemp("topk4")), "tiny", seed=3, index_topk=4)
     common = dict(kv_cache_dtype="fp32", max_num_batched_tokens=512)
     oracle = LLM(ckpt, max_total_tokens=1024, **common)
+    # overlap scheduling too: lookahead tokens go from the last stage back to the first
     llm = LLM(ckpt, pp_size=2, enable_hisparse=True, hisparse_host_tokens=1024,
-              enable_hicache=True, **common)  # fmt: skip
+              enable_hicache=True, overlap_scheduling=True, **common)  # fmt: skip
     a, b, c = _prompts([600] * 3, seed=11)
     calls = [[a], [b], [c], [a + [9, 10]], _prompts([250, 245, 20, 9], seed=12)]
     try:

@@ -1,12 +1,18 @@
-"""Pipeline-parallel stage actors over a compiled graph give the reference's tokens."""
+"""Pipeline-parallel stages, as Ray actors over a compiled graph or in this process, give the
+reference's tokens: plain steps, overlap scheduling with lookahead tokens handed from the last
+stage back to the first, fixed-shape buckets on every stage; and a pipeline that cannot be
+placed says why."""
 
 import asyncio
+import time
 
 import pytest
 import ray
 import torch
+from ray.util.placement_group import placement_group, remove_placement_group
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.cluster.placement import wait_for_placement
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
@@ -83,3 +89,113 @@ def test_killed_stage_aborts_requests_and_the_pipeline_recovers(ray_session, tin
 def test_pp_larger_than_layers_is_a_clear_error(ray_session, tiny_ckpt):
     with pytest.raises(ValueError, match="pp_size"):
         LLM(tiny_ckpt, pp_size=7)
+
+
+@pytest.fixture(scope="module")
+def hash_ckpt(tmp_path_factory):
+    """Hash-routed experts in layers 0-2: at pp 3 the second stage [2, 4) routes by the token
+    ids the first stage filled in on the device."""
+    path = make_tiny(str(tmp_path_factory.mktemp("hash3")), "tiny", seed=3, num_hash_layers=3)
+    return path, load_reference(path, torch.float32)
+
+
+def _static_buckets(llm, max_batch: int) -> None:
+    """Every stage replays its decode steps in fixed-shape buckets: eagerly on CPU, the same
+    layouts, inputs and hand-over that CUDA graphs replay."""
+    pipe = llm.core.pipeline
+    if hasattr(pipe, "actors"):
+        ray.get([a.capture_graphs.remote(max_batch, 4096, 0, False) for a in pipe.actors])
+    else:
+        for worker in pipe.workers:
+            worker.capture_graphs(max_batch, 4096, 0, capture=False)
+
+
+@pytest.mark.parametrize("pp,use_ray", [(2, False), (3, False), (1, True), (3, True)])
+def test_overlap_and_stage_buckets_on_both_transports_equal_the_reference(
+    ray_session, hash_ckpt, pp, use_ray
+):
+    path, model = hash_ckpt
+    prompts = _prompts([3, 130, 300, 254], seed=5)
+    max_tokens = [9, 4, 7, 12]  # the batch shrinks 4 -> 3 -> 2 -> 1 while decoding
+    llm = LLM(path, kv_cache_dtype="fp32", pp_size=pp, use_ray=use_ray, overlap_scheduling=True,
+              max_running_requests=4, max_model_len=4096)  # fmt: skip
+    try:
+        assert llm.core.pipeline.depth == (max(2, pp) if use_ray else 2)
+        _static_buckets(llm, 4)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outs = llm.generate(prompts, params)
+        stats = llm.core.pipeline.stage_stats()
+        lookahead = llm.core.scheduler.lookahead_steps
+        llm.core.check_integrity()
+    finally:
+        llm.shutdown()
+    expected = [reference_greedy(model, p, n) for p, n in zip(prompts, max_tokens)]
+    assert [o.token_ids for o in outs] == expected
+    assert lookahead > 0
+    assert stats[0]["num_graph_steps"] > 0
+    assert stats == [stats[0]] * pp  # every stage ran each step the same way
+
+
+def test_overlap_over_stage_actors_stops_aborts_and_preempts_like_plain_decoding(
+    ray_session, tiny_ckpt, tiny_model
+):
+    # small pools: four long requests preempt each other while their lookahead steps run
+    prompts = _prompts([200, 230, 250, 180], seed=6)
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, overlap_scheduling=True,
+              max_total_tokens=768, max_num_batched_tokens=256)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == reference_greedy(tiny_model, prompt, 40)
+        assert llm.core.stats()["num_preemptions"] > 0
+        # a stop token in the middle of the lookahead, and an abort while two steps run
+        want = reference_greedy(tiny_model, prompts[0][:20], 12)
+        stop = SamplingParams(max_tokens=12, stop_token_ids=[want[3]])
+        out = llm.generate([prompts[0][:20]], stop)[0]
+        assert out.token_ids == want[: want.index(want[3]) + 1]
+        core = llm.core
+        core.add_request("abort-0", prompts[1][:50], SamplingParams(max_tokens=10))
+        core.add_request("abort-1", prompts[2][:60], SamplingParams(max_tokens=10, ignore_eos=True))
+        for _ in range(3):
+            core.step()
+        assert core.abort("abort-0") is not None
+        core.run_until_done({"abort-1"})
+        assert core.pop_output("abort-1").token_ids == reference_greedy(
+            tiny_model, prompts[2][:60], 10
+        )
+        core.pop_output("abort-0")
+        core.check_integrity()
+        stats = core.stats()
+        assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
+    finally:
+        llm.shutdown()
+
+
+def test_a_pipeline_no_node_can_hold_fails_at_once_saying_what_it_asked(ray_session, tiny_ckpt):
+    bundles = [{"CPU": 0.5, "accelerator_nowhere": 1}] * 2
+    pg = placement_group(bundles, strategy="PACK")
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(ValueError, match="cannot be placed: 2 bundles .*accelerator_nowhere"):
+            wait_for_placement(pg, bundles, timeout_s=60)
+    finally:
+        remove_placement_group(pg)
+    assert time.perf_counter() - t0 < 5
+    # GPU stages on a cluster without GPUs, through LLM(...): refused before any actor starts
+    with pytest.raises(ValueError, match=r"no node has \{'GPU': 1"):
+        LLM(tiny_ckpt, pp_size=2, device="cuda")
+
+
+def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(
+    ray_session, tiny_ckpt
+):
+    # all but half a CPU held (once earlier tests' actors are gone): one 0.5-CPU stage fits
+    hold = placement_group([{"CPU": ray.cluster_resources()["CPU"] - 0.5}])
+    ray.get(hold.ready(), timeout=60)
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(ValueError, match=r"waits 2 s for 2 bundles .*'CPU': 0.5\} free"):
+            LLM(tiny_ckpt, pp_size=2, execution_timeout_s=2)
+        assert time.perf_counter() - t0 < 10
+    finally:
+        remove_placement_group(hold)

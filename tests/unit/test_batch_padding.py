@@ -15,6 +15,7 @@ from dsv4ray.worker.batch import (
     host_arrays,
     slotted_rows,
 )  # fmt: skip
+from dsv4ray.worker.cuda_graphs import context_buckets
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
              "c4_out", "c128_out", "c4_bound")  # fmt: skip
@@ -100,3 +101,15 @@ def test_a_request_longer_than_its_slot_block_is_named():
     plan.batch[1].num_tokens, plan.token_ids = 5, [7] * 6
     with pytest.raises(ValueError, match="a request of 5 tokens does not fit 4 rows"):
         host_arrays(plan, tables, Padding(8, 16, 32, 9, tokens_per_entry=4))
+
+
+@pytest.mark.parametrize("max_len", [1, 4096, 5000, 65536, 70000, 131072, 1_000_000, 1 << 20])
+def test_every_context_up_to_max_len_replays_a_graph_bucket(max_len):
+    buckets = context_buckets(max_len)
+    assert list(buckets) == sorted(set(buckets))
+    assert buckets[-1] >= max_len and buckets[-1] % 256 == 0 and buckets[-1] - max_len < 256
+    # past 64k each bucket at most doubles: a step pads at most half of what it reads
+    for lo, hi in zip(buckets, buckets[1:]):
+        assert hi <= (4 if lo < 65536 else 2) * lo
+    if max_len == 1 << 20:  # V4's window: 4k, 16k, 64k, then every power of two
+        assert buckets == (4096, 16384, 65536, 131072, 262144, 524288, 1048576)

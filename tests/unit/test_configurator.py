@@ -12,6 +12,7 @@ from dsv4ray.cache.configurator import (
     bytes_per_full_token,
     min_window_pages,
     pipeline_capacity,
+    share_devices,
     size_stage,
     snapshot_bytes,
     state_bytes_per_request,
@@ -180,3 +181,34 @@ def test_each_stage_logs_its_slice_and_capacity(caplog):
         size_stage(1, 8, 16, RATIOS, SKIP, FP8, max_total_tokens=4096, max_running_requests=2)
     assert "stage 1 layers [8, 16) (8 of 16 model layers" in caplog.text
     assert "4096 full tokens" in caplog.text
+
+
+def test_stages_sharing_a_device_split_its_memory_and_fit_it_together():
+    # Stages of unequal cost on one GPU all measured the same free memory: sized from their
+    # shares, the bytes their pools take at the pipeline's capacity add up to at most that.
+    ratios, skip = [0, 4, 4, 4, 128, 0, 0, 128], [False] * 8
+    ranges = [(0, 4), (4, 8)]
+    free = 40 * GIB
+    weights = [bytes_per_full_token(ratios[s:e], skip[s:e], FP8) for s, e in ranges]
+    shares = share_devices([free, free], ["gpu-0", "gpu-0"], weights)
+    assert shares[0] > shares[1] and math.isclose(sum(shares), free)
+    caps = [
+        size_stage(i, s, e, ratios, skip, FP8, available_bytes=shares[i], max_running_requests=8)
+        for i, (s, e) in enumerate(ranges)
+    ]
+    tokens = pipeline_capacity(caps).num_full_tokens
+    used = sum(tokens * w for w in weights)
+    assert used <= free
+    # each measured alone would have priced the whole free memory: twice too much together
+    alone = [
+        size_stage(i, s, e, ratios, skip, FP8, available_bytes=free, max_running_requests=8)
+        for i, (s, e) in enumerate(ranges)
+    ]
+    assert sum(pipeline_capacity(alone).num_full_tokens * w for w in weights) > free
+
+
+def test_stages_on_their_own_devices_or_cpus_keep_what_they_measured():
+    assert share_devices([8.0, 6.0], ["a", "b"], [1.0, 3.0]) == [8.0, 6.0]
+    assert share_devices([None, None], [None, None], [1.0, 1.0]) == [None, None]
+    # three stages, two of them on one device: only those two split (the smaller measurement)
+    assert share_devices([9.0, 8.0, 7.0], ["a", "b", "a"], [1.0, 5.0, 2.0]) == [7 / 3, 8.0, 14 / 3]
