@@ -61,6 +61,7 @@ class RayPipeline:
         self.lag = config.uses_overlap
         self.depth = max(2, config.pp_size) if self.lag else config.pp_size
         self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
+        self.early: dict[int, StageResult] = {}  # results read before their step's collect
         self.own_pg = placement is None
         bundle = stage_bundle(self.use_gpu, num_gpus=config.num_gpus_per_stage)
         bundles = [bundle] * len(self.ranges)
@@ -273,8 +274,12 @@ class RayPipeline:
         return plan.step_id
 
     def collect(self, step_id: int) -> StageResult:
-        """The result of a submitted step: the next output that carries it (a lagged one comes
-        with the plan after it, or with a flush when no plan followed)."""
+        """The result of a submitted step, from the outputs in order: a lagged step's comes
+        with the next plan that has a batch, or with a flush when none followed; a plan without
+        a batch answers at once (its result may come before the lagged one of an earlier step,
+        which is then kept until collected)."""
+        if step_id in self.early:
+            return self.early.pop(step_id)
         while True:
             if not self.refs:
                 self.submit(StepPlan(step_id=FLUSH_STEP))
@@ -285,7 +290,7 @@ class RayPipeline:
             if result.step_id == step_id:
                 return result
             if result.step_id != NO_RESULT:
-                raise RuntimeError(f"step {result.step_id}'s result came for step {step_id}")
+                self.early[result.step_id] = result
 
     def rebuild(self) -> None:
         """After a stage died: the survivors exit first (a clean exit removes every channel
@@ -299,6 +304,7 @@ class RayPipeline:
 
     def _teardown(self) -> None:
         self.refs.clear()
+        self.early.clear()
         if self.dag is not None:
             self.dag.teardown()
             self.dag = None

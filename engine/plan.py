@@ -117,8 +117,8 @@ class StepPlan:
     lookahead: list[str] = field(default_factory=list)
     draft: bool = False  # a draft worker follows the last stage
     # the driver keeps another plan in flight behind this one: the last stage launches this
-    # step, then returns the previous lagged step's result, settled (a plan without a batch
-    # only flushes it; worker/stage_worker.py ``step``)
+    # step, then returns the previous lagged step's result, settled (a FLUSH_STEP plan returns
+    # it alone; worker/stage_worker.py ``step``)
     lag: bool = False
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # entries whose drafts the previous plan's draft pass proposed and that have not reached the

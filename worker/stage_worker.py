@@ -18,7 +18,7 @@ from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
-from dsv4ray.engine.plan import NO_RESULT, NewRequest, StageResult, StepPlan
+from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, NewRequest, StageResult, StepPlan
 from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
@@ -181,13 +181,15 @@ class StageWorker:
 
     def step(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
         """One step as a pipeline's transport runs it (a stage actor's graph methods). With
-        plan.lag the last stage launches the step, then settles and returns the one it held
-        before (NO_RESULT when none), so the device runs this step while the driver commits the
-        previous one and schedules the next; a plan without a batch only flushes the held one."""
-        if not (plan.lag and self.is_last):
+        plan.lag the last stage launches a step that has a batch, then settles and returns the
+        one it held before (NO_RESULT when none), so the device runs this step while the driver
+        commits the previous one and schedules the next. A plan without a batch computes
+        nothing and answers for itself; a flush (FLUSH_STEP) returns the held step."""
+        flush = plan.step_id == FLUSH_STEP
+        if not (plan.lag and self.is_last) or not (plan.batch or flush):
             return self.execute(plan, inputs)
         result = self.execute(plan, inputs, defer_sampling=True)
-        held, self.held = self.held, (result if plan.batch else None)
+        held, self.held = self.held, (None if flush else result)
         out = self.finish(held) if held is not None else StageResult(NO_RESULT)
         # this step's sampled ids travel on to the first stage now (``take``)
         out.samples, result.samples = result.samples, None

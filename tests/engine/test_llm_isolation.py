@@ -98,7 +98,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(
     llm, tiny_model, monkeypatch
 ):
     worker = llm.core.pipeline.workers[0]
-    run = worker._run
+    run = worker.run_layers
     calls = []
 
     def run_failing_once(*args):
@@ -107,7 +107,7 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_keeps_serving(
             raise RuntimeError("injected compute failure")
         return run(*args)
 
-    monkeypatch.setattr(worker, "_run", run_failing_once)
+    monkeypatch.setattr(worker, "run_layers", run_failing_once)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=4, ignore_eos=True))
     assert [o.finish_reason for o in outs] == ["abort", "abort"]
     assert all("pipeline stage" in o.error and "injected" not in o.error for o in outs)

@@ -39,9 +39,9 @@ def _generate(llm, prompts, max_tokens):
 def test_every_stage_replays_graphs_and_equals_eager_and_reference(
     tiny_ckpt, tiny_model, pp, use_ray, k
 ):
-    # requests finish after 2 to 12 tokens (the batch shrinks 4 -> 1); the 4090-token one
+    # requests finish after 2 to 16 tokens (the batch shrinks 4 -> 1); the 4090-token one
     # crosses from the 4k context bucket into the 16k one while it decodes
-    prompts, max_tokens = _prompts([3, 129, 300, 4090], seed=pp + k), [12, 2, 7, 10]
+    prompts, max_tokens = _prompts([3, 129, 300, 4090], seed=pp + k), [16, 2, 7, 10]
     llm = _engine(tiny_ckpt, pp, use_ray, k)
     try:
         graphed = _generate(llm, prompts, max_tokens)
@@ -58,7 +58,7 @@ def test_every_stage_replays_graphs_and_equals_eager_and_reference(
     assert len(stats) == pp
     for stage in stats:
         buckets = stage["graph_steps"]
-        assert {key.split("x")[0] for key in buckets} >= {"1", "2"}, buckets
+        assert {key.split("x")[0] for key in buckets} >= {"1", "2", "4"}, buckets
         assert {key.split("x")[1] for key in buckets} >= {"4096", "16384"}, buckets
 
 
