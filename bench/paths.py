@@ -1,0 +1,293 @@
+"""Every configuration on the fast path, one GPU: each way to run a model next to the fast path.
+
+    python bench/paths.py [--model /tmp/dsv4-mini] [--parts paths,context,mtp,mixed]
+                          [--batches 1,16,64] [--contexts 4096,131072,524288,1048576]
+
+Parts, each measured in the same run as the fast path it is compared with (dsv4-mini, fp8 pages,
+512-token prompts unless said; made on the GPU when --model does not exist):
+
+- paths: the median pure-decode step (bench/decode.py's StepClock: host work, forward, sampling
+  and commit of one whole step) at each batch of the fast path (one stage in this process, CUDA
+  graphs and overlap scheduling), the same stage eager, a Ray stage actor (pp 1), and pp 2 with
+  both stages on this one GPU, as Ray actors and in this process; beside each Ray pipeline the
+  round trip of an empty plan through its compiled graph (what a step pays for the hand-over);
+  and how long a pp 2 pipeline asking for one GPU per stage takes to be refused here.
+- context: batch 1 and 8 decode steps at growing contexts, against the 4k step. The contexts
+  are seeded into the prefix cache (pages and a compressor snapshot taken from the pools without
+  computing them: a decode step reads the same bytes whatever they hold), so a 1M-token context
+  costs no 1M-token prefill; each request then computes one token and decodes.
+- mtp: batch-1 decode tok/s with k = 3 MTP drafts against the same engine without, on the trained
+  checkpoints/stdlib-tiny, in process, with the draft worker as a Ray actor beside a pp 1 stage
+  actor, and beside the last of two stage actors sharing the GPU (bench/mtp.py's side_by_side).
+- mixed: decode latency of 16 running requests while prompts of 2k-8k tokens keep arriving
+  (p50 / p99 of the steps that decode them), beside the pure-decode step at batch 16.
+
+Writes bench/results/paths-<device>.json (PERF.md's format) and regenerates BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import engine_decode_s  # noqa: E402
+from mtp import held_out_prompts, side_by_side  # noqa: E402
+from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
+
+from dsv4ray import LLM, SamplingParams  # noqa: E402
+from dsv4ray.cache.radix import Snapshot  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COMMON = dict(kv_cache_dtype="fp8", max_num_batched_tokens=8192, max_model_len=8192)
+PATHS = {  # name -> LLM options beside COMMON
+    "in process (fast path)": {},
+    "in process, eager": {"cuda_graphs": False},
+    "Ray stage actor, pp 1": {"use_ray": True},
+    "Ray pp 2, one GPU": {"pp_size": 2, "num_gpus_per_stage": 0.5},
+    "in process pp 2, one GPU": {"pp_size": 2, "use_ray": False},
+}
+
+
+def empty_step_ms(llm: LLM, steps: int = 100) -> float | None:
+    """Median ms of an empty plan's round trip through a Ray pipeline's compiled graph."""
+    from dsv4ray.engine.plan import StepPlan, encode
+
+    pipe = llm.core.pipeline
+    if getattr(pipe, "dag", None) is None:
+        return None
+    times = []
+    for k in range(steps):
+        plan = encode(StepPlan(step_id=10**7 + k))
+        t0 = time.perf_counter()
+        pipe.dag.execute(plan).get()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def paths_part(args) -> tuple[list, dict]:
+    steps, raw = {}, {}
+    for name, options in PATHS.items():
+        llm = LLM(args.model, max_running_requests=max(args.batches), **COMMON, **options)
+        try:
+            steps[name] = {b: 1e3 * engine_decode_s(llm, b, 512, args.new, 10 * b) / args.new
+                           for b in args.batches}  # fmt: skip
+            raw[name] = {"step_ms": steps[name], "empty_plan_ms": empty_step_ms(llm),
+                         "stages": llm.core.pipeline.stage_stats()}  # fmt: skip
+        finally:
+            llm.shutdown()
+        print(json.dumps({name: raw[name]["step_ms"]}), flush=True)
+    fast = steps["in process (fast path)"]
+    rows = []
+    for name, targets in (
+        ("in process, eager", {}),
+        ("Ray stage actor, pp 1", {b: 0.95 for b in args.batches}),
+        ("Ray pp 2, one GPU", {1: 0.75, 64: 0.9}),
+        ("in process pp 2, one GPU", {}),
+    ):
+        hop = raw[name]["empty_plan_ms"]
+        for b in args.batches:
+            note = f"{steps[name][b]:.2f} ms vs {fast[b]:.2f} ms a step"
+            note += f"; empty plan through the graph {hop:.3f} ms" if hop else ""
+            ratio = fast[b] / steps[name][b]
+            rows.append(result(f"decode throughput, {name} vs the fast path, batch {b}", ratio,
+                               "x", 1.0, targets.get(b), ">=", note))  # fmt: skip
+    rows.append(refusal_row(args))
+    return rows, {"paths": raw}
+
+
+def refusal_row(args) -> dict:
+    """pp 2 with a whole GPU per stage on a one-GPU machine: refused, and how fast."""
+    t0 = time.perf_counter()
+    try:
+        LLM(args.model, pp_size=2, **COMMON).shutdown()
+        message = "started (the machine has two GPUs)"
+    except ValueError as exc:
+        message = str(exc)
+    seconds = time.perf_counter() - t0
+    return result("pp 2 asking for 2 GPUs on a one-GPU machine: seconds until refused", seconds,
+                  "s", 1.0, None, "<=", message)  # fmt: skip
+
+
+def seed_context(llm: LLM, token_ids: list[int]) -> None:
+    """Puts token_ids (a multiple of 256 tokens) in the prefix cache with pages, a window page
+    and a compressor snapshot taken from the pools as they are: a request that starts with them
+    computes only what follows (what its steps read is as large as if it had been computed)."""
+    kv = llm.core.scheduler.kv
+    if not kv.ensure_free(len(token_ids) // 256, 1, 1):  # evicts earlier seeded contexts
+        raise RuntimeError(f"the pools hold no {len(token_ids)}-token context")
+    pages = kv.pages.alloc(len(token_ids) // 256)
+    window, slot = kv.window_pages.alloc(1)[0], kv.cached_state_slots.alloc(1)[0]
+    inserted = kv.radix.insert(token_ids, pages, Snapshot(window, slot))
+    if inserted.unadopted_page_ids or not inserted.snapshot_adopted:
+        raise RuntimeError("the seeded context was already cached")
+
+
+def context_part(args) -> tuple[list, dict]:
+    llm = LLM(args.model, kv_cache_dtype="fp8", max_running_requests=8,
+              max_model_len=max(args.contexts), max_num_batched_tokens=8192)  # fmt: skip
+    steps = {}
+    try:
+        for batch in (1, 8):
+            for ctx in args.contexts:  # a page below ctx: the decode steps stay inside it
+                prompts = random_prompts(batch, ctx - 256, 7 * ctx + batch)
+                for prompt in prompts:
+                    seed_context(llm, prompt)
+                tails = [p + [5] for p in prompts]
+                steps[(batch, ctx)] = 1e3 * decode_s(llm, tails, args.new) / args.new
+                print(json.dumps({"batch": batch, "context": ctx,
+                                  "step_ms": steps[(batch, ctx)]}), flush=True)  # fmt: skip
+        stats = llm.core.pipeline.stage_stats()
+    finally:
+        llm.shutdown()
+    rows, base = [], min(args.contexts)
+    for (batch, ctx), ms in steps.items():
+        if ctx != base:
+            rows.append(result(f"decode step, batch {batch}, {ctx // 1024}k vs {base // 1024}k "
+                               "context", ms, "ms", steps[(batch, base)], 1.25, "<="))  # fmt: skip
+    raw = {f"b{b}_ctx{c}": ms for (b, c), ms in steps.items()}
+    return rows, {"context": raw, "context_graph_steps": stats[0]["graph_steps"]}
+
+
+def decode_s(llm: LLM, prompts: list, new: int) -> float:
+    """engine_decode_s's measure for prompts given whole: the median pure-decode step at the
+    full batch, times new."""
+    from decode import StepClock
+
+    clock = StepClock(llm)
+    try:
+        params = SamplingParams(max_tokens=new + 1, ignore_eos=True)
+        steps = clock.run(lambda: llm.generate(prompts, params))
+    finally:
+        llm.core.scheduler.commit = clock.commit
+    full = sorted(steps.get(len(prompts), []))
+    if len(full) < new // 2:
+        raise RuntimeError(f"only {len(full)} decode steps ran the whole batch {len(prompts)}")
+    return new * full[len(full) // 2]
+
+
+MTP_PATHS = {  # the two engines of a pair live together: each takes half the GPU
+    "in process": {"use_ray": False},
+    "draft actor, pp 1": {"use_ray": True, "num_gpus_per_stage": 0.5},
+    "draft actor, pp 2 on one GPU": {"pp_size": 2, "num_gpus_per_stage": 0.25},
+}
+
+
+def mtp_part(args) -> tuple[list, dict]:
+    prompts = held_out_prompts(args.mtp_prompts, 128, 64)
+    rows, raw = [], {}
+    for name, options in MTP_PATHS.items():
+        llms = {}
+        try:
+            for k in (0, 3):
+                llms[k] = LLM(args.mtp_model, kv_cache_dtype="fp32", enable_prefix_caching=False,
+                              speculative_num_steps=k, max_total_tokens=65536,
+                              **options)  # fmt: skip
+            seconds, outputs, _ = side_by_side(llms, prompts, 64)
+        finally:
+            for llm in llms.values():
+                llm.shutdown()
+        tok_s = {k: len(prompts) * 63 / s for k, s in seconds.items()}
+        same = sum(a == b for a, b in zip(outputs[0], outputs[3]))
+        raw[name] = {"tok_s": tok_s, "same_outputs": same}
+        print(json.dumps({name: raw[name]}), flush=True)
+        rows.append(result(f"batch-1 decode with k = 3 drafts vs without, {name}", tok_s[3],
+                           "tok/s", tok_s[0], 1.5, ">=", f"stdlib-tiny, {len(prompts)} held-out "
+                           f"prompts, {same} outputs equal plain decoding's"))  # fmt: skip
+    return rows, {"mtp": raw}
+
+
+def mixed_part(args) -> tuple[list, dict]:
+    """Step times of 16 decoding requests while 2k-8k prompts arrive every 4 steps."""
+    # each of those steps decodes the 16 (a prompt prefills in one chunk of <= 8192 tokens)
+    llm = LLM(args.model, max_running_requests=64, **COMMON)
+    core, g = llm.core, torch.Generator().manual_seed(3)
+    try:
+        pure_ms = 1e3 * engine_decode_s(llm, 16, 512, args.new, 160) / args.new
+        decoding = random_prompts(16, 512, 161)
+        for i, prompt in enumerate(decoding):
+            core.add_request(f"run-{i}", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
+        while any(not core.outputs.outputs[f"run-{i}"].token_ids for i in range(16)):
+            core.step()
+        times, arrivals = [], 0
+        for step in range(args.mixed_steps):
+            if step % 4 == 0:
+                n = int(torch.randint(2048, 8193, (1,), generator=g))
+                core.add_request(f"new-{arrivals}", random_prompts(1, n, 900 + arrivals)[0],
+                                 SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip
+                arrivals += 1
+            t0 = time.perf_counter()
+            core.step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        for i in range(16):
+            core.abort(f"run-{i}")
+    finally:
+        llm.shutdown()
+    times.sort()
+    p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
+    note = (f"16 decoding requests, a 2k-8k prompt arriving every 4 steps ({arrivals} in "
+            f"{args.mixed_steps} steps); pure decode at batch 16: {pure_ms:.2f} ms")  # fmt: skip
+    rows = [result("decode latency under arriving prompts, p50", p50, "ms", pure_ms, None, "<=",
+                   note),
+            result("decode latency under arriving prompts, p99", p99, "ms", pure_ms, None, "<=",
+                   note)]  # fmt: skip
+    return rows, {"mixed": {"p50_ms": p50, "p99_ms": p99, "pure_ms": pure_ms}}
+
+
+PARTS = {"paths": paths_part, "context": context_part, "mtp": mtp_part, "mixed": mixed_part}
+
+
+def main() -> None:
+    args = parse_args()
+    if not os.path.exists(os.path.join(args.model, "config.json")):
+        from dsv4ray.model.tiny import make_tiny
+
+        make_tiny(args.model, "dsv4-mini", seed=0, device="cuda")
+    rows, raw = [], {}
+    for part in args.parts:  # the file is written after each part: a cut-off run keeps those
+        more, more_raw = PARTS[part](args)
+        rows, raw = rows + more, {**raw, **more_raw}
+        path = write(args, rows, raw)
+    print(path)
+    if args.out_dir is None:
+        write_benchmarks_md()
+
+
+def write(args, rows: list, raw: dict):
+    settings = {"name": "settings", "value": None, "unit": "", "ceiling": None, "ratio": None,
+                "op": ">=", "target": None,
+                "note": f"parts {args.parts}; raw: {json.dumps(raw, default=str)}"}  # fmt: skip
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    fast = "one stage in process, CUDA graphs and overlap scheduling, measured in the same run"
+    ceilings = {"fast path": {"value": 1.0, "unit": "x", "note": fast}}
+    name = "paths" if args.out_name is None else args.out_name
+    out = [args.out_dir] if args.out_dir else []
+    return write_results(name, device, args.commit or git_commit(), ceilings, rows + [settings],
+                         *out)  # fmt: skip
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
+    p.add_argument("--model", default="/tmp/dsv4-mini")
+    p.add_argument("--mtp-model", default=os.path.join(ROOT, "checkpoints", "stdlib-tiny"))
+    p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS))
+    p.add_argument("--batches", type=ints, default=[1, 16, 64])
+    p.add_argument("--contexts", type=ints, default=[4096, 131072, 524288, 1048576])
+    p.add_argument("--new", type=int, default=32, help="decode steps timed per measurement")
+    p.add_argument("--mtp-prompts", type=int, default=8)
+    p.add_argument("--mixed-steps", type=int, default=120)
+    p.add_argument("--commit", default=None)
+    p.add_argument("--out-dir", default=None)
+    p.add_argument("--out-name", default=None, help="results file name (default: paths)")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()
