@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from dsv4ray.engine.handoff import KVCheck, KVSend
+from dsv4ray.engine.handoff import KVCheck, KVSend, to_dict
 
 if TYPE_CHECKING:
     import torch
@@ -197,44 +197,50 @@ class StageResult:
 
 
 def encode(plan: StepPlan) -> bytes:
-    """msgpack bytes of a plan (tuples travel as arrays; ``decode`` restores them)."""
-    return msgpack.packb(dataclasses.asdict(plan), use_bin_type=True)
+    """msgpack bytes of a plan: requests, diffs and entries as arrays of their fields in
+    declaration order (a step's plan is encoded on the driver's critical path, so no generic
+    dataclass walk); ``decode`` restores them."""
+    raw = {name: getattr(plan, name) for name in _PLAIN_FIELDS}
+    raw["new_requests"] = [_fields(r, _NEW_FIELDS) for r in plan.new_requests]
+    raw["diffs"] = [_fields(d, _DIFF_FIELDS) for d in plan.diffs]
+    raw["batch"] = [_fields(e, _ENTRY_FIELDS) for e in plan.batch]
+    raw["kv_sends"] = [to_dict(m) for m in plan.kv_sends]
+    raw["kv_checks"] = [to_dict(m) for m in plan.kv_checks]
+    return msgpack.packb(raw, use_bin_type=True)
 
 
 def decode(data: bytes) -> StepPlan:
     """Inverse of ``encode``."""
     raw = msgpack.unpackb(data, raw=False)
-    return StepPlan(
+    plan = StepPlan(
         step_id=raw["step_id"],
-        new_requests=[NewRequest(**item) for item in raw["new_requests"]],
-        diffs=[
-            RequestDiff(
-                req_id=item["req_id"],
-                new_page_ids=item["new_page_ids"],
-                new_window_pages=[tuple(pair) for pair in item["new_window_pages"]],
-                freed_window_idxs=item["freed_window_idxs"],
-                num_pages=item["num_pages"],
-                rejected=item["rejected"],
-            )
-            for item in raw["diffs"]
-        ],
-        finished_ids=raw["finished_ids"],
-        preempted_ids=raw["preempted_ids"],
-        batch=[BatchEntry(**item) for item in raw["batch"]],
+        new_requests=[NewRequest(*item) for item in raw["new_requests"]],
+        diffs=[_diff(*item) for item in raw["diffs"]],
+        batch=[BatchEntry(*item) for item in raw["batch"]],
         token_ids=raw["token_ids"],
-        snapshots=[tuple(pair) for pair in raw["snapshots"]],
-        logprobs=raw["logprobs"],
-        full_logits=raw["full_logits"],
-        eager=raw["eager"],
-        lookahead=raw["lookahead"],
-        draft=raw["draft"],
-        lag=raw["lag"],
-        next_tokens=raw["next_tokens"],
-        draft_lookahead=raw["draft_lookahead"],
         kv_sends=[KVSend.from_dict(item) for item in raw["kv_sends"]],
         kv_checks=[KVCheck.from_dict(item) for item in raw["kv_checks"]],
-        **{key: [tuple(op) for op in raw[key]] for key in HOST_OP_FIELDS},
     )
+    for name in _PLAIN_FIELDS:
+        value = raw[name]
+        if name in _PAIR_FIELDS:
+            value = [tuple(pair) for pair in value]
+        setattr(plan, name, value)
+    return plan
+
+
+def _fields(obj, names: tuple[str, ...]) -> list:
+    return [getattr(obj, name) for name in names]
+
+
+def _diff(req_id, new_page_ids, new_window_pages, *rest) -> RequestDiff:
+    return RequestDiff(req_id, new_page_ids, [tuple(pair) for pair in new_window_pages], *rest)
 
 
 HOST_OP_FIELDS = ("host_backups", "host_snapshot_backups", "host_loads", "host_snapshot_loads")
+_NEW_FIELDS = tuple(f.name for f in dataclasses.fields(NewRequest))
+_DIFF_FIELDS = tuple(f.name for f in dataclasses.fields(RequestDiff))
+_ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(BatchEntry))
+_NESTED = {"new_requests", "diffs", "batch", "kv_sends", "kv_checks"}
+_PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan) if f.name not in _NESTED)
+_PAIR_FIELDS = {"snapshots", *HOST_OP_FIELDS}  # lists of tuples
