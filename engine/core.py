@@ -39,12 +39,14 @@ log = logging.getLogger("dsv4ray.engine")
 
 @dataclass
 class RequestUpdate:
-    """What one step did for one request: new token ids and text; ``output`` when finished."""
+    """What one step did for one request: new token ids and text, their logprobs when the
+    request asked for them (one {token id: logprob} per token); ``output`` when finished."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     output: RequestOutput | None = None
+    logprobs: list[dict[int, float]] | None = None
 
 
 class EngineCore:
@@ -243,7 +245,9 @@ class EngineCore:
                 out = self._end(req_id, f"output handling failed: {type(exc).__name__}")
                 updates[req_id] = RequestUpdate(req_id, output=out)
                 continue
-            updates[req_id] = RequestUpdate(req_id, tokens, delta)
+            recorded = self.outputs.outputs[req_id].logprobs  # the tokens' are its last ones
+            logprobs = None if recorded is None else recorded[len(recorded) - len(tokens) :]
+            updates[req_id] = RequestUpdate(req_id, tokens, delta, logprobs=logprobs)
             if stop and not any(f.req_id == req_id for f in finished):
                 done = self.scheduler.finish(req_id, "stop")
                 finished += [done] if done is not None else []

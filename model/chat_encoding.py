@@ -16,6 +16,10 @@
   user message lose their reasoning, and developer messages before it are left out. With
   ``drop_thinking`` false every turn keeps its reasoning and opens with ``<think>``.
 
+- Prefix completion: a last assistant message with ``prefix`` true ends the prompt without
+  ``<｜end▁of▁sentence｜>``, so the answer continues its text; in thinking mode an empty text
+  leaves its reasoning open (no ``</think>``), so the answer continues the reasoning.
+
 Options come as ``chat_template_kwargs``: ``thinking`` (bool, default False) and ``drop_thinking``
 (bool, default True); other keys are refused by name. Tool calls (the release's DSML blocks) are
 not rendered: messages with ``tools``, ``tool_calls`` or the ``tool`` role are refused.
@@ -65,6 +69,9 @@ def encode_messages(
 ) -> str:
     """Chat messages -> the prompt text (special tokens as text; the tokenizer maps them)."""
     options = options or ChatOptions()
+    for i, msg in enumerate(messages[:-1]):
+        if isinstance(msg, dict) and msg.get("prefix"):
+            raise ValueError(f"messages[{i}].prefix: only the last message can be a prefix")
     messages = _merge_users([_checked(i, m) for i, m in enumerate(messages)])
     drop = options.thinking and options.drop_thinking
     if drop:
@@ -72,7 +79,11 @@ def encode_messages(
     last_user = max((i for i, m in enumerate(messages) if m["role"] in _USER_ROLES), default=-1)
     parts = [BOS]
     for i, msg in enumerate(messages):
-        parts.append(_render(msg, options.thinking and (not drop or i > last_user)))
+        with_reasoning = options.thinking and (not drop or i > last_user)
+        if msg.get("prefix"):
+            parts.append(_render_prefix(msg, with_reasoning))
+            break  # the prefix is the last message (``_checked``)
+        parts.append(_render(msg, with_reasoning))
         next_role = messages[i + 1]["role"] if i + 1 < len(messages) else None
         opens_answer = next_role == "assistant" or (next_role is None and add_generation_prompt)
         if msg["role"] in _USER_ROLES and opens_answer:
@@ -94,6 +105,8 @@ def _checked(index: int, msg: dict) -> dict:
     for key in ("content", "reasoning_content"):
         if msg.get(key) is not None and not isinstance(msg[key], str):
             raise ValueError(f"messages[{index}].{key} must be a string")
+    if msg.get("prefix") and role != "assistant":
+        raise ValueError(f"messages[{index}].prefix: only an assistant message can be a prefix")
     return msg
 
 
@@ -129,6 +142,24 @@ def _render(msg: dict, with_reasoning: bool) -> str:
         return USER + content
     reasoning = (msg.get("reasoning_content") or "") + THINK_END if with_reasoning else ""
     return reasoning + content + EOS
+
+
+def _render_prefix(msg: dict, with_reasoning: bool) -> str:
+    """The start of the answer: its reasoning (closed only when text follows) and its text."""
+    content = msg.get("content") or ""
+    if not with_reasoning:
+        return content
+    reasoning = msg.get("reasoning_content") or ""
+    return reasoning + THINK_END + content if content else reasoning
+
+
+def prefix_state(messages: list[dict], thinking: bool) -> str:
+    """Where a generated answer starts in thinking mode: "start" (a fresh answer), "reasoning"
+    (it continues a prefix's open reasoning) or "content" (it continues a prefix's text)."""
+    last = messages[-1] if messages else {}
+    if not last.get("prefix"):
+        return "start"
+    return "content" if last.get("content") or not thinking else "reasoning"
 
 
 def split_reasoning(text: str) -> tuple[str, str]:

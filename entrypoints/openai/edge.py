@@ -1,11 +1,13 @@
 """Who may call the HTTP API, how much they may send, and what a server error may tell them.
 
-With an API key, every route but ``/health`` needs ``Authorization: Bearer <key>``. Without one,
-the server trusts only the machine it runs on, and a web page the user visits runs there too: a
-``text/plain`` POST needs no CORS preflight, and DNS rebinding lets a page read the replies. So a
-keyless server answers only requests whose ``Host`` is a loopback name (``localhost``, 127.x.y.z,
-``[::1]``, with or without a port) and whose ``Origin``, when sent, is a loopback origin; anything
-else gets 403 ``forbidden`` on every route. A 5xx says what failed without internals: no reprs,
+With an API key, every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer
+<key>`` (probes and Prometheus scrape without it, as vLLM allows; neither answers anything of a
+request's content). Without one, the server trusts only the machine it runs on, and a web page
+the user visits runs there too: a ``text/plain`` POST needs no CORS preflight, and DNS rebinding
+lets a page read the replies. So a keyless server answers only requests whose ``Host`` is a
+loopback name (``localhost``, 127.x.y.z, ``[::1]``, with or without a port) and whose
+``Origin``, when sent, is a loopback origin; anything else gets 403 ``forbidden`` on every
+route. A 5xx says what failed without internals: no reprs,
 tracebacks, actor names, pids or addresses (those go to the server log only).
 """
 
@@ -19,6 +21,7 @@ import uuid
 from dsv4ray.entrypoints.openai.errors import APIError
 
 MAX_REASON_LEN = 200
+KEYLESS_PATHS = ("/health", "/metrics")  # answered without the key (never with request content)
 ORIGIN_SCHEMES = ("http", "https")
 # ANSI CSI sequences (colours, cursor moves) and two-byte escapes
 _ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b[@-Z\\-_]")
@@ -67,10 +70,10 @@ def is_loopback_origin(origin: str) -> bool:
 
 
 def check_caller(headers, api_key: str | None, path: str) -> None:
-    """The key when there is one (``/health`` excepted), else loopback Host and Origin only.
-    ``headers``: Starlette's (a request may repeat a header; every copy must pass)."""
+    """The key when there is one (``KEYLESS_PATHS`` excepted), else loopback Host and Origin
+    only. ``headers``: Starlette's (a request may repeat a header; every copy must pass)."""
     if api_key is not None:
-        if path != "/health":
+        if path not in KEYLESS_PATHS:
             check_key(headers.get("authorization"), api_key)
         return
     hosts = headers.getlist("host")

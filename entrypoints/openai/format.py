@@ -4,11 +4,12 @@
 renders ``/v1/chat/completions`` objects (``chat.completion`` and ``chat.completion.chunk``).
 Logprobs: the engine records, per generated token, ``{sampled id: logprob, top ids: logprob}``;
 completions render the legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs`` /
-``text_offset`` lists, chat renders ``content: [{token, logprob, bytes, top_logprobs}]``. A stream
-carries the logprobs of all its tokens in its last chunk (clients concatenate chunk logprobs, so
-the joined result is the same as without streaming). A chat answer generated in thinking mode
-carries its reasoning (the text up to ``</think>``) as ``reasoning_content`` beside ``content``,
-in the message and in the stream's deltas alike.
+``text_offset`` lists (each ``top_logprobs`` entry holds the sampled token beside the top n, so
+``logprobs: 0`` gives the sampled token's alone), chat renders ``content: [{token, logprob,
+bytes, top_logprobs}]``. A stream's chunk carries the logprobs of the tokens it brings (clients
+concatenate chunk logprobs: the joined result is the same as without streaming). A chat answer
+generated in thinking mode carries its reasoning (the text up to ``</think>``) as
+``reasoning_content`` beside ``content``, in the message and in the stream's deltas alike.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import uuid
 
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
-from dsv4ray.model.chat_encoding import split_reasoning
 from dsv4ray.model.tokenizer_files import bytes_to_unicode
 
 
@@ -100,25 +100,30 @@ class _Format:
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
-    def _steps(self, output: RequestOutput) -> list[tuple[int, float, list[tuple[int, float]]]]:
-        """Per generated token: (token id, its logprob, the num_top best (id, logprob))."""
+    def _steps(self, token_ids: list[int], logprobs: list | None) -> list:
+        """Per token: (token id, its logprob, the num_top best (id, logprob))."""
         steps = []
-        for token_id, lps in zip(output.token_ids, output.logprobs or []):
+        for token_id, lps in zip(token_ids, logprobs or []):
             best = sorted(lps.items(), key=lambda item: -item[1])[: self.num_top]
             steps.append((token_id, lps[token_id], best))
         return steps
 
-    def _choice_extras(self, output: RequestOutput | None, token_ids: list[int] | None) -> dict:
-        """logprobs (all of them once the output is there), and the token ids when asked for:
-        a response's own, or a chunk's new ones (``token_ids``)."""
+    def _choice_extras(self, output: RequestOutput | None, token_ids: list[int] | None,
+                       logprobs: list | None = None) -> dict:  # fmt: skip
+        """logprobs and, when asked for, the token ids: a response's own (``token_ids`` None),
+        or a chunk's new ones with their ``logprobs``."""
         extras = {"logprobs": None}
-        if output is not None and self.num_top is not None:
-            extras["logprobs"] = self.logprobs(output)
+        if self.num_top is not None:
+            if token_ids is None:
+                extras["logprobs"] = self.logprobs(self._steps(output.token_ids, output.logprobs))
+            elif token_ids:
+                extras["logprobs"] = self.logprobs(self._steps(token_ids, logprobs), stream=True)
         if self.return_token_ids:
             extras["token_ids"] = list(output.token_ids if token_ids is None else token_ids)
         return extras
 
-    def logprobs(self, output: RequestOutput) -> dict:
+    def logprobs(self, steps: list, stream: bool = False) -> dict:
+        """The logprobs object of these tokens; stream: the next chunk's (offsets go on)."""
         raise NotImplementedError
 
     def usage_chunk(self, output: RequestOutput) -> dict:
@@ -141,24 +146,30 @@ class CompletionFormat(_Format):
     def start_chunks(self) -> list[dict]:
         return []
 
-    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None) -> dict:
+    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None,
+              logprobs: list | None = None) -> dict:  # fmt: skip
         choice = {
             "index": 0,
             "text": text,
             "finish_reason": output.finish_reason if output else None,
-            **self._choice_extras(output, token_ids),
+            **self._choice_extras(output, token_ids, logprobs),
         }
         return self._envelope(self.chunk_object_name, [choice])
 
-    def logprobs(self, output: RequestOutput) -> dict:
-        tokens, token_logprobs, tops, offsets, offset = [], [], [], [], 0
-        for token_id, logprob, best in self._steps(output):
+    streamed_chars = 0  # text offset where the next stream chunk's tokens start
+
+    def logprobs(self, steps: list, stream: bool = False) -> dict:
+        tokens, token_logprobs, tops, offsets = [], [], [], []
+        offset = self.streamed_chars if stream else 0
+        for token_id, logprob, best in steps:
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(logprob)
-            tops.append({self.token_text(t): lp for t, lp in best})
+            tops.append({**{self.token_text(t): lp for t, lp in best}, text: logprob})
             offsets.append(offset)
             offset += len(text)
+        if stream:
+            self.streamed_chars = offset
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,
@@ -172,15 +183,18 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, thinking: bool = False) -> None:
-        """thinking: the answer opens with reasoning, given back as ``reasoning_content``."""
+    def __init__(self, *args, thinking: bool = False, start: str = "start") -> None:
+        """thinking: the answer's reasoning is given back as ``reasoning_content``; start:
+        where the answer begins (model/chat_encoding.prefix_state)."""
         super().__init__(*args)
-        self.splitter = ReasoningSplitter() if thinking else None
+        self.start = start
+        self.splitter = ReasoningSplitter(start) if thinking else None
 
     def response(self, output: RequestOutput) -> dict:
         message = {"role": "assistant", "content": output.text}
         if self.splitter is not None:
-            message["reasoning_content"], message["content"] = split_reasoning(output.text)
+            split = ReasoningSplitter(self.start).split(output.text)
+            message["reasoning_content"], message["content"] = split
         choice = {
             "index": 0,
             "message": message,
@@ -198,12 +212,13 @@ class ChatFormat(_Format):
         }
         return [self._envelope(self.chunk_object_name, [choice])]
 
-    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None) -> dict:
+    def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None,
+              logprobs: list | None = None) -> dict:  # fmt: skip
         choice = {
             "index": 0,
             "delta": self._delta(text, last=output is not None),
             "finish_reason": output.finish_reason if output else None,
-            **self._choice_extras(output, token_ids),
+            **self._choice_extras(output, token_ids, logprobs),
         }
         return self._envelope(self.chunk_object_name, [choice])
 
@@ -217,9 +232,9 @@ class ChatFormat(_Format):
         delta = {"reasoning_content": reasoning} if reasoning else {}
         return {**delta, "content": content} if content else delta
 
-    def logprobs(self, output: RequestOutput) -> dict:
+    def logprobs(self, steps: list, stream: bool = False) -> dict:
         content = []
-        for token_id, logprob, best in self._steps(output):
+        for token_id, logprob, best in steps:
             entry = self._token_entry(token_id, logprob)
             entry["top_logprobs"] = [self._token_entry(t, lp) for t, lp in best]
             content.append(entry)

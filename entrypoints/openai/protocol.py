@@ -4,13 +4,19 @@ Pydantic lives here and nowhere deeper: a parsed request becomes a plain ``Sampl
 prompt; bodies are parsed within limits (``json_body``) and every failure is an ``APIError``
 (``errors``) with OpenAI's error body. No field is silently ignored: fields the API
 defines but this server does not implement (``n`` > 1, ``echo``, penalties, ``logit_bias``,
-``tools``, ``tool_choice``, ``response_format``, ``reasoning_effort``, ...) are a 400 naming them
-unless they hold the value that asks for nothing (``tools: []``, ``tool_choice: "none"``,
-``response_format: {"type": "text"}``, ...), and so is any top-level field the API does not
-define (``repetition_penalty``, ``min_p``, a typo). ``INFORMATIONAL`` fields (``user``,
-``metadata``, ``store``, ...) do not change what is generated and are accepted. Inside a message,
-``tool_calls``, ``function_call`` and ``audio`` are refused; other keys of a message (``refusal``,
-``annotations``, as a client echoes an earlier answer back) are not part of the prompt.
+``tools``, ``tool_choice``, ``response_format``, ...) are a 400 naming them unless they hold the
+value that asks for nothing (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
+"text"}``, ...), and so is any field the API does not define, at the top level, in
+``stream_options`` or in a message (``repetition_penalty``, ``min_p``, a typo). ``INFORMATIONAL``
+fields (``user``, ``metadata``, ``store``, ...) do not change what is generated and are accepted.
+Inside a message, ``tool_calls``, ``function_call``, ``audio`` and a ``name`` (the chat format
+renders none) are refused; ``refusal`` and ``annotations`` (a client echoing an earlier answer
+back) are accepted and not part of the prompt. ``reasoning_effort`` ("none", "minimal": no
+thinking; "low", "medium", "high": thinking) and ``chat_template_kwargs.enable_thinking`` set the
+chat format's thinking mode, as ``chat_template_kwargs.thinking`` does (values that disagree are
+a 400). DeepSeek's prefix completion: the last message may be an assistant message with
+``prefix: true``, whose text (and reasoning) the answer continues. ``stream_options`` takes
+``include_usage`` and ``continuous_usage_stats`` (every chunk carries the usage so far).
 Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the choice
 then carries the generated ``token_ids``; each stream chunk carries its new ones) and, for chat,
 ``chat_template_kwargs`` (template variables; the DeepSeek-V4 format takes ``thinking`` and
@@ -42,8 +48,6 @@ NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> w
     "audio": "only text output is supported",
     "modalities": 'only text output is supported (modalities ["text"])',
     "prediction": "predicted outputs are not supported",
-    "reasoning_effort": "it is not supported; turn reasoning on with chat_template_kwargs "
-    '{"thinking": true}',
     "verbosity": "it is not supported",
     "web_search_options": "web search is not supported",
 }
@@ -75,8 +79,9 @@ class _Request(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # every chunk carries the usage so far
 
 
 class _GenerationRequest(_Request):
@@ -136,6 +141,10 @@ class _GenerationRequest(_Request):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """OpenAI's defaults for omitted fields (temperature 1, top_p 1); a bad value is a 400
         naming the field (SamplingParams' messages start with it)."""
@@ -191,14 +200,18 @@ class TextPart(_Strict):
     text: str
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None  # an earlier answer's reasoning (thinking mode)
+    prefix: bool = False  # the last assistant message: the answer goes on from its text
     tool_calls: Any = None
     function_call: Any = None
     audio: Any = None
+    # what an answer that a client echoes back may carry: not part of the prompt
+    refusal: str | None = None
+    annotations: list | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -212,13 +225,13 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         for i, message in enumerate(self.messages):
-            for name, why in MESSAGE_NOT_IMPLEMENTED.items():
-                if getattr(message, name):
-                    raise bad_request(f"messages.{i}.{name}: {why}", f"messages.{i}.{name}")
+            _check_message(i, message, last=i == len(self.messages) - 1)
+        self.template_kwargs()  # a bad thinking option is a 400 naming it
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
@@ -232,16 +245,64 @@ class ChatCompletionRequest(_GenerationRequest):
     def template_messages(self) -> list[dict]:
         messages = []
         for m in self.messages:
-            reasoning = (
-                {} if m.reasoning_content is None else {"reasoning_content": m.reasoning_content}
-            )
-            messages.append({"role": m.role, "content": m.text(), **reasoning})
+            extra = {"reasoning_content": m.reasoning_content} if m.reasoning_content else {}
+            if m.prefix:
+                extra["prefix"] = True
+            messages.append({"role": m.role, "content": m.text(), **extra})
         return messages
+
+    def template_kwargs(self) -> dict:
+        """chat_template_kwargs for the chat format: ``enable_thinking`` (the name other
+        servers use) and ``reasoning_effort`` become its ``thinking`` switch."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        asked = {}
+        if "enable_thinking" in kwargs:
+            asked["chat_template_kwargs.enable_thinking"] = kwargs.pop("enable_thinking")
+        if self.reasoning_effort is not None:
+            if self.reasoning_effort not in REASONING_EFFORTS:
+                raise bad_request(f"reasoning_effort must be one of {sorted(REASONING_EFFORTS)} "
+                                  "(the DeepSeek-V4 chat format thinks or does not)",
+                                  "reasoning_effort")  # fmt: skip
+            asked["reasoning_effort"] = REASONING_EFFORTS[self.reasoning_effort]
+        if "thinking" in kwargs:
+            asked["chat_template_kwargs.thinking"] = kwargs["thinking"]
+        for name, value in asked.items():
+            if not isinstance(value, bool):
+                raise bad_request(f"{name} must be true or false, got {value!r}", name)
+        values = set(asked.values())
+        if len(values) > 1:
+            raise bad_request(f"{' and '.join(asked)} disagree", next(iter(asked)))
+        if asked:
+            kwargs["thinking"] = next(iter(asked.values()))
+        return kwargs
 
     @property
     def thinking(self) -> bool:
-        """Whether the answer opens with reasoning (the template's ``thinking`` variable)."""
-        return (self.chat_template_kwargs or {}).get("thinking") is True
+        """Whether the answer is in thinking mode (the template's ``thinking`` variable)."""
+        return self.template_kwargs().get("thinking") is True
+
+    @property
+    def answer_prefix(self) -> dict | None:
+        """The last message when it is an assistant prefix the answer continues."""
+        last = self.messages[-1]
+        return self.template_messages()[-1] if last.prefix else None
+
+
+# reasoning_effort -> thinking mode (OpenAI's values; the chat format has one depth of thinking)
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+
+
+def _check_message(index: int, message: ChatMessage, last: bool) -> None:
+    where = f"messages.{index}"
+    for name, why in MESSAGE_NOT_IMPLEMENTED.items():
+        if getattr(message, name):
+            raise bad_request(f"{where}.{name}: {why}", f"{where}.{name}")
+    if message.name is not None:
+        raise bad_request(f"{where}.name: the DeepSeek-V4 chat format renders no participant "
+                          "names", f"{where}.name")  # fmt: skip
+    if message.prefix and not (last and message.role == "assistant"):
+        raise bad_request(f"{where}.prefix: only the last message, an assistant one, can be the "
+                          "prefix of the answer", f"{where}.prefix")  # fmt: skip
 
 
 def parse_request(model_cls: type[_GenerationRequest], body: bytes) -> _GenerationRequest:
@@ -288,6 +349,7 @@ def _validation_error(exc: ValidationError) -> APIError:
         msg = "a required field is missing"
     elif err["type"] == "extra_forbidden":
         msg = "this server does not implement this field (unknown fields are refused, not ignored)"
+        return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc))  # the field, however deep
     return bad_request(f"{'.'.join(loc)}: {msg}", loc[0] if loc else None)
 
 

@@ -1,7 +1,8 @@
 """Streamed text of a thinking-mode answer split into ``reasoning_content`` and ``content``.
 
 ``ReasoningSplitter`` takes the text deltas of one answer and gives back (reasoning, content)
-deltas whose concatenations equal ``split_reasoning`` of the whole text, however the text was cut:
+deltas whose concatenations equal ``split_reasoning`` of the whole text, however the text was cut
+(an answer that continues a prefix starts in its reasoning or its content instead):
 a leading ``<think>`` is dropped, the reasoning runs up to the first ``</think>`` and the content
 is everything after it. A delta that may be the start of either tag is held back until the next
 one decides it (or ``finish`` releases it as reasoning, as ``split_reasoning`` would).
@@ -13,9 +14,17 @@ from dsv4ray.model.chat_encoding import THINK_END, THINK_START
 
 
 class ReasoningSplitter:
-    def __init__(self) -> None:
-        self._state = "start"  # start: a leading <think> may still come; then reasoning, content
+    def __init__(self, state: str = "start") -> None:
+        """state: "start" (a leading <think> may still come), "reasoning" or "content" (an
+        answer that continues a prefix: model/chat_encoding.prefix_state)."""
+        self._state = state
         self._held = ""  # text that may be part of a tag, not yet given back
+
+    def split(self, text: str) -> tuple[str, str]:
+        """A whole answer -> (reasoning, content), as its deltas would give them."""
+        reasoning, content = self.push(text)
+        more_reasoning, more_content = self.finish()
+        return reasoning + more_reasoning, content + more_content
 
     def push(self, text: str) -> tuple[str, str]:
         """The next text delta -> (reasoning delta, content delta)."""

@@ -4,11 +4,14 @@
 Serve deployment (entrypoints/serve.py) hands it to ``@serve.ingress``; tests and other hosts
 drive it with any ASGI client. The engine is reached through ``EngineClient``, the small protocol
 that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``
-(JSON or server-sent events), ``GET /v1/models[/{id}]``, ``GET /health`` (no key needed) and
-``GET /v1/dsv4ray/stats`` (engine counters: running and waiting requests, free pages). Who may
-call is ``edge.py``'s rule (the key, else local clients only). Every failure is answered with
-OpenAI's error body and the server keeps serving; a 5xx names what failed, never internals. A
-client that disconnects mid-stream aborts its request, whose pages go back.
+(JSON or server-sent events), ``GET /v1/models[/{id}]``, ``GET /health`` (no key needed),
+``GET /v1/dsv4ray/stats`` (engine counters: running and waiting requests, free pages),
+``GET /metrics`` (vLLM's series, Prometheus text; no key needed), ``POST /tokenize`` and
+``POST /detokenize`` (vLLM's; a prompt or messages become exactly the ids generation would feed
+the engine). Who may call is ``edge.py``'s rule (the key, else local clients only). Every
+failure is answered with OpenAI's error body and the server keeps serving; a 5xx names what
+failed, never internals. A client that disconnects mid-stream aborts its request, whose pages go
+back.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Protocol, runtime_checkable
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.sampling import SamplingParams
@@ -38,6 +42,9 @@ from dsv4ray.entrypoints.openai.protocol import (
     parse_request,
 )
 from dsv4ray.entrypoints.openai.streaming import SSEResponse, Tracked, last_output, stream
+from dsv4ray.entrypoints.openai.tokenize import DetokenizeRequest, TokenizeRequest
+from dsv4ray.entrypoints.openai.vllm_metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from dsv4ray.model.chat_encoding import prefix_state
 
 log = logging.getLogger("dsv4ray.serve")
 
@@ -45,13 +52,15 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 STATS_POLL_S = 1.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTE_PATHS = (*GENERATION_PATHS, "/v1/models", "/v1/dsv4ray/stats", "/health")
+ROUTE_PATHS += ("/metrics", "/tokenize", "/detokenize")
 
 
 @runtime_checkable
 class EngineClient(Protocol):
     """What the server needs from an engine (AsyncEngine provides it). ``tokenizer`` is a
-    ``dsv4ray.model.tokenizer.Tokenizer`` (``encode``, ``encode_chat``); ``config.model`` the
-    checkpoint folder (its ``tokenizer.json`` gives logprobs their token bytes)."""
+    ``dsv4ray.model.tokenizer.Tokenizer`` (``encode``, ``encode_chat``, ``decode``);
+    ``config.model`` the checkpoint folder (its ``tokenizer.json`` gives logprobs their token
+    bytes, its ``config.json`` the vocabulary size)."""
 
     config: EngineConfig
     tokenizer: object
@@ -77,7 +86,9 @@ class OpenAIServer:
         self.engine, self.options, self.metrics = engine, options, metrics
         self.num_pending = 0
         self.token_bytes = TokenBytes(engine.config.model)
+        self.vocab_size = ModelConfig.from_hf(engine.config.model).vocab_size
         self.created = int(time.time())
+        metrics.bind_engine(engine.max_model_len, engine.config.speculative_num_steps > 0)
         self._poller: asyncio.Task | None = None
         self.app = build_api(self)
 
@@ -154,15 +165,52 @@ class OpenAIServer:
         stats = await self.engine.stats()
         return JSONResponse({**stats, "num_pending_http_requests": self.num_pending})
 
+    async def scrape(self) -> Response:
+        """``GET /metrics``: the vLLM-named series (counts and times only, no request content)."""
+        return Response(self.metrics.vllm.exposition(), media_type=PROMETHEUS_CONTENT_TYPE)
+
+    # ------------------------------------------------------------------ prompts
+    def prompt_ids(self, prompt: str | list[int], add_bos: bool | None = None) -> list[int]:
+        """A completion prompt as the engine gets it: a string tokenized (``add_bos`` None: as
+        the checkpoint asks), token ids as they are (the engine checks them)."""
+        if isinstance(prompt, str):
+            return _tokenize(self.engine.tokenizer.encode, "prompt", prompt, add_bos)
+        return list(prompt)
+
+    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
+        """The chat messages rendered with the checkpoint's chat encoding, tokenized."""
+        messages, kwargs = req.template_messages(), req.template_kwargs()
+        return _tokenize(self.engine.tokenizer.encode_chat, "messages", messages, kwargs)
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await read_body(request, self.options.max_body_bytes)
+        req = parse_request(TokenizeRequest, body)
+        self._check_model(req.model or self.options.served_model_name)
+        if req.messages is None:
+            ids = self.prompt_ids(req.prompt, None if req.add_special_tokens else False)
+        else:
+            ids = self.chat_prompt_ids(req.as_chat())
+        count, context = len(ids), self.engine.max_model_len
+        return JSONResponse({"count": count, "max_model_len": context, "tokens": ids})
+
+    async def detokenize(self, request: Request) -> Response:
+        body = await read_body(request, self.options.max_body_bytes)
+        req = parse_request(DetokenizeRequest, body)
+        self._check_model(req.model or self.options.served_model_name)
+        bad = [t for t in req.tokens if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", "tokens"
+            )
+        text = self.engine.tokenizer.decode(req.tokens, skip_special_tokens=False)
+        return JSONResponse({"prompt": text})
+
     # ------------------------------------------------------------------ generation
     async def completions(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
-        if isinstance(req.prompt, str):
-            prompt_ids = _tokenize(self.engine.tokenizer.encode, "prompt", req.prompt)
-        else:
-            prompt_ids = list(req.prompt)
+        prompt_ids = self.prompt_ids(req.prompt)
         max_tokens = self._max_tokens(
             req.max_tokens, len(prompt_ids), "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS
         )
@@ -176,9 +224,7 @@ class OpenAIServer:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
-        encode_chat = self.engine.tokenizer.encode_chat
-        messages, kwargs = req.template_messages(), req.chat_template_kwargs
-        prompt_ids = _tokenize(encode_chat, "messages", messages, kwargs)
+        prompt_ids = self.chat_prompt_ids(req)
         max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), "messages", None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, num_top)
@@ -188,6 +234,7 @@ class OpenAIServer:
             num_top,
             req.return_token_ids,
             thinking=req.thinking,
+            start=prefix_state(req.template_messages(), req.thinking),
         )
         return await self._generate("/v1/chat/completions", prompt_ids, params, req, fmt)
 
@@ -221,14 +268,15 @@ class OpenAIServer:
         try:
             first = await updates.__anext__()  # engine-side ValueErrors come before any token
         except ValueError as exc:
-            tracked.release()  # answered as a 400, counted as it is sent
+            tracked.release(None)  # never ran; answered as a 400, counted as it is sent
             field = "prompt" if endpoint == "/v1/completions" else "messages"
             raise bad_request(str(exc), field) from None
         except BaseException as exc:
             await _give_up(tracked, updates, exc)
             raise
         if req.stream:
-            body = stream(tracked, fmt, first, updates, req.include_usage)
+            usage = (req.include_usage, req.continuous_usage, len(prompt_ids))
+            body = stream(tracked, fmt, first, updates, usage)
             return SSEResponse(body, cleanup=tracked.cancel, media_type="text/event-stream")
         try:
             output = await last_output(tracked, first, updates)

@@ -277,12 +277,16 @@ def _total(series: dict[str, float], name: str, *tags: str) -> float:
     return sum(series[k] for k in matching)
 
 
-def test_prefix_cache_hits_show_in_usage_and_metrics(client, ray_session):
+def test_prefix_cache_hits_show_in_usage_and_metrics(client, base_url, ray_session):
     prompt = [7 + i % 200 for i in range(600)]  # two full 256-token pages to reuse
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert second.usage.prompt_tokens_details.cached_tokens >= 512
+    # vLLM's series on the API port, without the key (as Prometheus scrapes), updated at once
+    scraped = httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines()
+    vllm = dict(line.rsplit(" ", 1) for line in scraped if line.startswith("vllm:"))
+    assert float(vllm[f'vllm:prefix_cache_hits_total{{model_name="{MODEL}"}}']) >= 512
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="no-such-model", prompt="x", max_tokens=1)
 

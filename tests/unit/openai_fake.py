@@ -78,6 +78,8 @@ class FakeEngine:
                 return
             await asyncio.sleep(0)  # other requests run between steps
             update = RequestUpdate(request_id, [token], decoder.push([token]))
+            if params.logprobs is not None:  # as the engine records them, per step
+                update.logprobs = [self._step_logprobs(token, params.logprobs)]
             if i == len(reply) - 1:
                 update.output = self._output(ids, reply, params, False)
             yield update

@@ -126,7 +126,22 @@ def test_chat_logprobs_carry_tokens_bytes_and_top_alternatives(client):
     assert chat(client, max_tokens=2, logprobs=True)["choices"][0]["logprobs"]["content"][0][
         "top_logprobs"] == []  # fmt: skip
     streamed = events(client, "/v1/chat/completions", max_tokens=5, logprobs=True, top_logprobs=3)
-    assert streamed[-1]["choices"][0]["logprobs"]["content"] == content  # all in the last chunk
+    per_chunk = [c["choices"][0]["logprobs"] for c in streamed if c["choices"]]
+    # each chunk carries its own token's entry; joined they are the whole answer's
+    assert [len(lp["content"]) for lp in per_chunk if lp] == [1] * 5
+    assert [e for lp in per_chunk if lp for e in lp["content"]] == content
+
+
+def test_completion_logprobs_include_the_sampled_token_and_stream_per_chunk(client):
+    zero = completion(client, max_tokens=3, logprobs=0)["choices"][0]["logprobs"]
+    assert zero["top_logprobs"] == [{ch: SAMPLED_LOGPROB} for ch in "Hel"]
+    whole = completion(client, max_tokens=4, logprobs=1)["choices"][0]["logprobs"]
+    streamed = events(client, "/v1/completions", max_tokens=4, logprobs=1)
+    chunks = [c["choices"][0]["logprobs"] for c in streamed if c["choices"][0]["logprobs"]]
+    assert len(chunks) == 4
+    assert [t for lp in chunks for t in lp["tokens"]] == whole["tokens"]
+    assert [t for lp in chunks for t in lp["top_logprobs"]] == whole["top_logprobs"]
+    assert [o for lp in chunks for o in lp["text_offset"]] == whole["text_offset"]
 
 
 def script(engine: FakeEngine, text: str) -> None:
@@ -186,3 +201,53 @@ def test_streamed_reasoning_splits_as_the_whole_text_does_however_it_is_cut(text
                 reasoning, content = reasoning + r, content + c
             r, c = splitter.finish()
             assert (reasoning + r, content + c) == split_reasoning(text), (text, cuts)
+
+
+def test_continuous_usage_puts_the_usage_so_far_in_every_chunk(client, engine):
+    prompt_ids = engine.tokenizer.encode_chat(MESSAGES)
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    chunks = events(client, "/v1/chat/completions", max_tokens=4, stream_options=options)
+    assert all("usage" in c for c in chunks)
+    generated = [c["usage"]["completion_tokens"] for c in chunks if c["choices"]]
+    assert generated == [0, 1, 2, 3, 4]  # the role chunk, then one token a chunk
+    assert {c["usage"]["prompt_tokens"] for c in chunks} == {len(prompt_ids)}
+    assert chunks[-1]["usage"]["completion_tokens"] == 4  # the final usage chunk
+
+
+@pytest.mark.parametrize(
+    "fields,thinking",
+    [({"reasoning_effort": "high"}, True), ({"reasoning_effort": "none"}, False),
+     ({"chat_template_kwargs": {"enable_thinking": True}}, True)],  # fmt: skip
+)
+def test_reasoning_effort_and_enable_thinking_render_and_split_like_thinking(
+    client, engine, fields, thinking
+):
+    script(engine, f"Two and two.{THINK_END}4")
+    message = chat(client, **fields)["choices"][0]["message"]
+    assert engine.requests[-1][0] == engine.tokenizer.encode_chat(MESSAGES, {"thinking": thinking})
+    assert ("reasoning_content" in message) is thinking
+
+
+def test_prefix_completion_continues_the_assistant_text_it_was_given(client, engine):
+    script(engine, "4, surely.")
+    prefix = [*MESSAGES, {"role": "assistant", "content": "The answer is ", "prefix": True}]
+    message = chat(client, messages=prefix)["choices"][0]["message"]
+    assert message == {"role": "assistant", "content": "4, surely."}  # the continuation only
+    prompt = engine.tokenizer.decode(engine.requests[-1][0], skip_special_tokens=False)
+    assert prompt.endswith("<｜Assistant｜></think>The answer is ")  # no end of sentence
+    # thinking mode: a prefix of reasoning alone stays open, the answer continues it
+    script(engine, f" so 4.{THINK_END}4")
+    open_reasoning = [*MESSAGES, {"role": "assistant", "content": "", "prefix": True,
+                                  "reasoning_content": "Two and two"}]  # fmt: skip
+    body = chat(client, messages=open_reasoning, chat_template_kwargs=THINKING)
+    assert body["choices"][0]["message"] == {"role": "assistant", "reasoning_content": " so 4.",
+                                             "content": "4"}  # fmt: skip
+    prompt = engine.tokenizer.decode(engine.requests[-1][0], skip_special_tokens=False)
+    assert prompt.endswith(f"<｜Assistant｜>{THINK_START}Two and two")
+    # a prefix with text after its reasoning: the answer is all content
+    script(engine, "4.")
+    closed = [*MESSAGES, {"role": "assistant", "content": "It is ", "prefix": True,
+                          "reasoning_content": "Two and two"}]  # fmt: skip
+    body = chat(client, messages=closed, chat_template_kwargs=THINKING)
+    assert body["choices"][0]["message"] == {"role": "assistant", "reasoning_content": "",
+                                             "content": "4."}  # fmt: skip

@@ -161,7 +161,6 @@ REQUESTED = {  # a value of each field that asks for something this server does 
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
-    "reasoning_effort": "high",
     "verbosity": "low",
     "web_search_options": {},
 }
@@ -231,3 +230,69 @@ def test_a_message_echoed_back_from_an_answer_keeps_its_reasoning_for_the_templa
         ChatCompletionRequest, chat_body(chat_template_kwargs={"thinking": True})
     )
     assert thinking.thinking
+
+
+@pytest.mark.parametrize(
+    "message,param",
+    [
+        ({"role": "user", "content": "hi", "nmae": "x"}, "messages.0.nmae"),
+        ({"role": "user", "content": "hi", "name": "ann"}, "messages.0.name"),
+        ({"role": "user", "content": "hi", "tool_call_id": "c1"}, "messages.0.tool_call_id"),
+        ({"role": "user", "content": "hi", "prefix": True}, "messages.0.prefix"),
+    ],
+)
+def test_unknown_or_unrendered_message_keys_are_a_400_naming_them(message, param):
+    err = rejected(chat_body(messages=[message]), ChatCompletionRequest)
+    assert err.param == param
+
+
+def test_stream_options_accept_continuous_usage_and_refuse_unknown_keys():
+    ok = chat_body(stream=True, stream_options={"include_usage": True,
+                                                "continuous_usage_stats": True})  # fmt: skip
+    request = parse_request(ChatCompletionRequest, ok)
+    assert request.include_usage and request.continuous_usage
+    err = rejected(chat_body(stream=True, stream_options={"include_usage": True, "x": 1}),
+                   ChatCompletionRequest)  # fmt: skip
+    assert err.param == "stream_options.x"
+
+
+@pytest.mark.parametrize(
+    "fields,thinking",
+    [
+        ({"reasoning_effort": "high"}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+        ({"chat_template_kwargs": {"enable_thinking": False, "thinking": False}}, False),
+        ({"reasoning_effort": "low", "chat_template_kwargs": {"thinking": True}}, True),
+        ({}, False),
+    ],
+)
+def test_reasoning_effort_and_enable_thinking_set_the_thinking_mode(fields, thinking):
+    request = parse_request(ChatCompletionRequest, chat_body(**fields))
+    assert request.thinking is thinking
+    assert request.template_kwargs().get("thinking", False) is thinking
+    assert "enable_thinking" not in request.template_kwargs()
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"reasoning_effort": "max"}, "reasoning_effort"),
+        ({"reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}},
+         "reasoning_effort"),
+        ({"chat_template_kwargs": {"enable_thinking": "yes"}},
+         "chat_template_kwargs.enable_thinking"),
+    ],  # fmt: skip
+)
+def test_thinking_options_that_cannot_hold_are_a_400_naming_them(fields, param):
+    assert rejected(chat_body(**fields), ChatCompletionRequest).param == param
+
+
+def test_a_prefix_is_the_last_message_and_an_assistant_one():
+    prefix = {"role": "assistant", "content": "def f(", "prefix": True}
+    request = parse_request(ChatCompletionRequest, chat_body(messages=[CHAT["messages"][0],
+                                                                       prefix]))  # fmt: skip
+    assert request.template_messages()[-1] == {"role": "assistant", "content": "def f(",
+                                               "prefix": True}  # fmt: skip
+    early = [prefix, CHAT["messages"][0]]
+    assert rejected(chat_body(messages=early), ChatCompletionRequest).param == "messages.0.prefix"
