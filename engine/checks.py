@@ -12,6 +12,21 @@ def check_request_id(req_id: object) -> None:
     check_text("request id", req_id)
 
 
+def check_sampling(params, vocab_size: int, drafts: bool) -> None:
+    """What SamplingParams cannot check alone: logit_bias ids inside the vocabulary, and no
+    penalties with drafts (a draft's penalty would read the drafts before it)."""
+    outside = [t for t, _ in params.logit_bias if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    if params.penalizes and drafts:
+        raise ValueError(
+            "presence, frequency and repetition penalties are not supported with "
+            "speculative_num_steps"
+        )
+
+
 def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:
     """The page layouts and kernels assume the release's head shapes."""
     for name, want in (("head_dim", 512), ("qk_rope_head_dim", 64), ("index_head_dim", 128)):

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from dsv4ray.cache.formats import PAGE_SIZE
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine import spec
-from dsv4ray.engine.checks import check_request_id
+from dsv4ray.engine.checks import check_request_id, check_sampling
 from dsv4ray.engine.config import EngineConfig, SchedulerConfig
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
@@ -151,6 +151,7 @@ class EngineCore:
         """ValueError for anything a plan could not carry: a request is checked whole before it
         reaches the scheduler, so no step ever fails on one request's data."""
         check_request_id(req_id)
+        check_sampling(params, self.model_config.vocab_size, self.config.speculative_num_steps > 0)
         limit = self.hisparse_host_limit
         if limit is not None and len(prompt_ids) >= limit:
             raise ValueError(
@@ -340,7 +341,8 @@ class EngineCore:
             point = self.resume.pop(req_id, None)
             if point is not None:  # it ran before its draft worker died: resume where it was
                 prompt = point.prompt_token_ids
-                params = dataclasses.replace(params, max_tokens=point.max_tokens, seed=point.seed)
+                params = dataclasses.replace(params, max_tokens=point.max_tokens, seed=point.seed,
+                                             min_tokens=point.min_tokens)  # fmt: skip
             try:
                 self.scheduler.add_request(req_id, prompt, params, req_id not in self.scoring)
             except ValueError as exc:  # too long for the restarted pipeline's pools

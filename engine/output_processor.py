@@ -61,8 +61,10 @@ class OutputProcessor:
             return delta, False
         before = len(out.text)
         out.text += delta
-        # the text before this delta held no stop string, so one can only start in its last
-        # len(stop) - 1 characters or in the delta: search there, and cut at the earliest
+        if len(out.token_ids) < sp.min_tokens:  # stop strings end nothing before min_tokens
+            return delta, False
+        # the text before this delta held no stop string that counts, so one can only start in
+        # its last len(stop) - 1 characters or in the delta: search there, cut at the earliest
         start = max(0, before - max(len(stop) for stop in sp.stop) + 1)
         cuts = [cut for cut in (out.text.find(stop, start) for stop in sp.stop) if cut >= 0]
         if not cuts:

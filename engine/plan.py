@@ -65,6 +65,11 @@ class NewRequest:
     state_copy_from: int
     sampling: dict[str, Any]
     seed: int
+    # what sampling controls read (engine/sampling.py): the prompt's length, every token so far
+    # when penalties count them, the ids min_tokens holds back (eos unless ignored, stop ids)
+    prompt_len: int = 0
+    history: list[int] = field(default_factory=list)
+    stop_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -15,6 +15,9 @@ from typing import Any
 MAX_LOGPROBS = 20
 INT64 = 2**63  # seeds and ids travel in msgpack-encoded plans as signed 64-bit integers
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing by them overflows fp32)
+MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
+MAX_LOGIT_BIAS_TOKENS = 1024
 
 
 def _is_int(value: object) -> bool:
@@ -47,6 +50,16 @@ class SamplingParams:
     stop_token_ids  token ids that end the output (normalised to a tuple)
     logprobs        None, or top logprobs per token (0..20; 0 = only the sampled token's)
     ignore_eos      keep generating past the model's eos token
+    presence_penalty    [-2, 2]: subtracted from the logit of every token generated so far
+    frequency_penalty   [-2, 2]: subtracted once per time a token was generated so far
+    repetition_penalty  > 0 (1 = off): logits of tokens in the prompt or generated so far are
+                        divided by it where positive, multiplied where negative
+    min_p           [0, 1]: tokens less likely than min_p times the likeliest are dropped (after
+                    temperature; greedy ignores it)
+    min_tokens      the eos and stop_token_ids cannot be drawn before this many tokens
+    logit_bias      {token id: bias in [-100, 100]} added to the logits (up to 1024 ids; kept
+                    as sorted (id, bias) pairs)
+    Logprobs are those of the model's raw logits, before any of these.
     """
 
     max_tokens: int = 16
@@ -58,10 +71,20 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __post_init__(self) -> None:
         self._check_lengths()
         self._check_sampling()
+        self._check_controls()
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "logit_bias", self._normalise_bias(self.logit_bias))
         temperature = float(self.temperature)
         object.__setattr__(self, "temperature", 0.0 if temperature < GREEDY_BELOW else temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -90,6 +113,48 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -INT64 <= self.seed < INT64):
             raise ValueError(f"seed must be None or a 64-bit signed int, got {self.seed!r}")
+
+    def _check_controls(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], "
+                                 f"got {value!r}")  # fmt: skip
+        rep = self.repetition_penalty
+        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got "
+                f"{self.min_tokens!r}"
+            )
+
+    @staticmethod
+    def _normalise_bias(bias: object) -> tuple[tuple[int, float], ...]:
+        if bias is None:
+            return ()
+        if isinstance(bias, (list, tuple)):  # to_dict's pairs
+            bias = dict(bias)
+        if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to "
+                             f"biases, got {bias!r}"[:300])  # fmt: skip
+        out = {}
+        for token, value in bias.items():
+            if not _is_int(token) or not 0 <= token < INT64:
+                raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+            if not _is_number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-{MAX_LOGIT_BIAS}, "
+                                 f"{MAX_LOGIT_BIAS}], got {value!r} for token {token}")  # fmt: skip
+            out[token] = float(value)
+        return tuple(sorted(out.items()))
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether sampling reads the request's tokens so far (the penalties)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)  # fmt: skip
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:
@@ -122,6 +187,7 @@ class SamplingParams:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["stop"] = list(self.stop)
         data["stop_token_ids"] = list(self.stop_token_ids)
+        data["logit_bias"] = [list(pair) for pair in self.logit_bias]
         return data
 
     @classmethod

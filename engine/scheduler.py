@@ -316,7 +316,8 @@ class Scheduler:
         step_id = next(self._step_ids)
         plan = StepPlan(step_id=step_id, preempted_ids=step.preempted_ids)
         plan.snapshots = self.kv.take_step_snapshots(step.entries, step.lookahead)
-        plan.new_requests = [sync.new_request(req) for req in step.admitted]
+        eos = self.config.eos_token_id
+        plan.new_requests = [sync.new_request(req, eos) for req in step.admitted]
         plan.diffs = [diff for req in self._running if (diff := sync.pop_diff(req)) is not None]
         plan.draft = self.config.num_speculative_steps > 0
         for req, start, num_tokens in step.entries:

@@ -135,18 +135,21 @@ def rejected_span(req: Request, end: int) -> tuple[int, int] | None:
 @dataclass(frozen=True)
 class Resume:
     """Where a request stands when the pipeline restarts under it (its draft worker died):
-    its tokens so far become the prompt, the rest of its budget the new max_tokens."""
+    its tokens so far become the prompt, the rest of its budget the new max_tokens (and of its
+    min_tokens the new min_tokens)."""
 
     prompt_token_ids: list[int]
     max_tokens: int
     seed: int
+    min_tokens: int = 0
 
 
 def resume_point(req: Request) -> Resume | None:
     """None for a request that has generated nothing (it simply starts again)."""
     if req.num_output_tokens == 0:
         return None
-    return Resume(list(req.token_ids), req.sampling.max_tokens - req.num_output_tokens, req.seed)
+    sp, done = req.sampling, req.num_output_tokens
+    return Resume(list(req.token_ids), sp.max_tokens - done, req.seed, max(0, sp.min_tokens - done))
 
 
 def resume_points(scheduler, req_ids) -> dict[str, Resume]:

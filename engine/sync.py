@@ -12,7 +12,7 @@ from dsv4ray.engine.plan import NewRequest, RequestDiff
 from dsv4ray.engine.request import Request
 
 
-def new_request(req: Request) -> NewRequest:
+def new_request(req: Request, eos_token_id: int | None = None) -> NewRequest:
     """The request in full (first admission, or again after preemption); nothing is pending."""
     windows = [-1] * (max(req.window_pages) + 1)
     for idx, page_id in req.window_pages.items():
@@ -30,7 +30,18 @@ def new_request(req: Request) -> NewRequest:
         state_copy_from=req.state_copy_from,
         sampling=req.sampling.to_dict(),
         seed=req.seed,
+        prompt_len=req.prompt_len,
+        history=list(req.token_ids) if req.sampling.penalizes else [],
+        stop_ids=_held_back(req.sampling, eos_token_id),
     )
+
+
+def _held_back(params, eos_token_id: int | None) -> list[int]:
+    """The ids ``min_tokens`` keeps from being drawn (none without min_tokens)."""
+    if not params.min_tokens:
+        return []
+    eos = [] if eos_token_id is None or params.ignore_eos else [eos_token_id]
+    return sorted({*eos, *params.stop_token_ids})
 
 
 def pop_diff(req: Request) -> RequestDiff | None:

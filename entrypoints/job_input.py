@@ -1,14 +1,15 @@
 """The batch job's files: input lines checked with their line numbers, and the output's record
 of which ids finished. Nothing here needs the checkpoint: prompts are tokenized by the replicas.
 
-Input lines: ``{"id", "prompt" | "messages", "max_tokens", "temperature", "top_p", "top_k",
-"seed", "stop", "stop_token_ids", "logprobs", "ignore_eos"}``; the input is a local path or a
+Input lines: ``{"id", "prompt" | "messages"}`` and any SamplingParams field (``max_tokens``,
+``temperature``, ..., ``logit_bias`` with token ids as keys); the input is a local path or a
 URI that pyarrow's filesystems read (``s3://``, ``gs://``, ``hdfs://``, ...; what Ray Data reads).
 The output is a local, append-only JSONL file keyed by id: the last line of an id wins.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -17,17 +18,7 @@ from dataclasses import dataclass, field
 
 from dsv4ray.engine.sampling import SamplingParams
 
-PARAM_KEYS = (
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "logprobs",
-    "ignore_eos",
-)
+PARAM_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))  # a line's sampling
 
 
 @dataclass
@@ -121,9 +112,19 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
         _check_messages(item["messages"])
     params = {k: item[k] for k in PARAM_KEYS if k in item}
     params.setdefault("max_tokens", default_max_tokens)
-    SamplingParams(**params)  # a bad value is this line's error, named
+    sampling_params(params)  # a bad value is this line's error, named
     prompt = {k: item[k] for k in ("prompt", "messages") if k in item}
     return str(req_id), {**prompt, "params": params}
+
+
+def sampling_params(params: dict) -> SamplingParams:
+    """A line's sampling fields as SamplingParams (logit_bias keys are JSON strings: ids)."""
+    bias = params.get("logit_bias")
+    if isinstance(bias, dict):
+        if not all(isinstance(k, str) and k.isdigit() for k in bias):
+            raise ValueError("logit_bias keys must be token ids")
+        params = {**params, "logit_bias": {int(k): v for k, v in bias.items()}}
+    return SamplingParams(**params)
 
 
 def _check_messages(messages) -> None:

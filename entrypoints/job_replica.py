@@ -15,8 +15,8 @@ import logging
 
 import ray
 
-from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.job_input import sampling_params
 
 log = logging.getLogger("dsv4ray.job")
 
@@ -46,7 +46,7 @@ class JobReplica:
         item = json.loads(request)
         try:
             ids = self._tokenize(item)
-            params = SamplingParams(**item["params"])
+            params = sampling_params(item["params"])
             final = None
             async for update in self.engine.generate(ids, params, request_id=f"line-{line_no}"):
                 final = update.output

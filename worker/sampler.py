@@ -40,12 +40,14 @@ _GOLDEN = 0x9E3779B9  # spreads consecutive vocab ids before they meet the row k
 
 @dataclass(frozen=True)
 class SamplingRow:
-    """One request's validated sampling parameters (temperature 0.0 = greedy, top_k -1 = off)."""
+    """One request's validated sampling parameters (temperature 0.0 = greedy, top_k -1 = off,
+    min_p 0.0 = off)."""
 
     temperature: float
     top_p: float
     top_k: int
     seed: int
+    min_p: float = 0.0
 
     @classmethod
     def from_plan(cls, params: dict, seed: int) -> SamplingRow:
@@ -60,8 +62,11 @@ class SamplingRow:
             raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {top_k!r}")
         if not _is_int(seed) or not -INT64 <= seed < INT64:
             raise ValueError(f"seed must be a 64-bit signed int, got {seed!r}")
+        min_p = params.get("min_p", 0.0)
+        if not _is_number(min_p) or not 0 <= min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
         temperature = 0.0 if temperature < GREEDY_BELOW else float(temperature)
-        return cls(temperature, float(top_p), int(top_k), int(seed))
+        return cls(temperature, float(top_p), int(top_k), int(seed), float(min_p))
 
     @property
     def is_greedy(self) -> bool:
@@ -130,16 +135,20 @@ class PendingSample:
         return self.outcomes
 
 
-def sample_batch_async(logits, rows, positions, num_top) -> PendingSample:
-    """``sample_batch`` without waiting for the device: the host copy is issued, not awaited."""
+def sample_batch_async(logits, rows, positions, num_top, raw=None) -> PendingSample:
+    """``sample_batch`` without waiting for the device: the host copy is issued, not awaited.
+    raw: the logits before sampling controls (worker/logits_processors.py), which logprobs
+    report; None: logits themselves."""
+    raw = logits if raw is None else raw
     try:
-        return _sample_pass(logits, rows, positions, num_top)
+        return _sample_pass(logits, rows, positions, num_top, raw)
     except Exception as exc:  # a row that escaped validation: find it, serve the others
         log.warning("batched sampling failed (%r); sampling row by row", exc)
     out = []
     for i in range(len(rows)):
         try:
-            one = (logits[i : i + 1], rows[i : i + 1], positions[i : i + 1], num_top[i : i + 1])
+            one = (logits[i : i + 1], rows[i : i + 1], positions[i : i + 1], num_top[i : i + 1],
+                   raw[i : i + 1])  # fmt: skip
             out += _sample_pass(*one).result()
         except Exception as exc:
             out.append(Sampled(error=f"sampling failed: {type(exc).__name__}: {exc}"[:300]))
@@ -147,7 +156,7 @@ def sample_batch_async(logits, rows, positions, num_top) -> PendingSample:
     return PendingSample(ids.to(logits.device), outcomes=out)
 
 
-def _sample_pass(logits, rows, positions, num_top) -> PendingSample:
+def _sample_pass(logits, rows, positions, num_top, raw) -> PendingSample:
     num_rows, vocab_size = logits.shape
     drawn = [i for i, row in enumerate(rows) if not row.is_greedy]
     if len(drawn) < num_rows:
@@ -169,7 +178,7 @@ def _sample_pass(logits, rows, positions, num_top) -> PendingSample:
     token_ids = token_ids.masked_fill(row_max - row_max != 0, -1)
     packed = token_ids.double()[:, None]  # ids < 2**53 are exact in float64
     if any(n is not None for n in num_top):
-        packed = torch.cat([packed, _logprob_columns(logits, token_ids, num_top)], dim=1)
+        packed = torch.cat([packed, _logprob_columns(raw, token_ids, num_top)], dim=1)
     if not packed.is_cuda:
         return PendingSample(token_ids, packed, None, num_top)
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
@@ -180,9 +189,9 @@ def _sample_pass(logits, rows, positions, num_top) -> PendingSample:
 
 
 def _upload(drawn: list[int], rows: list[SamplingRow], positions: list[int], device):
-    """[S, 5] float64 on the device for the S rows that draw: temperature, top_p, top_k, noise
-    key, row index (all exact in float64), moved in one copy."""
-    table = [(*rows[i].columns, rows[i].key(positions[i]), i) for i in drawn]
+    """[S, 6] float64 on the device for the S rows that draw: temperature, top_p, top_k, noise
+    key, row index (all exact in float64), min_p, moved in one copy."""
+    table = [(*rows[i].columns, rows[i].key(positions[i]), i, rows[i].min_p) for i in drawn]
     return to_device(table, torch.float64, device)
 
 
@@ -199,12 +208,19 @@ def _draw(logits: torch.Tensor, params: torch.Tensor, filters: bool) -> torch.Te
     tempered logits."""
     temperature, top_p = params[:, 0].float(), params[:, 1].float()
     top_k, key = params[:, 2].long(), params[:, 3].long()
-    scaled = logits / temperature[:, None]
+    scaled = _min_p(logits / temperature[:, None], params[:, 5].float())
     if not filters:
         return _argmax_noised(scaled, None, key)
     values, order = scaled.sort(dim=-1, descending=True)
     values = _filter_sorted(values, top_k, top_p)
     return order.gather(1, _argmax_noised(values, order, key)[:, None]).squeeze(1)
+
+
+def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Tempered logits [S, V] with the tokens less likely than min_p times the likeliest at -inf
+    (p / p_max < min_p exactly where the logit is below max + log(min_p))."""
+    floor = scaled.amax(-1) + torch.log(min_p)  # -inf where min_p is 0
+    return scaled.masked_fill(scaled < floor[:, None], float("-inf"))
 
 
 def _argmax_noised(values: torch.Tensor, vocab_ids: torch.Tensor | None, key: torch.Tensor):
@@ -298,6 +314,7 @@ class ReferenceSampler:
         self.temperature = float(params.get("temperature", 0.0))
         self.top_p = float(params.get("top_p", 1.0))
         self.top_k = int(params.get("top_k", -1))
+        self.min_p = float(params.get("min_p", 0.0))
         self.gen = torch.Generator().manual_seed(int(seed))
 
     def sample(self, logits: torch.Tensor) -> int:
@@ -311,6 +328,9 @@ class ReferenceSampler:
         return torch.softmax(self._filtered(logits.float() / self.temperature), dim=-1)
 
     def _filtered(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.min_p > 0:
+            probs = torch.softmax(logits, dim=-1)
+            logits = logits.masked_fill(probs < self.min_p * probs.max(), float("-inf"))
         if self.top_k > 0 and self.top_k < logits.shape[-1]:
             kth = torch.topk(logits, self.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))

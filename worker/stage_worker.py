@@ -27,6 +27,7 @@ from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.kv_export import KVPort, run_handoffs
+from dsv4ray.worker.logits_processors import LogitsProcessors
 from dsv4ray.worker.overlap import SampledTokens, record_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
@@ -77,6 +78,7 @@ class StageWorker:
         # the latest sampled id of every state slot, on the first stage (lookahead entries)
         self.sampled: SampledTokens | None = None
         self.peer_tokens: SampledTokens | None = None  # the first stage's, mapped over CUDA IPC
+        self.controls: LogitsProcessors | None = None  # the last stage's sampling controls
         self.num_eager_steps = 0  # steps with a batch that ran without a graph
         self.held: StageResult | None = None  # a lagged step's result, sampling still deferred
 
@@ -103,6 +105,9 @@ class StageWorker:
         )
         if self.is_first:
             self.sampled = SampledTokens.allocate(sizes.num_state_slots, self.device)
+        if self.is_last:
+            vocab = self.cfg.vocab_size
+            self.controls = LogitsProcessors(sizes.num_state_slots, vocab, self.device)
         log.info(
             "stage [%d, %d): pools %.1f MiB in %s pages",
             self.model.start,
@@ -295,7 +300,7 @@ class StageWorker:
                       draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
         logits, x, topk = out
-        launched = verify_rows(plan, logits, rows, self.sampling)
+        launched = verify_rows(plan, logits, rows, self.sampling, self.controls)
         if handoff:  # every batch token is scored: its target token is token_ids[its index]
             result.pending = launched
             result.handoff = Handoff(x, topk, rows, launched.token_ids)
@@ -331,7 +336,7 @@ class StageWorker:
         if plan.full_logits:
             self._full_logits(plan, x, result)
         if any(e.num_drafts for e in plan.batch):
-            sample_with_drafts(self.model, plan, x, self.sampling, result)
+            sample_with_drafts(self.model, plan, x, self.sampling, result, self.controls)
             return
         if not meta.sample_req_ids:
             return
@@ -339,14 +344,17 @@ class StageWorker:
             logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
         req_ids = meta.sample_req_ids
         # the token drawn follows the entry's last one: its position keys the seeded noise
-        positions = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
+        at = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
+        positions = [at[req_id] for req_id in req_ids]
         rows = [self.sampling[req_id] for req_id in req_ids]
         pending = sample_batch_async(
-            logits,
+            self.controls.apply(logits, req_ids, positions),
             [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
-            [positions[req_id] for req_id in req_ids],
+            positions,
             [plan.logprobs.get(req_id) for req_id in req_ids],
+            raw=logits,
         )
+        self.controls.record(req_ids, pending.token_ids)
         result.pending = (req_ids, rows, pending)
         self._share_samples(plan, req_ids, pending.token_ids, result)
 
@@ -414,6 +422,8 @@ class StageWorker:
         for req_id in [*plan.finished_ids, *plan.preempted_ids]:
             self.tables.pop(req_id, None)
             self.sampling.pop(req_id, None)
+            if self.controls is not None:
+                self.controls.drop(req_id)
         for new in plan.new_requests:
             self._add(new)
         resets = []  # (state slot, positions) whose C128 ring rows rejected drafts wrote
@@ -442,6 +452,7 @@ class StageWorker:
         if self.is_last:
             try:
                 self.sampling[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)
+                self.controls.add(new)
             except ValueError as exc:  # refused here so that it cannot fail the whole batch
                 self.sampling[new.req_id] = f"sampling failed: ValueError: {exc}"[:300]
 

@@ -77,40 +77,47 @@ def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk, row_of
     result.topk = topk.index_select(0, idx) if topk is not None else None
 
 
-def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, result) -> None:
+def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, result,
+                       controls=None) -> None:  # fmt: skip
     """Samples every sampling entry of a step that verifies drafts: one head pass and one
     batched sampling pass over the d + 1 positions of each entry (one for entries without
     drafts), then the accepted prefix (``verify``)."""
     rows = to_device(_scored_rows(plan), torch.long, x.device)
     logits = model.logits(x[rows])  # [R, V]
-    verify(plan, logits, sampling, result)
+    verify(plan, logits, sampling, result, controls)
 
 
-def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict):
+def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, controls=None):
     """``launch_verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy
     [T]) the row of each batch token."""
     rows = row_of[_scored_rows(plan)].tolist()
     scored = logits.index_select(0, to_device(rows, torch.long, logits.device))
-    return launch_verify(plan, scored, sampling)
+    return launch_verify(plan, scored, sampling, controls)
 
 
-def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult) -> None:
+def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult,
+           controls=None) -> None:  # fmt: skip
     """logits [R, V] fp32 of the scored rows (per sampling entry in batch order, its last
     num_drafts + 1 positions); sampling: req_id -> SamplingRow (or why it was refused). Fills
     result.sampled / accepted / logprobs / accepted_logprobs / errors."""
-    launch_verify(plan, logits, sampling).settle(result)
+    launch_verify(plan, logits, sampling, controls).settle(result)
 
 
-def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict) -> PendingVerify:
+def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
+                  controls=None) -> PendingVerify:  # fmt: skip
     """``verify``'s sampling pass, launched: the target's tokens stay on the device
-    (PendingVerify.token_ids [R]) until ``settle`` reads them."""
+    (PendingVerify.token_ids [R]) until ``settle`` reads them. controls: the stage's sampling
+    controls (worker/logits_processors.py; each scored row at its own position: the
+    penalties, which would read the drafts before a row, never come with drafts)."""
     entries = [e for e, _ in _sampling_entries(plan)]
     params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
     num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
     # the token drawn at row j follows position start + j: its position keys the seeded noise
     positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
-    pending = sample_batch_async(logits, usable, positions, num_top)
+    req_ids = [e.req_id for e in entries for _ in range(e.num_drafts + 1)]
+    controlled = logits if controls is None else controls.apply(logits, req_ids, positions)
+    pending = sample_batch_async(controlled, usable, positions, num_top, raw=logits)
     return PendingVerify(plan, pending, {e.req_id: sampling[e.req_id] for e in entries})
 
 

@@ -3,11 +3,11 @@
 Pydantic lives here and nowhere deeper: a parsed request becomes a plain ``SamplingParams`` and a
 prompt; bodies are parsed within limits (``json_body``) and every failure is an ``APIError``
 (``errors``) with OpenAI's error body. No field is silently ignored: fields the API
-defines but this server does not implement (``n`` > 1, ``echo``, penalties, ``logit_bias``,
-``tools``, ``tool_choice``, ``response_format``, ...) are a 400 naming them unless they hold the
+defines but this server does not implement (``n`` > 1, ``echo``, ``tools``, ``tool_choice``,
+``response_format``, ...) are a 400 naming them unless they hold the
 value that asks for nothing (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
 "text"}``, ...), and so is any field the API does not define, at the top level, in
-``stream_options`` or in a message (``repetition_penalty``, ``min_p``, a typo). ``INFORMATIONAL``
+``stream_options`` or in a message (``typical_p``, ``guided_json``, a typo). ``INFORMATIONAL``
 fields (``user``, ``metadata``, ``store``, ...) do not change what is generated and are accepted.
 Inside a message, ``tool_calls``, ``function_call``, ``audio`` and a ``name`` (the chat format
 renders none) are refused; ``refusal`` and ``annotations`` (a client echoing an earlier answer
@@ -17,7 +17,9 @@ chat format's thinking mode, as ``chat_template_kwargs.thinking`` does (values t
 a 400). DeepSeek's prefix completion: the last message may be an assistant message with
 ``prefix: true``, whose text (and reasoning) the answer continues. ``stream_options`` takes
 ``include_usage`` and ``continuous_usage_stats`` (every chunk carries the usage so far).
-Extensions: ``top_k``, ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the choice
+``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as string keys) go to
+the sampler. Extensions: ``top_k``, ``repetition_penalty``, ``min_p``, ``min_tokens`` (as vLLM
+takes them), ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the choice
 then carries the generated ``token_ids``; each stream chunk carries its new ones) and, for chat,
 ``chat_template_kwargs`` (template variables; the DeepSeek-V4 format takes ``thinking`` and
 ``drop_thinking``) and an assistant message's ``reasoning_content``.
@@ -99,6 +101,9 @@ class _GenerationRequest(_Request):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     top_k: int = -1
+    repetition_penalty: float = 1.0  # extensions, as vLLM takes them
+    min_p: float = 0.0
+    min_tokens: int = 0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -118,11 +123,6 @@ class _GenerationRequest(_Request):
     def check_supported(self) -> None:
         if self.n != 1:
             raise bad_request("only n = 1 is supported", "n")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name) != 0:
-                raise bad_request(f"{name} is not supported (use 0)", name)
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported", "logit_bias")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream = true", "stream_options")
         if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
@@ -159,6 +159,12 @@ class _GenerationRequest(_Request):
                 stop_token_ids=self.stop_token_ids,
                 logprobs=logprobs,
                 ignore_eos=self.ignore_eos,
+                presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty,
+                repetition_penalty=self.repetition_penalty,
+                min_p=self.min_p,
+                min_tokens=self.min_tokens,
+                logit_bias=_token_bias(self.logit_bias),
             )
         except ValueError as exc:
             raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None
@@ -286,6 +292,18 @@ class ChatCompletionRequest(_GenerationRequest):
         """The last message when it is an assistant prefix the answer continues."""
         last = self.messages[-1]
         return self.template_messages()[-1] if last.prefix else None
+
+
+def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, keys are JSON strings) with int ids."""
+    if bias is None:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or len(key) > 19:
+            raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out[int(key)] = value
+    return out
 
 
 # reasoning_effort -> thinking mode (OpenAI's values; the chat format has one depth of thinking)

@@ -72,3 +72,48 @@ def test_logprobs_match_the_reference(llm, tiny_model):
         assert set(top5) <= set(step) and out.token_ids[i] in step
         for tok, lp in step.items():
             assert abs(lp - ref[pos, tok].item()) < 1e-4
+
+
+def _controlled_greedy(model, prompt: list[int], n: int, params: dict, stop_ids=()) -> list[int]:
+    """Greedy decoding of the reference network with the sampling controls applied by the
+    element-wise reference of tests/unit/test_logits_processors.py."""
+    from tests.unit.test_logits_processors import reference
+
+    state = model.new_state(1)
+    logits = model.step(torch.tensor([prompt]), state)[0, -1].float()
+    tokens = list(prompt)
+    for _ in range(n):
+        x = reference(logits, params, tokens, len(prompt), len(tokens), stop_ids)
+        tokens.append(int(x.argmax()))
+        logits = model.step(torch.tensor([[tokens[-1]]]), state)[0, -1].float()
+    return tokens[len(prompt) :]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_sampling_controls_steer_greedy_decoding_like_the_reference(tiny_ckpt, tiny_model, pp):
+    g = torch.Generator().manual_seed(21)
+    prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (40, 7, 130, 60)]
+    plain = reference_greedy(tiny_model, prompts[3], 1)
+    cases = [  # (params, the ids min_tokens holds back)
+        ({"frequency_penalty": 1.5, "presence_penalty": 0.5}, ()),
+        ({"repetition_penalty": 1.8, "logit_bias": {7: 2.0, 9: -100.0}}, ()),
+        ({"logit_bias": {42: 100.0}}, ()),
+        # the plain answer's first token stops the request, but not before 3 tokens
+        ({"min_tokens": 3, "stop_token_ids": plain}, tuple(plain)),
+    ]
+    params = [SamplingParams(max_tokens=10, ignore_eos=True, **p) for p, _ in cases]
+    # in process, overlap scheduling on: each step's penalty reads the token drawn just before
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=pp, use_ray=False,
+              overlap_scheduling=True)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, params)
+    finally:
+        llm.shutdown()
+    for prompt, out, (p, stop_ids) in zip(prompts, outs, cases):
+        p = {k: v for k, v in p.items() if k != "stop_token_ids"}
+        want = _controlled_greedy(tiny_model, prompt, 10, p, stop_ids)
+        if stop_ids:  # the stop id ends the request once it may be drawn
+            want = want[: want.index(stop_ids[0]) + 1] if stop_ids[0] in want[3:] else want
+        assert out.token_ids == want, p
+    assert outs[2].token_ids == [42] * 10
+    assert len(outs[3].token_ids) > 1 and outs[3].token_ids[0] != plain[0]

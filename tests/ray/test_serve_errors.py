@@ -119,7 +119,7 @@ def test_bad_chat_requests_get_400(base_url, client):
         ({**good, "messages": [{"role": "user", "content": "x" * (CONTEXT + 5)}]}, "messages"),
         ({**good, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({**good, "response_format": {"type": "json_object"}}, "response_format"),
-        ({**good, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({**good, "typical_p": 0.9}, "typical_p"),
         ({**good, "chat_template_kwargs": {"thinking": 1}}, "chat_template_kwargs.thinking"),
     ]
     for body, param in cases:

@@ -189,10 +189,8 @@ def test_unimplemented_fields_that_ask_for_nothing_are_accepted(field):
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("repetition_penalty", 1.1),
-        ("min_p", 0.05),
-        ("min_tokens", 4),
         ("typical_p", 0.9),
+        ("length_penalty", 1.0),
         ("guided_json", {}),
         ("max_token", 5),
         ("best_of", 2),
@@ -296,3 +294,31 @@ def test_a_prefix_is_the_last_message_and_an_assistant_one():
                                                "prefix": True}  # fmt: skip
     early = [prefix, CHAT["messages"][0]]
     assert rejected(chat_body(messages=early), ChatCompletionRequest).param == "messages.0.prefix"
+
+
+def test_sampling_controls_reach_the_sampling_parameters():
+    body = chat_body(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.3,
+                     min_p=0.1, min_tokens=2, logit_bias={"7": 5.0, "11": -100})  # fmt: skip
+    params = parse_request(ChatCompletionRequest, body).sampling_params(16, None)
+    assert (params.frequency_penalty, params.presence_penalty) == (0.5, -1.0)
+    assert (params.repetition_penalty, params.min_p, params.min_tokens) == (1.3, 0.1, 2)
+    assert params.logit_bias == ((7, 5.0), (11, -100.0))
+
+
+@pytest.mark.parametrize(
+    "fields,param",
+    [
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"presence_penalty": -3}, "presence_penalty"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"min_tokens": 17}, "min_tokens"),  # beyond max_tokens 16
+        ({"logit_bias": {"x": 1.0}}, "logit_bias"),
+        ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+    ],
+)
+def test_sampling_controls_out_of_range_are_a_400_naming_them(fields, param):
+    request = parse_request(ChatCompletionRequest, chat_body(**fields))
+    with pytest.raises(APIError) as err:
+        request.sampling_params(16, None)
+    assert err.value.param == param

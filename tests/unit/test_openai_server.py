@@ -122,7 +122,7 @@ BAD_REQUESTS = [
     ("NaN temperature", b'{"model": "m", "prompt": "x", "temperature": NaN}', "temperature"),
     ("top_p 0", {**GOOD, "top_p": 0}, "top_p"),
     ("n > 1", {**GOOD, "n": 2}, "n"),
-    ("unknown field", {**GOOD, "repetition_penalty": 1.1}, "repetition_penalty"),
+    ("unknown field", {**GOOD, "typical_p": 0.9}, "typical_p"),
 ]
 
 
