@@ -87,6 +87,26 @@ class SampledTokens:
         token_ids.index_copy_(0, index[0], self.ids.to(token_ids.device).index_select(0, index[1]))
 
 
+def take_samples(sampled: SampledTokens, plan: StepPlan, result: StageResult, tables):
+    """The first stage, after the last stage of a lagged plan: the plan's sampled ids into
+    its table (or, over CUDA IPC, this stream ordered after their write)."""
+    if result.samples is not None:
+        req_ids = [e.req_id for e in plan.batch if e.sample]
+        sampled.record([tables[r].state_slot for r in req_ids], result.samples)
+        result.samples = None
+    sampled.wait()
+    return result
+
+
+def fill_tokens(sampled: SampledTokens | None, plan: StepPlan, token_ids, inputs, tables):
+    """Lookahead entries' ids [T] on the device: from the table on the first stage (sampled),
+    from the ids the first stage filled on a later one."""
+    if sampled is not None:
+        sampled.fill(plan, token_ids, tables)
+    else:
+        token_ids[: plan.num_tokens].copy_(inputs.token_ids)
+
+
 def record_samples(result: StageResult, req_ids: list[str], rows: list, pending) -> None:
     """Waits for a sampling pass's host copy and files each request's token, logprobs or error
     (rows: the requests' SamplingRow, or the reason their parameters were refused)."""

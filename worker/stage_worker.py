@@ -27,13 +27,12 @@ from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.kv_export import KVPort, run_handoffs
-from dsv4ray.worker.logits_processors import LogitsProcessors
-from dsv4ray.worker.overlap import SampledTokens, record_samples
+from dsv4ray.worker.overlap import SampledTokens, fill_tokens, record_samples, take_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
 from dsv4ray.worker.stage_graphs import StageGraphs
-from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over, sample_with_drafts, verify_rows
+from dsv4ray.worker.stage_sampling import StageSampling
+from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -68,7 +67,6 @@ class StageWorker:
         self.host_io = None
         self.kv_port: KVPort | None = None  # prefill/decode handoffs, once open_transfer ran
         self.tables: dict[str, ReqTable] = {}
-        self.sampling: dict[str, SamplingRow | str] = {}  # str: why the parameters were refused
         specs = [self.cfg.layers[i].rope for i in range(start, end)]
         self.ropes = RopeTables(specs, self.device)
         self.stage = HostStage()
@@ -77,8 +75,7 @@ class StageWorker:
         self.graphs: StageGraphs | None = None
         # the latest sampled id of every state slot, on the first stage (lookahead entries)
         self.sampled: SampledTokens | None = None
-        self.peer_tokens: SampledTokens | None = None  # the first stage's, mapped over CUDA IPC
-        self.controls: LogitsProcessors | None = None  # the last stage's sampling controls
+        self.sampler: StageSampling | None = None  # the last stage's sampling
         self.num_eager_steps = 0  # steps with a batch that ran without a graph
         self.held: StageResult | None = None  # a lagged step's result, sampling still deferred
 
@@ -106,8 +103,8 @@ class StageWorker:
         if self.is_first:
             self.sampled = SampledTokens.allocate(sizes.num_state_slots, self.device)
         if self.is_last:
-            vocab = self.cfg.vocab_size
-            self.controls = LogitsProcessors(sizes.num_state_slots, vocab, self.device)
+            slots = sizes.num_state_slots
+            self.sampler = StageSampling(self.model, slots, self.device, self.sampled)
         log.info(
             "stage [%d, %d): pools %.1f MiB in %s pages",
             self.model.start,
@@ -275,7 +272,7 @@ class StageWorker:
         if self.is_last:
             if draft_fill is not None:  # verifying on the host reads the drafts
                 draft_fill.resolve()
-            self._sample(plan, meta, x, result)
+            self.sampler.sample(plan, meta, x, result, self.tables)
             if plan.draft:
                 hand_over(plan, self.finish(result), x, topk)
         else:
@@ -292,7 +289,7 @@ class StageWorker:
             self.graphs.hand_on(out, rows, result)
             result.token_ids = meta.token_ids[: len(rows)] if plan.lookahead else None
         elif self.graphs.n == 1:
-            self._sample(plan, meta, None, result, out[meta.sample_idx])
+            self.sampler.sample(plan, meta, None, result, self.tables, out[meta.sample_idx])
         else:
             self._verify_graph(plan, out, rows, result, handoff, draft_fill)
 
@@ -300,7 +297,7 @@ class StageWorker:
                       draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
         logits, x, topk = out
-        launched = verify_rows(plan, logits, rows, self.sampling, self.controls)
+        launched = self.sampler.verify(plan, logits, rows)
         if handoff:  # every batch token is scored: its target token is token_ids[its index]
             result.pending = launched
             result.handoff = Handoff(x, topk, rows, launched.token_ids)
@@ -330,46 +327,6 @@ class StageWorker:
             x, topk = paged_block(self.model.block(layer_id), x, meta, self.pools, topk)
         return x, topk
 
-    def _sample(self, plan: StepPlan, meta: BatchMeta, x, result: StageResult, logits=None):
-        """Samples the plan's sampling entries from x [T, hc, hidden], or from their logits
-        [R, V] when a replayed graph computed them."""
-        if plan.full_logits:
-            self._full_logits(plan, x, result)
-        if any(e.num_drafts for e in plan.batch):
-            sample_with_drafts(self.model, plan, x, self.sampling, result, self.controls)
-            return
-        if not meta.sample_req_ids:
-            return
-        if logits is None:
-            logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
-        req_ids = meta.sample_req_ids
-        # the token drawn follows the entry's last one: its position keys the seeded noise
-        at = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
-        positions = [at[req_id] for req_id in req_ids]
-        rows = [self.sampling[req_id] for req_id in req_ids]
-        pending = sample_batch_async(
-            self.controls.apply(logits, req_ids, positions),
-            [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
-            positions,
-            [plan.logprobs.get(req_id) for req_id in req_ids],
-            raw=logits,
-        )
-        self.controls.record(req_ids, pending.token_ids)
-        result.pending = (req_ids, rows, pending)
-        self._share_samples(plan, req_ids, pending.token_ids, result)
-
-    def _share_samples(self, plan: StepPlan, req_ids: list[str], token_ids, result) -> None:
-        """The sampled ids [R] (device) toward the first stage's table, for the next plan's
-        lookahead entries (worker/overlap.py)."""
-        slots = [self.tables[req_id].state_slot for req_id in req_ids]
-        if self.sampled is not None:  # this stage is also the first
-            self.sampled.record(slots, token_ids)
-        elif self.peer_tokens is not None:
-            self.peer_tokens.record(slots, token_ids)
-            self.peer_tokens.event.record()
-        elif plan.lag:  # through the graph's edge back to the first stage (``take``)
-            result.samples = token_ids
-
     def export_tokens(self):
         """The first stage's table of sampled ids, for a last stage on the same GPU."""
         return self.sampled.export()
@@ -377,53 +334,26 @@ class StageWorker:
     def map_tokens(self, exported) -> bytes:
         """The last stage writes its sampled ids into the first stage's table (same GPU);
         returns the handle of the event it records after each write."""
-        self.peer_tokens, handle = SampledTokens.open_peer(exported)
+        self.sampler.peer_tokens, handle = SampledTokens.open_peer(exported)
         return handle
 
     def wait_for_tokens(self, event_handle: bytes) -> None:
         self.sampled.wait_for(event_handle)
 
     def take(self, plan: StepPlan, result: StageResult) -> StageResult:
-        """The first stage, after the last stage of a lagged plan: its sampled ids into the
-        table (or, over CUDA IPC, this stream ordered after their write)."""
-        if result.samples is not None:
-            req_ids = [e.req_id for e in plan.batch if e.sample]
-            self.sampled.record([self.tables[r].state_slot for r in req_ids], result.samples)
-            result.samples = None
-        self.sampled.wait()
-        return result
+        """The first stage, after the last stage of a lagged plan (worker/overlap.py)."""
+        return take_samples(self.sampled, plan, result, self.tables)
 
     def fill_tokens(self, plan: StepPlan, token_ids: torch.Tensor, inputs) -> None:
         """Lookahead entries' ids on the first stage; a later stage takes the filled ids."""
-        if not plan.lookahead:
-            return
-        if self.is_first:
-            self.sampled.fill(plan, token_ids, self.tables)
-        else:
-            token_ids[: plan.num_tokens].copy_(inputs.token_ids)
-
-    def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
-        """One head pass and one host copy for every scored request's tokens."""
-        spans, start = [], 0
-        for entry in plan.batch:
-            if entry.req_id in plan.full_logits:
-                spans.append((entry.req_id, start, entry.num_tokens))
-            start += entry.num_tokens
-        if not spans:
-            return
-        rows = torch.cat([torch.arange(s, s + n) for _, s, n in spans]).to(self.device)
-        logits = self.model.logits(x[rows]).cpu()  # [sum n, V] fp32
-        offset = 0
-        for req_id, _, num_tokens in spans:
-            result.full_logits[req_id] = logits[offset : offset + num_tokens].clone()
-            offset += num_tokens
+        if plan.lookahead:
+            fill_tokens(self.sampled, plan, token_ids, inputs, self.tables)
 
     def _apply(self, plan: StepPlan) -> None:
         for req_id in [*plan.finished_ids, *plan.preempted_ids]:
             self.tables.pop(req_id, None)
-            self.sampling.pop(req_id, None)
-            if self.controls is not None:
-                self.controls.drop(req_id)
+            if self.sampler is not None:
+                self.sampler.drop(req_id)
         for new in plan.new_requests:
             self._add(new)
         resets = []  # (state slot, positions) whose C128 ring rows rejected drafts wrote
@@ -449,12 +379,8 @@ class StageWorker:
             self.pools.reset_rings([new.state_slot])  # C128 ring: empty at a page boundary
         if new.state_copy_from >= 0:
             self.pools.copy_c4_rings([self.pools.cached_row(new.state_copy_from)], [new.state_slot])
-        if self.is_last:
-            try:
-                self.sampling[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)
-                self.controls.add(new)
-            except ValueError as exc:  # refused here so that it cannot fail the whole batch
-                self.sampling[new.req_id] = f"sampling failed: ValueError: {exc}"[:300]
+        if self.sampler is not None:
+            self.sampler.add(new)
 
     def _snapshots(self, plan: StepPlan) -> None:
         if plan.snapshots:

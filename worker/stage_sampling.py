@@ -1,0 +1,105 @@
+"""The last stage's sampling: each request's sampling row and controls, a step's draw, and
+where the drawn ids go next.
+
+A request's ``SamplingRow`` is made when the stage first hears of it (or the reason its
+parameters were refused, so that one request cannot fail the batch); its controls live in
+``LogitsProcessors``. A step samples every sampling entry in one batched pass over the logits
+of the entries' last rows (worker/sampler.py), after the controls; the drawn ids stay on the
+device (``StageResult.pending``) until the step is settled, and go on toward the first stage's
+table of sampled ids for the next plan's lookahead entries (worker/overlap.py). A step that
+verifies drafts samples every scored position (worker/verify.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
+from dsv4ray.worker.batch import BatchMeta
+from dsv4ray.worker.logits_processors import LogitsProcessors
+from dsv4ray.worker.overlap import SampledTokens
+from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
+from dsv4ray.worker.verify import sample_with_drafts, verify_rows
+
+
+class StageSampling:
+    """model: the last stage's (its head gives the logits); first: the first stage's table of
+    sampled ids when this stage is also the first, else None."""
+
+    def __init__(self, model, num_slots: int, device, first: SampledTokens | None) -> None:
+        self.model, self.device, self.first = model, device, first
+        self.rows: dict[str, SamplingRow | str] = {}  # str: why the parameters were refused
+        self.controls = LogitsProcessors(num_slots, model.cfg.vocab_size, device)
+        self.peer_tokens: SampledTokens | None = None  # the first stage's, over CUDA IPC
+
+    def add(self, new: NewRequest) -> None:
+        try:
+            self.rows[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)
+            self.controls.add(new)
+        except ValueError as exc:  # refused here so that it cannot fail the whole batch
+            self.rows[new.req_id] = f"sampling failed: ValueError: {exc}"[:300]
+
+    def drop(self, req_id: str) -> None:
+        self.rows.pop(req_id, None)
+        self.controls.drop(req_id)
+
+    def sample(self, plan: StepPlan, meta: BatchMeta, x, result: StageResult, tables,
+               logits=None) -> None:  # fmt: skip
+        """Samples the plan's sampling entries from x [T, hc, hidden], or from their logits
+        [R, V] when a replayed graph computed them."""
+        if plan.full_logits:
+            self._full_logits(plan, x, result)
+        if any(e.num_drafts for e in plan.batch):
+            sample_with_drafts(self.model, plan, x, self.rows, result, self.controls)
+            return
+        if not meta.sample_req_ids:
+            return
+        if logits is None:
+            logits = self.model.logits(x[meta.sample_idx])  # [R, V] fp32
+        req_ids = meta.sample_req_ids
+        # the token drawn follows the entry's last one: its position keys the seeded noise
+        at = {e.req_id: e.start_pos + e.num_tokens for e in plan.batch if e.sample}
+        positions = [at[req_id] for req_id in req_ids]
+        rows = [self.rows[req_id] for req_id in req_ids]
+        pending = sample_batch_async(
+            self.controls.apply(logits, req_ids, positions),
+            [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
+            positions,
+            [plan.logprobs.get(req_id) for req_id in req_ids],
+            raw=logits,
+        )
+        self.controls.record(req_ids, pending.token_ids)
+        result.pending = (req_ids, rows, pending)
+        self._share(plan, [tables[r].state_slot for r in req_ids], pending.token_ids, result)
+
+    def verify(self, plan: StepPlan, logits: torch.Tensor, row_of):
+        """A replayed verification's sampling pass over logits [T', V] (row_of: the row of each
+        batch token), launched (worker/verify.PendingVerify)."""
+        return verify_rows(plan, logits, row_of, self.rows, self.controls)
+
+    def _share(self, plan: StepPlan, slots: list[int], token_ids, result: StageResult) -> None:
+        """The drawn ids [R] (device) toward the first stage's table, for the next plan's
+        lookahead entries (worker/overlap.py)."""
+        if self.first is not None:  # this stage is also the first
+            self.first.record(slots, token_ids)
+        elif self.peer_tokens is not None:
+            self.peer_tokens.record(slots, token_ids)
+            self.peer_tokens.event.record()
+        elif plan.lag:  # through the graph's edge back to the first stage (``take``)
+            result.samples = token_ids
+
+    def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
+        """One head pass and one host copy for every scored request's tokens."""
+        spans, start = [], 0
+        for entry in plan.batch:
+            if entry.req_id in plan.full_logits:
+                spans.append((entry.req_id, start, entry.num_tokens))
+            start += entry.num_tokens
+        if not spans:
+            return
+        rows = torch.cat([torch.arange(s, s + n) for _, s, n in spans]).to(self.device)
+        logits = self.model.logits(x[rows]).cpu()  # [sum n, V] fp32
+        offset = 0
+        for req_id, _, num_tokens in spans:
+            result.full_logits[req_id] = logits[offset : offset + num_tokens].clone()
+            offset += num_tokens
