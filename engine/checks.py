@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.sampling import check_text
+from dsv4ray.engine.structured import grammar
 
 
 def check_request_id(req_id: object) -> None:
@@ -12,19 +13,16 @@ def check_request_id(req_id: object) -> None:
     check_text("request id", req_id)
 
 
-def check_sampling(params, vocab_size: int, drafts: bool) -> None:
-    """What SamplingParams cannot check alone: logit_bias ids inside the vocabulary, and no
-    penalties with drafts (a draft's penalty would read the drafts before it)."""
+def check_sampling(params, vocab_size: int) -> None:
+    """What SamplingParams cannot check alone: logit_bias ids inside the vocabulary, and a
+    structured_output grammar that compiles (engine/structured.py)."""
     outside = [t for t, _ in params.logit_bias if t >= vocab_size]
     if outside:
         raise ValueError(
             f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
         )
-    if params.penalizes and drafts:
-        raise ValueError(
-            "presence, frequency and repetition penalties are not supported with "
-            "speculative_num_steps"
-        )
+    if params.structured_output is not None:
+        grammar(params.structured_output)
 
 
 def check_paged_shapes(cfg: ModelConfig) -> ModelConfig:

@@ -151,7 +151,7 @@ class EngineCore:
         """ValueError for anything a plan could not carry: a request is checked whole before it
         reaches the scheduler, so no step ever fails on one request's data."""
         check_request_id(req_id)
-        check_sampling(params, self.model_config.vocab_size, self.config.speculative_num_steps > 0)
+        check_sampling(params, self.model_config.vocab_size)
         limit = self.hisparse_host_limit
         if limit is not None and len(prompt_ids) >= limit:
             raise ValueError(

@@ -28,6 +28,25 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+STRUCTURED_KINDS = {"json": (dict, str), "json_object": (bool,), "regex": (str,),
+                    "choice": (list, tuple), "grammar": (str,)}  # fmt: skip
+
+
+def _check_structured(spec: object) -> None:
+    """One kind of constraint with a value of its type (the grammar itself is checked where it
+    is compiled: engine/structured.py)."""
+    if spec is None:
+        return
+    if not isinstance(spec, Mapping) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
+        raise ValueError(f"structured_output must hold one of {sorted(STRUCTURED_KINDS)}, got "
+                         f"{spec!r}"[:300])  # fmt: skip
+    kind, value = next(iter(spec.items()))
+    if not isinstance(value, STRUCTURED_KINDS[kind]) or value in ("", False):
+        raise ValueError(f"structured_output.{kind} is empty or of the wrong type: {value!r}"[:300])
+    if kind == "choice" and not (value and all(isinstance(c, str) and c for c in value)):
+        raise ValueError("structured_output.choice must be a list of non-empty strings")
+
+
 def check_text(name: str, text: str) -> None:
     """ValueError naming the field unless text is valid Unicode that UTF-8 can carry (a lone
     surrogate, e.g. from a JSON escape, cannot travel in a plan or be tokenised)."""
@@ -59,6 +78,9 @@ class SamplingParams:
     min_tokens      the eos and stop_token_ids cannot be drawn before this many tokens
     logit_bias      {token id: bias in [-100, 100]} added to the logits (up to 1024 ids; kept
                     as sorted (id, bias) pairs)
+    structured_output   None, or what the output must match, one of {"json": a JSON schema
+                    (a dict or its text)}, {"json_object": True}, {"regex": pattern},
+                    {"choice": [strings]}, {"grammar": a Lark grammar} (engine/structured.py)
     Logprobs are those of the model's raw logits, before any of these.
     """
 
@@ -77,6 +99,7 @@ class SamplingParams:
     min_p: float = 0.0
     min_tokens: int = 0
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    structured_output: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         self._check_lengths()
@@ -85,6 +108,7 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "logit_bias", self._normalise_bias(self.logit_bias))
+        _check_structured(self.structured_output)
         temperature = float(self.temperature)
         object.__setattr__(self, "temperature", 0.0 if temperature < GREEDY_BELOW else temperature)
         object.__setattr__(self, "top_p", float(self.top_p))
@@ -155,6 +179,12 @@ class SamplingParams:
         """Whether sampling reads the request's tokens so far (the penalties)."""
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)  # fmt: skip
+
+    @property
+    def reads_history(self) -> bool:
+        """Whether sampling follows the request's tokens: penalties count them, a grammar
+        consumes them (such a request decodes without drafts)."""
+        return self.penalizes or self.structured_output is not None
 
     @staticmethod
     def _normalise_stop(stop: object) -> tuple[str, ...]:

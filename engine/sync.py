@@ -31,7 +31,7 @@ def new_request(req: Request, eos_token_id: int | None = None) -> NewRequest:
         sampling=req.sampling.to_dict(),
         seed=req.seed,
         prompt_len=req.prompt_len,
-        history=list(req.token_ids) if req.sampling.penalizes else [],
+        history=list(req.token_ids) if req.sampling.reads_history else [],
         stop_ids=_held_back(req.sampling, eos_token_id),
     )
 

@@ -2,7 +2,8 @@
 of which ids finished. Nothing here needs the checkpoint: prompts are tokenized by the replicas.
 
 Input lines: ``{"id", "prompt" | "messages"}`` and any SamplingParams field (``max_tokens``,
-``temperature``, ..., ``logit_bias`` with token ids as keys); the input is a local path or a
+``temperature``, ..., ``logit_bias`` with token ids as keys, ``structured_output``), or OpenAI's
+``response_format`` for structured output; the input is a local path or a
 URI that pyarrow's filesystems read (``s3://``, ``gs://``, ``hdfs://``, ...; what Ray Data reads).
 The output is a local, append-only JSONL file keyed by id: the last line of an id wins.
 """
@@ -101,7 +102,7 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     req_id = item.get("id")
     if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
         raise ValueError("'id' must be a string or an integer")
-    unknown = sorted(set(item) - {"id", "prompt", "messages", *PARAM_KEYS})
+    unknown = sorted(set(item) - {"id", "prompt", "messages", "response_format", *PARAM_KEYS})
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r}")
     if ("prompt" in item) == ("messages" in item):
@@ -112,9 +113,26 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
         _check_messages(item["messages"])
     params = {k: item[k] for k in PARAM_KEYS if k in item}
     params.setdefault("max_tokens", default_max_tokens)
+    if "response_format" in item:  # OpenAI's shape, as the chat API takes it
+        params["structured_output"] = structured_output(item["response_format"])
     sampling_params(params)  # a bad value is this line's error, named
     prompt = {k: item[k] for k in ("prompt", "messages") if k in item}
     return str(req_id), {**prompt, "params": params}
+
+
+def structured_output(response_format) -> dict | None:
+    """A line's OpenAI ``response_format`` as the engine's constraint (ValueError naming it)."""
+    from pydantic import ValidationError
+
+    from dsv4ray.entrypoints.openai.errors import APIError
+    from dsv4ray.entrypoints.openai.protocol import ResponseFormat
+
+    try:
+        return ResponseFormat.model_validate(response_format).structured_output()
+    except ValidationError as exc:
+        raise ValueError(f"'response_format': {exc.errors()[0]['msg']}") from None
+    except APIError as exc:
+        raise ValueError(f"'response_format': {exc.message}") from None
 
 
 def sampling_params(params: dict) -> SamplingParams:

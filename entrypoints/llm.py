@@ -54,6 +54,19 @@ class LLM:
         self._run(req_ids)
         return [self.core.pop_output(r) for r in req_ids]
 
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | Sequence | None = None,
+        chat_template_kwargs: dict | None = None,
+    ) -> list[RequestOutput]:
+        """Chat conversations rendered with the checkpoint's chat format, then ``generate``d.
+        messages: one conversation (a list of {"role", "content", ...}) or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encode = self.core.tokenizer.encode_chat
+        prompts = [encode(list(c), chat_template_kwargs) for c in conversations]
+        return self.generate(prompts, sampling_params)
+
     def score(self, prompts: Sequence[Sequence[int]]) -> list:
         """Teacher-forced log-probabilities [len(prompt), V] (fp32) of every prompt position,
         computed through the paged pipeline (chunked prefill, the configured page format)."""

@@ -16,6 +16,7 @@ import torch
 
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.worker.batch import BatchMeta
+from dsv4ray.worker.grammar import Grammars
 from dsv4ray.worker.logits_processors import LogitsProcessors
 from dsv4ray.worker.overlap import SampledTokens
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
@@ -23,25 +24,42 @@ from dsv4ray.worker.verify import sample_with_drafts, verify_rows
 
 
 class StageSampling:
-    """model: the last stage's (its head gives the logits); first: the first stage's table of
-    sampled ids when this stage is also the first, else None."""
+    """model: the last stage's (its head gives the logits); model_path: the checkpoint (the
+    grammars' tokenizer); first: the first stage's table of sampled ids when this stage is
+    also the first, else None."""
 
-    def __init__(self, model, num_slots: int, device, first: SampledTokens | None) -> None:
+    def __init__(self, model, model_path: str, num_slots: int, device,
+                 first: SampledTokens | None) -> None:  # fmt: skip
         self.model, self.device, self.first = model, device, first
         self.rows: dict[str, SamplingRow | str] = {}  # str: why the parameters were refused
-        self.controls = LogitsProcessors(num_slots, model.cfg.vocab_size, device)
+        cfg = model.cfg
+        self.controls = LogitsProcessors(num_slots, cfg.vocab_size, device)
+        self.grammars = Grammars(model_path, cfg.vocab_size, cfg.eos_token_id)
         self.peer_tokens: SampledTokens | None = None  # the first stage's, over CUDA IPC
 
     def add(self, new: NewRequest) -> None:
         try:
             self.rows[new.req_id] = SamplingRow.from_plan(new.sampling, new.seed)
             self.controls.add(new)
+            self.grammars.add(new)
         except ValueError as exc:  # refused here so that it cannot fail the whole batch
             self.rows[new.req_id] = f"sampling failed: ValueError: {exc}"[:300]
 
     def drop(self, req_id: str) -> None:
         self.rows.pop(req_id, None)
         self.controls.drop(req_id)
+        self.grammars.drop(req_id)
+
+    def process(self, logits: torch.Tensor, req_ids: list[str], positions: list[int]):
+        """Rows' logits [R, V] through their controls and grammars (each row draws the token
+        at its position)."""
+        return self.grammars.mask(self.controls.apply(logits, req_ids, positions), req_ids)
+
+    def drawn(self, req_ids: list[str], pending) -> None:
+        """A draw of these rows (``PendingSample``): the penalties count it, the grammars
+        consume it before the rows' next draw."""
+        self.controls.record(req_ids, pending.token_ids)
+        self.grammars.record(req_ids, pending)
 
     def sample(self, plan: StepPlan, meta: BatchMeta, x, result: StageResult, tables,
                logits=None) -> None:  # fmt: skip
@@ -50,7 +68,7 @@ class StageSampling:
         if plan.full_logits:
             self._full_logits(plan, x, result)
         if any(e.num_drafts for e in plan.batch):
-            sample_with_drafts(self.model, plan, x, self.rows, result, self.controls)
+            sample_with_drafts(self.model, plan, x, self.rows, result, self)
             return
         if not meta.sample_req_ids:
             return
@@ -62,20 +80,20 @@ class StageSampling:
         positions = [at[req_id] for req_id in req_ids]
         rows = [self.rows[req_id] for req_id in req_ids]
         pending = sample_batch_async(
-            self.controls.apply(logits, req_ids, positions),
+            self.process(logits, req_ids, positions),
             [row if isinstance(row, SamplingRow) else GREEDY for row in rows],
             positions,
             [plan.logprobs.get(req_id) for req_id in req_ids],
             raw=logits,
         )
-        self.controls.record(req_ids, pending.token_ids)
+        self.drawn(req_ids, pending)
         result.pending = (req_ids, rows, pending)
         self._share(plan, [tables[r].state_slot for r in req_ids], pending.token_ids, result)
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, row_of):
         """A replayed verification's sampling pass over logits [T', V] (row_of: the row of each
         batch token), launched (worker/verify.PendingVerify)."""
-        return verify_rows(plan, logits, row_of, self.rows, self.controls)
+        return verify_rows(plan, logits, row_of, self.rows, self)
 
     def _share(self, plan: StepPlan, slots: list[int], token_ids, result: StageResult) -> None:
         """The drawn ids [R] (device) toward the first stage's table, for the next plan's

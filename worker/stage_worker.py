@@ -58,6 +58,7 @@ class StageWorker:
         self.kv_cache_dtype = kv_cache_dtype
         self.device = torch.device(device)
         self.weight_format = ops.resolve_weight_format(weight_format, self.cfg, self.device)
+        self.model_path = model_path
         self.model = load_stage(model_path, start, end, dtype or self.cfg.torch_dtype, device,
                                 self.cfg, self.weight_format)  # fmt: skip
         blocks = [self.model.block(i) for i in range(start, end)]
@@ -104,7 +105,8 @@ class StageWorker:
             self.sampled = SampledTokens.allocate(sizes.num_state_slots, self.device)
         if self.is_last:
             slots = sizes.num_state_slots
-            self.sampler = StageSampling(self.model, slots, self.device, self.sampled)
+            self.sampler = StageSampling(self.model, self.model_path, slots, self.device,
+                                         self.sampled)  # fmt: skip
         log.info(
             "stage [%d, %d): pools %.1f MiB in %s pages",
             self.model.start,

@@ -78,37 +78,38 @@ def hand_over(plan: StepPlan, result: StageResult, x: torch.Tensor, topk, row_of
 
 
 def sample_with_drafts(model, plan: StepPlan, x: torch.Tensor, sampling: dict, result,
-                       controls=None) -> None:  # fmt: skip
+                       sampler=None) -> None:  # fmt: skip
     """Samples every sampling entry of a step that verifies drafts: one head pass and one
     batched sampling pass over the d + 1 positions of each entry (one for entries without
     drafts), then the accepted prefix (``verify``)."""
     rows = to_device(_scored_rows(plan), torch.long, x.device)
     logits = model.logits(x[rows])  # [R, V]
-    verify(plan, logits, sampling, result, controls)
+    verify(plan, logits, sampling, result, sampler)
 
 
-def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, controls=None):
+def verify_rows(plan: StepPlan, logits: torch.Tensor, row_of, sampling: dict, sampler=None):
     """``launch_verify`` from logits [T', V] fp32 of every row of a replayed step, row_of (numpy
     [T]) the row of each batch token."""
     rows = row_of[_scored_rows(plan)].tolist()
     scored = logits.index_select(0, to_device(rows, torch.long, logits.device))
-    return launch_verify(plan, scored, sampling, controls)
+    return launch_verify(plan, scored, sampling, sampler)
 
 
 def verify(plan: StepPlan, logits: torch.Tensor, sampling: dict, result: StageResult,
-           controls=None) -> None:  # fmt: skip
+           sampler=None) -> None:  # fmt: skip
     """logits [R, V] fp32 of the scored rows (per sampling entry in batch order, its last
     num_drafts + 1 positions); sampling: req_id -> SamplingRow (or why it was refused). Fills
     result.sampled / accepted / logprobs / accepted_logprobs / errors."""
-    launch_verify(plan, logits, sampling, controls).settle(result)
+    launch_verify(plan, logits, sampling, sampler).settle(result)
 
 
 def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
-                  controls=None) -> PendingVerify:  # fmt: skip
+                  sampler=None) -> PendingVerify:  # fmt: skip
     """``verify``'s sampling pass, launched: the target's tokens stay on the device
-    (PendingVerify.token_ids [R]) until ``settle`` reads them. controls: the stage's sampling
-    controls (worker/logits_processors.py; each scored row at its own position: the
-    penalties, which would read the drafts before a row, never come with drafts)."""
+    (PendingVerify.token_ids [R]) until ``settle`` reads them. sampler: the stage's
+    (worker/stage_sampling.py): its controls and grammars act on each scored row at its own
+    position (a request whose sampling follows its tokens, penalties or a grammar, decodes
+    without drafts: one scored row a step)."""
     entries = [e for e, _ in _sampling_entries(plan)]
     params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
     num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
@@ -116,8 +117,10 @@ def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
     positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
     req_ids = [e.req_id for e in entries for _ in range(e.num_drafts + 1)]
-    controlled = logits if controls is None else controls.apply(logits, req_ids, positions)
-    pending = sample_batch_async(controlled, usable, positions, num_top, raw=logits)
+    processed = logits if sampler is None else sampler.process(logits, req_ids, positions)
+    pending = sample_batch_async(processed, usable, positions, num_top, raw=logits)
+    if sampler is not None:
+        sampler.drawn(req_ids, pending)
     return PendingVerify(plan, pending, {e.req_id: sampling[e.req_id] for e in entries})
 
 

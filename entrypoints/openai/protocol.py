@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
+from dsv4ray.engine.structured import grammar
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request
 from dsv4ray.entrypoints.openai.json_body import find_bad_value, load_json
 
@@ -46,7 +47,6 @@ NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> w
     "functions": _TOOLS,
     "function_call": _TOOLS,
     "parallel_tool_calls": _TOOLS,
-    "response_format": 'structured output is not supported (only {"type": "text"})',
     "audio": "only text output is supported",
     "modalities": 'only text output is supported (modalities ["text"])',
     "prediction": "predicted outputs are not supported",
@@ -59,7 +59,6 @@ NEUTRAL_VALUES = {
     "functions": [[]],
     "tool_choice": ["none"],
     "function_call": ["none"],
-    "response_format": [{"type": "text"}],
     "modalities": [["text"]],
 }
 # fields that do not change what is generated (labels, storage and billing hints): accepted
@@ -79,6 +78,36 @@ class _Strict(BaseModel):
 class _Request(BaseModel):
     # a top-level field this server does not know is refused by name, never ignored
     model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class JsonSchemaFormat(_Request):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    def structured_output(self) -> dict | None:
+        """The engine's constraint (engine/structured.py), None for plain text."""
+        if self.type == "json_object":
+            spec = {"json_object": True}
+        elif self.type == "json_schema":
+            if self.json_schema is None:
+                raise bad_request("response_format.json_schema is required with type "
+                                  "json_schema", "response_format.json_schema")  # fmt: skip
+            spec = {"json": self.json_schema.schema_ or {}}
+        else:
+            return None
+        try:
+            grammar(spec)  # a schema the grammar compiler refuses is this field's 400
+        except ValueError as exc:
+            raise bad_request(str(exc).replace("structured_output.json", "response_format"),
+                              "response_format") from None  # fmt: skip
+        return spec
 
 
 class StreamOptions(_Request):
@@ -104,6 +133,7 @@ class _GenerationRequest(_Request):
     repetition_penalty: float = 1.0  # extensions, as vLLM takes them
     min_p: float = 0.0
     min_tokens: int = 0
+    response_format: ResponseFormat | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False
@@ -165,6 +195,7 @@ class _GenerationRequest(_Request):
                 min_p=self.min_p,
                 min_tokens=self.min_tokens,
                 logit_bias=_token_bias(self.logit_bias),
+                structured_output=self.response_format and self.response_format.structured_output(),
             )
         except ValueError as exc:
             raise bad_request(str(exc), str(exc).split(" ", 1)[0]) from None

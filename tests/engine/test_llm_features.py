@@ -1,5 +1,7 @@
 """IndexShare checkpoints, seeded sampling and logprobs through the paged engine."""
 
+import json
+
 import pytest
 import torch
 
@@ -117,3 +119,38 @@ def test_sampling_controls_steer_greedy_decoding_like_the_reference(tiny_ckpt, t
         assert out.token_ids == want, p
     assert outs[2].token_ids == [42] * 10
     assert len(outs[3].token_ids) > 1 and outs[3].token_ids[0] != plain[0]
+
+
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                           "n": {"type": "integer", "maximum": 99}},
+          "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny_model, k):
+    import jsonschema
+
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (12, 30, 300)]
+    constrained = [
+        SamplingParams(max_tokens=120, structured_output={"json": SCHEMA}),
+        SamplingParams(max_tokens=20, temperature=1.0, seed=3,
+                       structured_output={"choice": ["alpha", "beta gamma"]}),  # fmt: skip
+    ]
+    free = SamplingParams(max_tokens=6, ignore_eos=True)
+    # in process, overlap scheduling (no drafts) or a draft worker beside the constrained rows
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", use_ray=False, speculative_num_steps=k,
+              overlap_scheduling=k == 0)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, [*constrained, free])
+        chatted = llm.chat([{"role": "user", "content": "json?"}], constrained[0])[0]
+        stats = llm.core.stats()
+    finally:
+        llm.shutdown()
+    jsonschema.validate(json.loads(outs[0].text), SCHEMA)
+    assert outs[0].finish_reason == "stop"  # the grammar's end allows only eos
+    assert outs[1].text in ("alpha", "beta gamma")
+    assert outs[2].token_ids == reference_greedy(tiny_model, prompts[2], 6)
+    jsonschema.validate(json.loads(chatted.text), SCHEMA)
+    if k:  # the free request drafted; the constrained ones decoded a token a step
+        assert stats["num_draft_tokens"] > 0

@@ -5,6 +5,7 @@ exact), bound to 127.0.0.1 on a free port.
 """
 
 import asyncio
+import json
 import math
 import re
 import time
@@ -213,6 +214,27 @@ def test_logprobs_for_completions_and_chat(client):
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob)
     raw = b"".join(bytes(entry.bytes) for entry in content)
     assert raw.decode("utf-8", errors="replace") == got.choices[0].message.content
+
+
+def test_a_json_schema_answer_validates_and_controls_reach_the_sampler(client, local_llm):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                               "tag": {"enum": ["a", "b"]}},
+              "required": ["ok", "tag"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    got = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json"}], max_tokens=64,
+        response_format=fmt, frequency_penalty=1.0,
+    )  # fmt: skip
+    jsonschema.validate(json.loads(got.choices[0].message.content), schema)
+    assert got.choices[0].finish_reason == "stop"
+    # a bias of 100 makes greedy decoding repeat one token (the server's own tokenizer decodes)
+    forced = client.completions.create(
+        model=MODEL, prompt="x", max_tokens=4, temperature=0, logit_bias={"97": 100},
+        extra_body={"ignore_eos": True},
+    )
+    assert forced.choices[0].text == local_llm.tokenizer.decode([97] * 4)
 
 
 def test_32_concurrent_requests_complete_with_their_token_counts(base_url):

@@ -29,3 +29,14 @@ def test_a_line_takes_every_sampling_field_and_logit_bias_by_token_id():
 def test_a_bad_sampling_field_is_the_lines_error_named(fields, problem):
     with pytest.raises(ValueError, match=problem):
         parse_line(json.dumps({"id": 1, "prompt": "hi", **fields}), 16)
+
+
+def test_a_line_asks_for_json_with_openais_response_format():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+    messages = [{"role": "user", "content": "hi"}]
+    line = json.dumps({"id": "j", "messages": messages, "response_format": response_format})
+    _, item = parse_line(line, 16)
+    assert sampling_params(item["params"]).structured_output == {"json": schema}
+    with pytest.raises(ValueError, match="'response_format'"):
+        parse_line(json.dumps({"id": 1, "prompt": "p", "response_format": {"type": "xml"}}), 16)

@@ -157,7 +157,6 @@ REQUESTED = {  # a value of each field that asks for something this server does 
     "functions": [{"name": "f"}],
     "function_call": "auto",
     "parallel_tool_calls": False,
-    "response_format": {"type": "json_object"},
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -322,3 +321,34 @@ def test_sampling_controls_out_of_range_are_a_400_naming_them(fields, param):
     with pytest.raises(APIError) as err:
         request.sampling_params(16, None)
     assert err.value.param == param
+
+
+@pytest.mark.parametrize(
+    "response_format,spec",
+    [({"type": "text"}, None), ({"type": "json_object"}, {"json_object": True}),
+     ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"},
+                                              "strict": True}}, {"json": {"type": "integer"}})],
+)  # fmt: skip
+def test_response_format_becomes_the_structured_output_constraint(response_format, spec):
+    request = parse_request(ChatCompletionRequest, chat_body(response_format=response_format))
+    assert request.sampling_params(16, None).structured_output == spec
+
+
+@pytest.mark.parametrize(
+    "response_format,param",
+    [({"type": "json_schema"}, "response_format.json_schema"),
+     ({"type": "xml"}, "response_format"),
+     ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"},
+                                              "bogus": 1}}, "response_format.json_schema.bogus"),
+     ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#/nowhere"}}},
+      "response_format")],
+)  # fmt: skip
+def test_a_response_format_that_cannot_hold_is_a_400_naming_it(response_format, param):
+    body = chat_body(response_format=response_format)
+    try:
+        request = parse_request(ChatCompletionRequest, body)
+        request.sampling_params(16, None)
+    except APIError as err:
+        assert err.param == param, err.message
+    else:
+        raise AssertionError("accepted")

@@ -1,0 +1,122 @@
+"""Structured output's cost: requests without a grammar beside grammar-constrained ones.
+
+    python bench/structured.py [--model .tiny] [--free 16] [--constrained 4] [--new 48]
+
+One engine (in process; CUDA when there is one), three runs of the same prompts in turn:
+``--free`` requests decoding alone, the same beside ``--constrained`` requests whose output must
+match a grammar (a JSON array of integers, so that they decode as long as the others), and the
+free requests again (the drift of the machine between runs shows as the gap between the two
+alone runs). Each run's median pure-decode step (bench/decode.py's StepClock) gives the free
+requests' decode throughput; the host time the last stage spends on grammars (advancing the
+matchers and building the masks, timed around ``Grammars.mask``) over the constrained tokens
+drawn gives the cost per constrained token. Writes bench/results/structured-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode import StepClock  # noqa: E402
+from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
+
+from dsv4ray import LLM, SamplingParams  # noqa: E402
+from dsv4ray.worker import grammar as grammar_module  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARRAY = {"json": {"type": "array", "items": {"type": "integer"}}}
+
+
+class GrammarClock:
+    """Host seconds spent in ``Grammars.mask`` and the constrained rows it masked."""
+
+    def __init__(self) -> None:
+        self.seconds, self.rows = 0.0, 0
+        self._mask = grammar_module.Grammars.mask
+        clock = self
+
+        def timed(grammars, logits, req_ids):
+            t0 = time.perf_counter()
+            out = clock._mask(grammars, logits, req_ids)
+            if out is not logits:
+                if out.is_cuda:
+                    torch.cuda.synchronize()
+                clock.seconds += time.perf_counter() - t0
+                clock.rows += sum(r in grammars.matchers for r in req_ids)
+            return out
+
+        grammar_module.Grammars.mask = timed
+
+    def restore(self) -> None:
+        grammar_module.Grammars.mask = self._mask
+
+
+def free_step_ms(llm: LLM, prompts, params, num_free: int) -> float:
+    """Median step of the run's pure-decode steps that held every free request."""
+    clock = StepClock(llm)
+    try:
+        steps = clock.run(lambda: llm.generate(prompts, params))
+    finally:
+        llm.core.scheduler.commit = clock.commit
+    full = sorted(t for b, ts in steps.items() if b >= num_free for t in ts)
+    return 1e3 * full[len(full) // 2]
+
+
+def main() -> None:
+    args = parse_args()
+    llm = LLM(args.model, kv_cache_dtype="fp8", max_running_requests=args.free + args.constrained)
+    free = random_prompts(args.free, 64, 1)
+    constrained = random_prompts(args.constrained, 64, 2)
+    plain = SamplingParams(max_tokens=args.new, ignore_eos=True)
+    tied = SamplingParams(max_tokens=args.new, ignore_eos=True, structured_output=ARRAY)
+    clock = GrammarClock()
+    try:
+        llm.generate(free + constrained, [plain] * args.free + [tied] * args.constrained)  # warm
+        clock.seconds = clock.rows = 0
+        alone = free_step_ms(llm, free, plain, args.free)
+        mixed = [plain] * args.free + [tied] * args.constrained
+        beside = free_step_ms(llm, free + constrained, mixed, args.free)
+        per_token_us = 1e6 * clock.seconds / max(clock.rows, 1)
+        again = free_step_ms(llm, free, plain, args.free)
+    finally:
+        clock.restore()
+        llm.shutdown()
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    alone_ms = (alone + again) / 2
+    note = (f"{os.path.basename(os.path.normpath(args.model))}, {args.free} free + "
+            f"{args.constrained} constrained requests (a JSON array of integers), 64-token "
+            f"prompts, {args.new} new tokens; alone {alone:.2f} / {again:.2f} ms a step "
+            "(before and after: the machine's drift)")  # fmt: skip
+    rows = [
+        result("free requests' decode throughput beside constrained ones vs alone",
+               alone_ms / beside, "x", 1.0, 0.95, ">=", f"{beside:.2f} ms a step; {note}"),
+        result("host time per constrained token (advance the matcher, build the mask)",
+               per_token_us, "us", None, None, "<=",
+               f"{clock.rows} constrained draws; vocabulary {llm.model_config.vocab_size}"),
+    ]  # fmt: skip
+    ceilings = {"free requests alone": {"value": alone_ms, "unit": "ms", "note": note}}
+    path = write_results("structured", device, args.commit or git_commit(), ceilings, rows)
+    write_benchmarks_md()
+    print(json.dumps({"alone_ms": [alone, again], "beside_ms": beside,
+                      "grammar_us_per_token": per_token_us}))  # fmt: skip
+    print(path)
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=os.path.join(ROOT, ".tiny"))
+    p.add_argument("--free", type=int, default=16)
+    p.add_argument("--constrained", type=int, default=4)
+    p.add_argument("--new", type=int, default=48)
+    p.add_argument("--commit", default=None)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    main()
