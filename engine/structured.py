@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 
-
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
