@@ -363,8 +363,55 @@ def hosts_and_origins(target: Target, rng: random.Random, scale: int) -> Iterato
     yield Case("foreign hosts and origins", "/health", None, "GET", local, valid=True)
 
 
+def _tool(name="f", **function) -> dict:
+    return {"type": "function", "function": {"name": name, **function}}
+
+
+OBJECT = {"type": "object", "properties": {"a": {"enum": ["x", "y"]}}, "required": ["a"]}
+BAD_TOOLS = [
+    ({"tools": "x"}, "tools"), ({"tools": [5]}, "tools.0"), ({"tools": [{}]}, "tools.0"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [_tool("a b")]}, "tools.0.function.name"),
+    ({"tools": [_tool("x" * 65)]}, "tools.0.function.name"),
+    ({"tools": [_tool(description=5)]}, "tools.0.function.description"),
+    ({"tools": [_tool(parameters={"type": "array"})]}, "tools.0.function.parameters"),
+    ({"tools": [_tool(parameters={"type": 5})]}, "tools.0.function.parameters"),
+    ({"tools": [_tool(strict="yes")]}, "tools.0.function.strict"),
+    ({"tools": [_tool(extra=1)]}, "tools.0.function.extra"),
+    ({"tools": [_tool(), _tool()]}, "tools"),
+    ({"tools": [_tool()], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [_tool()], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [_tool()], "parallel_tool_calls": "no"}, "parallel_tool_calls"),
+    ({"tools": [_tool()], "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.tool_call_id"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, "messages.0.tool_calls"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "c", "type": "function",
+      "function": {"name": "f", "arguments": "{not json"}}]}]}, "messages"),
+]  # fmt: skip
+
+
+def tool_requests(target: Target, rng: random.Random, scale: int) -> Iterator[Case]:
+    """Malformed tools, choices and tool messages (400 naming the field); valid tool requests
+    (their prompt fits a context of 2048 tokens)."""
+    for fields, param in BAD_TOOLS:
+        yield Case("tool requests", CHAT, json.dumps(chat(target, **fields)).encode(), param=param)
+    valid = [{"tools": [_tool()], "tool_choice": "none"}]
+    if target.context >= 2048:
+        valid += [{"tools": [_tool(parameters=OBJECT)]},
+                  {"tools": [_tool(parameters=OBJECT)], "tool_choice": "required"},
+                  {"tools": [_tool()], "tool_choice": {"type": "function",
+                                                      "function": {"name": "f"}}}]  # fmt: skip
+    for fields in valid:
+        body = chat(target, **fields, max_tokens=8)
+        yield Case("tool requests", CHAT, json.dumps(body).encode(), valid=True)
+
+
 FAMILIES = [deep_nesting, long_integers, non_finite, lone_surrogates, wrong_types, out_of_range,
-            truncated, invalid_utf8, content_types, huge_arrays, routes_and_methods]  # fmt: skip
+            truncated, invalid_utf8, content_types, huge_arrays, routes_and_methods,
+            tool_requests]  # fmt: skip
 
 
 def families(target: Target, seed: int = 0, scale: int = 1) -> list[Case]:

@@ -14,14 +14,18 @@ def check_request_id(req_id: object) -> None:
 
 
 def check_sampling(params, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: logit_bias ids inside the vocabulary, and a
-    structured_output grammar that compiles (engine/structured.py)."""
+    """What SamplingParams cannot check alone: logit_bias ids and structured_output's
+    after_token inside the vocabulary, and a grammar that compiles (engine/structured.py)."""
     outside = [t for t, _ in params.logit_bias if t >= vocab_size]
     if outside:
         raise ValueError(
             f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
         )
     if params.structured_output is not None:
+        after = params.structured_output.get("after_token")
+        if after is not None and after >= vocab_size:
+            raise ValueError(f"structured_output.after_token {after} is outside the vocabulary "
+                             f"[0, {vocab_size})")  # fmt: skip
         grammar(params.structured_output)
 
 

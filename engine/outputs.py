@@ -44,7 +44,10 @@ class RequestMetrics:
 @dataclass
 class RequestOutput:
     """One request's result. finish_reason is None while the request still runs (streaming);
-    error says why a request was aborted (None otherwise)."""
+    error says why a request was aborted (None otherwise). content and tool_calls are set by a
+    chat call given tools (``LLM.chat``): the answer's text without its reasoning and call
+    block (None when it made calls and said nothing else), and its calls in OpenAI's shape
+    ({"id", "type": "function", "function": {"name", "arguments": JSON text}})."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -54,6 +57,8 @@ class RequestOutput:
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     error: str | None = None
+    content: str | None = None
+    tool_calls: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
@@ -78,6 +83,8 @@ class RequestOutput:
             "finish_reason": self.finish_reason,
             "metrics": self.metrics.to_dict(),
             "error": self.error,
+            "content": self.content,
+            "tool_calls": self.tool_calls,
         }
 
     @classmethod

@@ -33,14 +33,18 @@ STRUCTURED_KINDS = {"json": (dict, str), "json_object": (bool,), "regex": (str,)
 
 
 def _check_structured(spec: object) -> None:
-    """One kind of constraint with a value of its type (the grammar itself is checked where it
-    is compiled: engine/structured.py)."""
+    """One kind of constraint with a value of its type, and maybe ``after_token`` (the grammar
+    itself is checked where it is compiled: engine/structured.py)."""
     if spec is None:
         return
-    if not isinstance(spec, Mapping) or len(spec) != 1 or next(iter(spec)) not in STRUCTURED_KINDS:
-        raise ValueError(f"structured_output must hold one of {sorted(STRUCTURED_KINDS)}, got "
-                         f"{spec!r}"[:300])  # fmt: skip
-    kind, value = next(iter(spec.items()))
+    kinds = [k for k in spec if k != "after_token"] if isinstance(spec, Mapping) else []
+    if len(kinds) != 1 or kinds[0] not in STRUCTURED_KINDS or len(spec) - len(kinds) > 1:
+        raise ValueError(f"structured_output must hold one of {sorted(STRUCTURED_KINDS)} (and "
+                         f"maybe after_token), got {spec!r}"[:300])  # fmt: skip
+    after = spec.get("after_token")
+    if after is not None and (not isinstance(after, int) or isinstance(after, bool) or after < 0):
+        raise ValueError(f"structured_output.after_token must be a token id, got {after!r}")
+    kind, value = kinds[0], spec[kinds[0]]
     if not isinstance(value, STRUCTURED_KINDS[kind]) or value in ("", False):
         raise ValueError(f"structured_output.{kind} is empty or of the wrong type: {value!r}"[:300])
     if kind == "choice" and not (value and all(isinstance(c, str) and c for c in value)):
@@ -80,7 +84,9 @@ class SamplingParams:
                     as sorted (id, bias) pairs)
     structured_output   None, or what the output must match, one of {"json": a JSON schema
                     (a dict or its text)}, {"json_object": True}, {"regex": pattern},
-                    {"choice": [strings]}, {"grammar": a Lark grammar} (engine/structured.py)
+                    {"choice": [strings]}, {"grammar": a Lark grammar} (engine/structured.py),
+                    with "after_token": a token id, from the token after the first such one
+                    drawn (the end of a thinking answer's reasoning)
     Logprobs are those of the model's raw logits, before any of these.
     """
 

@@ -8,6 +8,9 @@ token mask it applies before each draw (worker/grammar.py).
     {"choice": [a, b, ...]} the output is one of the strings
     {"grammar": lark}       the output is a sentence of the Lark grammar
 
+With ``"after_token": id`` beside the kind, the constraint applies to what follows the first
+such token drawn (a thinking answer's ``</think>``: its reasoning is free).
+
 A schema is read as JSON Schema reads it (an object may hold properties it does not name unless
 ``additionalProperties`` is false). JSON comes out in one line, items separated by ", " and keys
 by ": " (``JSON_LAYOUT``; a schema's ``x-guidance`` options, llguidance's, may ask for another).
@@ -27,7 +30,8 @@ def grammar(spec: dict) -> str:
     """The llguidance grammar of a constraint; ValueError naming what is wrong."""
     from llguidance import LLMatcher
 
-    kind, value = next(iter(spec.items()))
+    kind = next(k for k in spec if k != "after_token")
+    value = spec[kind]
     if kind == "json":
         text = grammar_from_schema(value)
     elif kind == "json_object":

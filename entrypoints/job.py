@@ -6,9 +6,10 @@ reported with their line number and skipped) and leaves out the ids whose last o
 finished. Ray Data runs the rest through a pool of ``--replicas`` actors, each owning one engine
 (entrypoints/job_replica.py), and the driver appends each finished request to the output as its
 block comes back: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ ``"error"`` for
-aborted ones). The output is append-only and keyed by id: the last line of an id wins, and a
-rerun with the same output skips finished ids and retries the others (last line with
-finish_reason "abort" or an "error", or a line cut short).
+aborted ones; + ``"content"`` and ``"tool_calls"`` for chat lines with tools). The output is
+append-only and keyed by id: the last line of an id wins, and a rerun with the same output
+skips finished ids and retries the others (last line with finish_reason "abort" or an "error",
+or a line cut short).
 
 SIGINT (Ctrl-C) and SIGTERM (what ``ray job stop`` sends first) stop the job: requests whose
 lines were not written are left for a rerun, the summary says how many, and the replicas (with

@@ -3,9 +3,10 @@ of which ids finished. Nothing here needs the checkpoint: prompts are tokenized 
 
 Input lines: ``{"id", "prompt" | "messages"}`` and any SamplingParams field (``max_tokens``,
 ``temperature``, ..., ``logit_bias`` with token ids as keys, ``structured_output``), or OpenAI's
-``response_format`` for structured output; the input is a local path or a
-URI that pyarrow's filesystems read (``s3://``, ``gs://``, ``hdfs://``, ...; what Ray Data reads).
-The output is a local, append-only JSONL file keyed by id: the last line of an id wins.
+``response_format`` for structured output; a ``messages`` line may carry OpenAI's ``tools``,
+``tool_choice`` and ``parallel_tool_calls`` (entrypoints/tool_calls.py). The input is a local
+path or a URI that pyarrow's filesystems read (``s3://``, ``gs://``, ``hdfs://``, ...; what Ray
+Data reads). The output is a local, append-only JSONL file keyed by id: the last line of an id wins.
 """
 
 from __future__ import annotations
@@ -18,8 +19,10 @@ import sys
 from dataclasses import dataclass, field
 
 from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
 
 PARAM_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))  # a line's sampling
+TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")  # a chat line's tools
 
 
 @dataclass
@@ -102,9 +105,13 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     req_id = item.get("id")
     if not isinstance(req_id, (str, int)) or isinstance(req_id, bool):
         raise ValueError("'id' must be a string or an integer")
-    unknown = sorted(set(item) - {"id", "prompt", "messages", "response_format", *PARAM_KEYS})
+    unknown = sorted(set(item) - {"id", "prompt", "messages", "response_format", *TOOL_KEYS,
+                                  *PARAM_KEYS})  # fmt: skip
     if unknown:
         raise ValueError(f"unknown field {unknown[0]!r}")
+    tools = {k: item[k] for k in TOOL_KEYS if k in item}
+    if tools and "messages" not in item:
+        raise ValueError(f"'{next(iter(tools))}' needs 'messages' (tools are a chat's)")
     if ("prompt" in item) == ("messages" in item):
         raise ValueError("give exactly one of 'prompt' and 'messages'")
     if "prompt" in item and not isinstance(item["prompt"], str):
@@ -115,9 +122,10 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     params.setdefault("max_tokens", default_max_tokens)
     if "response_format" in item:  # OpenAI's shape, as the chat API takes it
         params["structured_output"] = structured_output(item["response_format"])
-    sampling_params(params)  # a bad value is this line's error, named
+    chat_tools = ChatTools.from_request(*(tools.get(k) for k in TOOL_KEYS))
+    constrained(sampling_params(params), chat_tools, False, None)  # a bad value is named
     prompt = {k: item[k] for k in ("prompt", "messages") if k in item}
-    return str(req_id), {**prompt, "params": params}
+    return str(req_id), {**prompt, **tools, "params": params}
 
 
 def structured_output(response_format) -> dict | None:
@@ -152,11 +160,12 @@ def _check_messages(messages) -> None:
         or not all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
+            and (isinstance(m.get("content"), str) or m.get("tool_calls") and m["content"] is None)
             for m in messages
         )
     ):
-        raise ValueError("'messages' must be a non-empty list of {role, content} strings")
+        raise ValueError("'messages' must be a non-empty list of {role, content} strings (content "
+                         "may be null beside tool_calls)")  # fmt: skip
 
 
 def last_results(path: str) -> dict[str, bool]:

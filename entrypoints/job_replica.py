@@ -4,7 +4,8 @@
 ``id``, ``request``); it tokenizes each prompt, runs them all at once through its
 ``AsyncEngine`` (continuous batching across the batches in flight) and returns one row per
 request: the output line (``result``, JSON) or why the request could not run (``problem``), and
-the replica's name (``replica``) for the job's per-replica counts.
+the replica's name (``replica``) for the job's per-replica counts. A chat line with tools gets
+its answer's ``content`` and ``tool_calls`` (finish_reason "tool_calls" when it made calls).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import logging
 import ray
 
 from dsv4ray.entrypoints.async_engine import AsyncEngine
-from dsv4ray.entrypoints.job_input import sampling_params
+from dsv4ray.entrypoints.job_input import TOOL_KEYS, sampling_params
+from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
 
 log = logging.getLogger("dsv4ray.job")
 
@@ -45,21 +47,23 @@ class JobReplica:
         """(the output line, "") or ("", why the request did not run)."""
         item = json.loads(request)
         try:
-            ids = self._tokenize(item)
-            params = sampling_params(item["params"])
+            tools = ChatTools.from_request(*(item.get(k) for k in TOOL_KEYS))
+            ids = self._tokenize(item, tools)
+            params = constrained(sampling_params(item["params"]), tools, False, None)
             final = None
             async for update in self.engine.generate(ids, params, request_id=f"line-{line_no}"):
                 final = update.output
         except ValueError as exc:
             return "", f"request {req_id!r}: {exc}"
-        return json.dumps(output_row(req_id, final)), ""
+        return json.dumps(output_row(req_id, final, tools)), ""
 
-    def _tokenize(self, item: dict) -> list[int]:
+    def _tokenize(self, item: dict, tools: ChatTools | None) -> list[int]:
         tokenizer = self.engine.tokenizer
+        functions = tools.prompt_functions() if tools is not None else None
         try:
             if "prompt" in item:
                 return tokenizer.encode(item["prompt"])
-            return tokenizer.encode_chat(item["messages"])
+            return tokenizer.encode_chat(item["messages"], None, functions)
         except Exception as exc:  # a template that cannot render the messages: this request's
             raise ValueError(f"could not be tokenized: {exc}") from None
 
@@ -68,8 +72,9 @@ class JobReplica:
             self.engine.shutdown()
 
 
-def output_row(req_id: str, result) -> dict:
-    """An output line: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ error)."""
+def output_row(req_id: str, result, tools: ChatTools | None = None) -> dict:
+    """An output line: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ error;
+    + ``content`` and ``tool_calls`` for a line with tools)."""
     row = {
         "id": req_id,
         "text": result.text,
@@ -77,6 +82,10 @@ def output_row(req_id: str, result) -> dict:
         "finish_reason": result.finish_reason,
         "metrics": result.metrics.to_dict(),
     }
+    if tools is not None:
+        row["content"], row["tool_calls"], row["finish_reason"] = tools.answer(
+            result.text, result.finish_reason
+        )
     if result.error:
         row["error"] = result.error
     return row

@@ -15,6 +15,9 @@ import torch
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
+from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
+from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
+from dsv4ray.model.chat_encoding import prefix_state
 
 
 class LLM:
@@ -59,13 +62,32 @@ class LLM:
         messages,
         sampling_params: SamplingParams | Sequence | None = None,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
     ) -> list[RequestOutput]:
         """Chat conversations rendered with the checkpoint's chat format, then ``generate``d.
-        messages: one conversation (a list of {"role", "content", ...}) or a list of them."""
+        messages: one conversation (a list of {"role", "content", ...}) or a list of them.
+        tools, tool_choice, parallel_tool_calls: OpenAI's (entrypoints/tool_calls.py); with
+        tools, each output's ``content`` and ``tool_calls`` hold the answer and its calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encode = self.core.tokenizer.encode_chat
-        prompts = [encode(list(c), chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params)
+        chat_tools = ChatTools.from_request(tools, tool_choice, parallel_tool_calls)
+        functions = chat_tools.prompt_functions() if chat_tools is not None else None
+        tokenizer = self.core.tokenizer
+        prompts = [tokenizer.encode_chat(list(c), chat_template_kwargs, functions)
+                   for c in conversations]  # fmt: skip
+        params = _per_prompt(sampling_params, len(prompts))
+        thinking = bool((chat_template_kwargs or {}).get("thinking"))
+        starts = [prefix_state(list(c), thinking) for c in conversations]
+        think_end = tokenizer.think_end_id
+        params = [constrained(p, chat_tools, thinking and start != "content", think_end)
+                  for p, start in zip(params, starts)]  # fmt: skip
+        outputs = self.generate(prompts, params)
+        if chat_tools is not None:
+            for output, start in zip(outputs, starts):
+                text = ReasoningSplitter(start).split(output.text)[1] if thinking else output.text
+                output.content, output.tool_calls, _ = chat_tools.answer(text, output.finish_reason)
+        return outputs
 
     def score(self, prompts: Sequence[Sequence[int]]) -> list:
         """Teacher-forced log-probabilities [len(prompt), V] (fp32) of every prompt position,

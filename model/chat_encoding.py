@@ -20,14 +20,23 @@
   ``<｜end▁of▁sentence｜>``, so the answer continues its text; in thinking mode an empty text
   leaves its reasoning open (no ``</think>``), so the answer continues the reasoning.
 
+- Tools (model/dsml.py): the functions are rendered after the first message's text when it is a
+  system message (a blank line between), else as a system message of their own before it. An
+  assistant message's ``tool_calls`` follow its text after a blank line, as a DSML call block.
+  ``tool`` messages become a user turn of ``<tool_result>`` blocks (in the order of the calls
+  they answer, by ``tool_call_id``); consecutive ones and a user message after them share the
+  turn, joined by blank lines. With tools, thinking mode keeps every turn's reasoning.
+
 Options come as ``chat_template_kwargs``: ``thinking`` (bool, default False) and ``drop_thinking``
-(bool, default True); other keys are refused by name. Tool calls (the release's DSML blocks) are
-not rendered: messages with ``tools``, ``tool_calls`` or the ``tool`` role are refused.
+(bool, default True); other keys are refused by name.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+
+from dsv4ray.model import dsml
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"
@@ -35,7 +44,7 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK_START, THINK_END = "<think>", "</think>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
-_ROLES = ("system", "user", "developer", "assistant")
+_ROLES = ("system", "user", "developer", "assistant", "tool")
 _USER_ROLES = ("user", "developer")
 
 
@@ -65,15 +74,20 @@ class ChatOptions:
 
 
 def encode_messages(
-    messages: list[dict], options: ChatOptions | None = None, add_generation_prompt: bool = True
+    messages: list[dict],
+    options: ChatOptions | None = None,
+    add_generation_prompt: bool = True,
+    tools: list[dict] | None = None,
 ) -> str:
-    """Chat messages -> the prompt text (special tokens as text; the tokenizer maps them)."""
+    """Chat messages -> the prompt text (special tokens as text; the tokenizer maps them).
+    tools: OpenAI function objects ({"name", "description", "parameters"}) to render."""
     options = options or ChatOptions()
     for i, msg in enumerate(messages[:-1]):
         if isinstance(msg, dict) and msg.get("prefix"):
             raise ValueError(f"messages[{i}].prefix: only the last message can be a prefix")
-    messages = _merge_users([_checked(i, m) for i, m in enumerate(messages)])
-    drop = options.thinking and options.drop_thinking
+    messages = [_checked(i, m) for i, m in enumerate(messages)]
+    messages = _merge_users(_with_tools(_tool_turns(messages), tools))
+    drop = options.thinking and options.drop_thinking and not tools
     if drop:
         messages = _drop_history(messages)
     last_user = max((i for i, m in enumerate(messages) if m["role"] in _USER_ROLES), default=-1)
@@ -97,17 +111,76 @@ def _checked(index: int, msg: dict) -> dict:
     if role not in _ROLES:
         raise ValueError(
             f"messages[{index}]: role {role!r} is not rendered by the DeepSeek-V4 chat format "
-            f"(roles: {list(_ROLES)}; tool messages are not supported)"
+            f"(roles: {list(_ROLES)})"
         )
-    for key in ("tools", "tool_calls"):
-        if msg.get(key):
-            raise ValueError(f"messages[{index}].{key}: tool calls are not supported")
     for key in ("content", "reasoning_content"):
         if msg.get(key) is not None and not isinstance(msg[key], str):
             raise ValueError(f"messages[{index}].{key} must be a string")
-    if msg.get("prefix") and role != "assistant":
-        raise ValueError(f"messages[{index}].prefix: only an assistant message can be a prefix")
+    if msg.get("prefix") and (role != "assistant" or msg.get("tool_calls")):
+        raise ValueError(f"messages[{index}].prefix: only an assistant message without "
+                         "tool_calls can be a prefix")  # fmt: skip
+    if msg.get("tool_calls"):
+        if role != "assistant":
+            raise ValueError(f"messages[{index}].tool_calls: only assistant messages make calls")
+        return {**msg, "tool_calls": _calls(index, msg["tool_calls"])}
     return msg
+
+
+def _calls(index: int, tool_calls) -> list[tuple[str, dict, str | None]]:
+    """OpenAI tool calls -> (name, arguments, id); arguments may be JSON text or an object."""
+    calls = []
+    for j, call in enumerate(tool_calls if isinstance(tool_calls, list) else [None]):
+        where = f"messages[{index}].tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where} must be {{id, type: 'function', function: {{name, "
+                             "arguments}}}")  # fmt: skip
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(arguments, dict):
+            raise ValueError(f"{where}.function.arguments must be a JSON object")
+        calls.append((function["name"], arguments, call.get("id")))
+    return calls
+
+
+def _tool_turns(messages: list[dict]) -> list[dict]:
+    """Tool messages -> user messages of ``<tool_result>`` blocks, each run of them in the
+    order of the calls of the assistant message before it."""
+    out: list[dict] = []
+    order: dict = {}  # tool_call_id -> the position of its call
+    run: list[dict] = []
+    for msg in [*messages, None]:
+        if msg is not None and msg["role"] == "tool":
+            run.append(msg)
+            continue
+        run.sort(key=lambda m: order.get(m.get("tool_call_id"), len(order)))
+        out.extend({"role": "user", "content": dsml.render_result(m.get("content") or "")}
+                   for m in run)  # fmt: skip
+        run = []
+        if msg is not None:
+            if msg.get("tool_calls"):
+                order = {call_id: k for k, (_, _, call_id) in enumerate(msg["tool_calls"])}
+            out.append(msg)
+    return out
+
+
+def _with_tools(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The functions rendered into the first message when it is a system one, else into a
+    system message of their own before it."""
+    if not tools:
+        return messages
+    section = dsml.render_tools(tools)
+    if messages and messages[0]["role"] == "system":
+        first = messages[0]
+        return [
+            {**first, "content": (first.get("content") or "") + "\n\n" + section},
+            *messages[1:],
+        ]
+    return [{"role": "system", "content": "\n\n" + section}, *messages]
 
 
 def _merge_users(messages: list[dict]) -> list[dict]:
@@ -141,6 +214,9 @@ def _render(msg: dict, with_reasoning: bool) -> str:
     if msg["role"] in _USER_ROLES:
         return USER + content
     reasoning = (msg.get("reasoning_content") or "") + THINK_END if with_reasoning else ""
+    if msg.get("tool_calls"):
+        calls = [(name, arguments) for name, arguments, _ in msg["tool_calls"]]
+        content += dsml.BEFORE_CALLS + dsml.render_calls(calls)
     return reasoning + content + EOS
 
 

@@ -66,11 +66,19 @@ class Tokenizer:
         messages: list[dict],
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> str:
-        """Rendered prompt text; a template that refuses the messages raises ValueError."""
+        """Rendered prompt text; a template that refuses the messages raises ValueError. tools:
+        OpenAI function objects, rendered by the DeepSeek-V4 format only (its tool-call language
+        is the one answers are parsed in)."""
         if self.chat_format == "dsv4":
             options = chat_encoding.ChatOptions.from_kwargs(chat_template_kwargs)
-            return chat_encoding.encode_messages(messages, options, add_generation_prompt)
+            return chat_encoding.encode_messages(messages, options, add_generation_prompt, tools)
+        if tools:
+            raise ValueError(
+                f"tools: this checkpoint's chat format ({self.chat_format} template) has no "
+                "tool-call language; tools need the DeepSeek-V4 chat format"
+            )
         context = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token or "",
@@ -84,11 +92,20 @@ class Tokenizer:
         )
 
     def encode_chat(
-        self, messages: list[dict], chat_template_kwargs: dict | None = None
+        self,
+        messages: list[dict],
+        chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[int]:
         """The rendered template already carries the bos token when the template writes it."""
-        text = self.apply_chat_template(messages, chat_template_kwargs=chat_template_kwargs)
+        text = self.apply_chat_template(messages, True, chat_template_kwargs, tools)
         return self.encode(text, add_bos=False)
+
+    @property
+    def think_end_id(self) -> int | None:
+        """The id of ``</think>`` when it is one token (a thinking answer's reasoning ends at
+        it), else None."""
+        return self._tok.token_to_id(chat_encoding.THINK_END)
 
     def parse_reasoning(
         self, text: str, chat_template_kwargs: dict | None = None

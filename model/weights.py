@@ -251,9 +251,10 @@ def _scale_as(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
     if weight.scale.dtype in (torch.uint8, torch.float8_e8m0fnu):
         return weight.scale.view(torch.uint8)
     exponent = torch.log2(values).round()
-    if not torch.equal(torch.exp2(exponent), values) or not (
-        (exponent > -127) & (exponent < 128)
-    ).all():
+    if (
+        not torch.equal(torch.exp2(exponent), values)
+        or not ((exponent > -127) & (exponent < 128)).all()
+    ):
         raise CheckpointError(
             f"scale tensor {weight.name[: -len('.weight')] + SCALE_SUFFIX!r} holds values that "
             "are not powers of two between 2^-126 and 2^127 (ue8m0 exponent bytes)"

@@ -51,11 +51,23 @@ def chain_metas(exact: BatchMeta, rows: torch.Tensor, last: torch.Tensor, pools:
     empty = torch.zeros(0, dtype=torch.int64, device=device)
     return [
         BatchMeta(
-            token_ids=torch.zeros_like(pos[s]), positions=pos[s], seq_start=pos[s],
-            state_slots=state_slots, req_rows=req_rows, page_table=exact.page_table,
-            window_store=store[s], c4_out=none, c128_out=none, c4_bound=bound[s],
-            sample_idx=empty, sample_req_ids=[], ropes=ropes, rope_len=rope_len, static=static,
-            window_slots=windows[s], c128_slots=c128,
+            token_ids=torch.zeros_like(pos[s]),
+            positions=pos[s],
+            seq_start=pos[s],
+            state_slots=state_slots,
+            req_rows=req_rows,
+            page_table=exact.page_table,
+            window_store=store[s],
+            c4_out=none,
+            c128_out=none,
+            c4_bound=bound[s],
+            sample_idx=empty,
+            sample_req_ids=[],
+            ropes=ropes,
+            rope_len=rope_len,
+            static=static,
+            window_slots=windows[s],
+            c128_slots=c128,
         )  # fmt: skip
         for s in range(num_steps - 1)
     ]

@@ -41,8 +41,12 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
     if devices is not None:
         weights = [
-            bytes_per_full_token(cfg.layer_ratios[s:e], skip[s:e], entry_bytes,
-                                 mtp=speculative and i == len(ranges) - 1)  # fmt: skip
+            bytes_per_full_token(
+                cfg.layer_ratios[s:e],
+                skip[s:e],
+                entry_bytes,
+                mtp=speculative and i == len(ranges) - 1,
+            )  # fmt: skip
             for i, (s, e) in enumerate(ranges)
         ]
         available = share_devices(available, devices, weights)
@@ -116,8 +120,17 @@ class LocalPipeline:
     def _build(self) -> None:
         ec, cfg = self.config, self.cfg
         self.workers = [
-            StageWorker(ec.model, s, e, ec.kv_cache_dtype, ec.dtype, ec.device, cfg, ec.cuda_graphs,
-                        ec.weight_format)  # fmt: skip
+            StageWorker(
+                ec.model,
+                s,
+                e,
+                ec.kv_cache_dtype,
+                ec.dtype,
+                ec.device,
+                cfg,
+                ec.cuda_graphs,
+                ec.weight_format,
+            )  # fmt: skip
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None

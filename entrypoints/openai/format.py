@@ -9,7 +9,10 @@ completions render the legacy ``tokens`` / ``token_logprobs`` / ``top_logprobs``
 bytes, top_logprobs}]``. A stream's chunk carries the logprobs of the tokens it brings (clients
 concatenate chunk logprobs: the joined result is the same as without streaming). A chat answer
 generated in thinking mode carries its reasoning (the text up to ``</think>``) as
-``reasoning_content`` beside ``content``, in the message and in the stream's deltas alike.
+``reasoning_content`` beside ``content``, in the message and in the stream's deltas alike. With
+tools (entrypoints/tool_calls.py), the content's call block becomes ``tool_calls``: in a stream,
+each call is one delta with its id, name and whole arguments, sent when its invoke is complete
+and checked; text that may start a block is held back until it is decided.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import uuid
 
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
+from dsv4ray.entrypoints.tool_calls import ChatTools, finish, openai_call
 from dsv4ray.model.tokenizer_files import bytes_to_unicode
 
 
@@ -183,22 +187,34 @@ class ChatFormat(_Format):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
 
-    def __init__(self, *args, thinking: bool = False, start: str = "start") -> None:
+    def __init__(
+        self, *args, thinking: bool = False, start: str = "start", tools: ChatTools | None = None
+    ) -> None:
         """thinking: the answer's reasoning is given back as ``reasoning_content``; start:
-        where the answer begins (model/chat_encoding.prefix_state)."""
+        where the answer begins (model/chat_encoding.prefix_state); tools: the request's, whose
+        calls are parsed out of the answer."""
         super().__init__(*args)
         self.start = start
         self.splitter = ReasoningSplitter(start) if thinking else None
+        self.tools = tools
+        self.parser = tools.parser() if tools is not None else None
+        self.num_calls = 0  # calls streamed so far
 
     def response(self, output: RequestOutput) -> dict:
         message = {"role": "assistant", "content": output.text}
         if self.splitter is not None:
             split = ReasoningSplitter(self.start).split(output.text)
             message["reasoning_content"], message["content"] = split
+        finish_reason = output.finish_reason
+        if self.tools is not None:
+            content, calls, finish_reason = self.tools.answer(message["content"], finish_reason)
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = calls
         choice = {
             "index": 0,
             "message": message,
-            "finish_reason": output.finish_reason,
+            "finish_reason": finish_reason,
             **self._choice_extras(output, None),
         }
         return {**self._envelope(self.object_name, [choice]), "usage": usage(output)}
@@ -214,23 +230,40 @@ class ChatFormat(_Format):
 
     def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None,
               logprobs: list | None = None) -> dict:  # fmt: skip
+        delta = self._delta(text, last=output is not None)
         choice = {
             "index": 0,
-            "delta": self._delta(text, last=output is not None),
-            "finish_reason": output.finish_reason if output else None,
+            "delta": delta,
+            "finish_reason": finish(output.finish_reason, self.num_calls) if output else None,
             **self._choice_extras(output, token_ids, logprobs),
         }
         return self._envelope(self.chunk_object_name, [choice])
 
     def _delta(self, text: str, last: bool) -> dict:
-        if self.splitter is None:
-            return {"content": text} if text else {}
-        reasoning, content = self.splitter.push(text)
-        if last:
-            more_reasoning, more_content = self.splitter.finish()
-            reasoning, content = reasoning + more_reasoning, content + more_content
+        reasoning, content = "", text
+        if self.splitter is not None:
+            reasoning, content = self.splitter.push(text)
+            if last:
+                more_reasoning, more_content = self.splitter.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
         delta = {"reasoning_content": reasoning} if reasoning else {}
-        return {**delta, "content": content} if content else delta
+        calls = []
+        if self.parser is not None:
+            content, calls = self._calls(content, last)
+        delta = {**delta, "content": content} if content else delta
+        return {**delta, "tool_calls": calls} if calls else delta
+
+    def _calls(self, content: str, last: bool) -> tuple[str, list[dict]]:
+        """The content delta -> (its text, its tool-call deltas)."""
+        events = self.parser.push(content) + (self.parser.finish() if last else [])
+        texts, calls = [], []
+        for kind, value in events:
+            if kind == "text":
+                texts.append(value)
+            elif self.tools.parallel or self.num_calls == 0:
+                calls.append({"index": self.num_calls, **openai_call(value)})
+                self.num_calls += 1
+        return "".join(texts), calls
 
     def logprobs(self, steps: list, stream: bool = False) -> dict:
         content = []

@@ -3,14 +3,15 @@
 Pydantic lives here and nowhere deeper: a parsed request becomes a plain ``SamplingParams`` and a
 prompt; bodies are parsed within limits (``json_body``) and every failure is an ``APIError``
 (``errors``) with OpenAI's error body. No field is silently ignored: fields the API
-defines but this server does not implement (``n`` > 1, ``echo``, ``tools``, ``tool_choice``,
-``response_format``, ...) are a 400 naming them unless they hold the
-value that asks for nothing (``tools: []``, ``tool_choice: "none"``, ``response_format: {"type":
-"text"}``, ...), and so is any field the API does not define, at the top level, in
+defines but this server does not implement (``n`` > 1, ``echo``, the deprecated ``functions`` and
+``function_call``, ...) are a 400 naming them unless they hold the value that asks for nothing
+(``functions: []``, ...), and so is any field the API does not define, at the top level, in
 ``stream_options`` or in a message (``typical_p``, ``guided_json``, a typo). ``INFORMATIONAL``
 fields (``user``, ``metadata``, ``store``, ...) do not change what is generated and are accepted.
-Inside a message, ``tool_calls``, ``function_call``, ``audio`` and a ``name`` (the chat format
-renders none) are refused; ``refusal`` and ``annotations`` (a client echoing an earlier answer
+``tools``, ``tool_choice`` and ``parallel_tool_calls`` are entrypoints/tool_calls.py's; an
+assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` go to the chat format.
+Inside a message, ``function_call``, ``audio`` and a ``name`` (the chat format renders none) are
+refused; ``refusal`` and ``annotations`` (a client echoing an earlier answer
 back) are accepted and not part of the prompt. ``reasoning_effort`` ("none", "minimal": no
 thinking; "low", "medium", "high": thinking) and ``chat_template_kwargs.enable_thinking`` set the
 chat format's thinking mode, as ``chat_template_kwargs.thinking`` does (values that disagree are
@@ -35,18 +36,16 @@ from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
 from dsv4ray.engine.structured import grammar
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request
 from dsv4ray.entrypoints.openai.json_body import find_bad_value, load_json
+from dsv4ray.entrypoints.tool_calls import ChatTools
 
 MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 1024  # every plan of the request carries them to the last stage
 INT64_MAX = 2**63 - 1  # seeds and ids travel to the stages as msgpack int64s
-_TOOLS = "tool and function calls are not supported"
+_FUNCTIONS = "the deprecated function-calling fields are not supported: use tools and tool_choice"
 NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> why
-    "tools": _TOOLS,
-    "tool_choice": _TOOLS,
-    "functions": _TOOLS,
-    "function_call": _TOOLS,
-    "parallel_tool_calls": _TOOLS,
+    "functions": _FUNCTIONS,
+    "function_call": _FUNCTIONS,
     "audio": "only text output is supported",
     "modalities": 'only text output is supported (modalities ["text"])',
     "prediction": "predicted outputs are not supported",
@@ -55,17 +54,14 @@ NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> w
 }
 # the values of NOT_IMPLEMENTED fields that ask for nothing (None asks for nothing everywhere)
 NEUTRAL_VALUES = {
-    "tools": [[]],
     "functions": [[]],
-    "tool_choice": ["none"],
     "function_call": ["none"],
     "modalities": [["text"]],
 }
 # fields that do not change what is generated (labels, storage and billing hints): accepted
 INFORMATIONAL = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
 MESSAGE_NOT_IMPLEMENTED = {
-    "tool_calls": _TOOLS,
-    "function_call": _TOOLS,
+    "function_call": _FUNCTIONS,
     "audio": "audio messages are not supported",
 }
 
@@ -237,13 +233,25 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text of an object
+
+
+class MessageToolCall(_Request):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     reasoning_content: str | None = None  # an earlier answer's reasoning (thinking mode)
     prefix: bool = False  # the last assistant message: the answer goes on from its text
-    tool_calls: Any = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
     audio: Any = None
     # what an answer that a client echoes back may carry: not part of the prompt
@@ -263,12 +271,24 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
         for i, message in enumerate(self.messages):
             _check_message(i, message, last=i == len(self.messages) - 1)
         self.template_kwargs()  # a bad thinking option is a 400 naming it
+        tools = self.chat_tools()
+        if tools is not None and tools.choice != "auto":
+            if self.messages[-1].prefix:
+                raise bad_request("tool_choice: a forced call cannot continue a prefix message",
+                                  "tool_choice")  # fmt: skip
+            if self.response_format is not None and self.response_format.type != "text":
+                raise bad_request("tool_choice: a forced call and a structured output "
+                                  "(response_format) cannot both constrain the answer",
+                                  "tool_choice")  # fmt: skip
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
@@ -285,8 +305,20 @@ class ChatCompletionRequest(_GenerationRequest):
             extra = {"reasoning_content": m.reasoning_content} if m.reasoning_content else {}
             if m.prefix:
                 extra["prefix"] = True
+            if m.tool_calls:
+                extra["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                extra["tool_call_id"] = m.tool_call_id
             messages.append({"role": m.role, "content": m.text(), **extra})
         return messages
+
+    def chat_tools(self) -> ChatTools | None:
+        """The request's tools (None: none, or tool_choice "none"); a bad one is a 400 naming
+        its field."""
+        try:
+            return ChatTools.from_request(self.tools, self.tool_choice, self.parallel_tool_calls)
+        except ValueError as exc:
+            raise bad_request(str(exc), str(exc).split(" ", 1)[0].split(":")[0]) from None
 
     def template_kwargs(self) -> dict:
         """chat_template_kwargs for the chat format: ``enable_thinking`` (the name other
@@ -346,6 +378,12 @@ def _check_message(index: int, message: ChatMessage, last: bool) -> None:
     for name, why in MESSAGE_NOT_IMPLEMENTED.items():
         if getattr(message, name):
             raise bad_request(f"{where}.{name}: {why}", f"{where}.{name}")
+    if message.tool_calls is not None and message.role != "assistant":
+        raise bad_request(f"{where}.tool_calls: only assistant messages make tool calls",
+                          f"{where}.tool_calls")  # fmt: skip
+    if (message.role == "tool") != (message.tool_call_id is not None):
+        raise bad_request(f"{where}.tool_call_id: a tool message needs one, other messages "
+                          "have none", f"{where}.tool_call_id")  # fmt: skip
     if message.name is not None:
         raise bad_request(f"{where}.name: the DeepSeek-V4 chat format renders no participant "
                           "names", f"{where}.name")  # fmt: skip
@@ -406,7 +444,7 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in _TYPE_TAGS)
 
 
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart"}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "TextPart", "MessageToolCall"}
 
 
 def _is_int(value: object) -> bool:

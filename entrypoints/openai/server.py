@@ -44,6 +44,7 @@ from dsv4ray.entrypoints.openai.protocol import (
 from dsv4ray.entrypoints.openai.streaming import SSEResponse, Tracked, last_output, stream
 from dsv4ray.entrypoints.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from dsv4ray.entrypoints.openai.vllm_metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
+from dsv4ray.entrypoints.tool_calls import constrained
 from dsv4ray.model.chat_encoding import prefix_state
 
 log = logging.getLogger("dsv4ray.serve")
@@ -177,10 +178,13 @@ class OpenAIServer:
             return _tokenize(self.engine.tokenizer.encode, "prompt", prompt, add_bos)
         return list(prompt)
 
-    def chat_prompt_ids(self, req: ChatCompletionRequest) -> list[int]:
-        """The chat messages rendered with the checkpoint's chat encoding, tokenized."""
+    def chat_prompt_ids(self, req: ChatCompletionRequest, tools=None) -> list[int]:
+        """The chat messages (and tools: a ChatTools) rendered with the checkpoint's chat
+        encoding, tokenized."""
         messages, kwargs = req.template_messages(), req.template_kwargs()
-        return _tokenize(self.engine.tokenizer.encode_chat, "messages", messages, kwargs)
+        functions = tools.prompt_functions() if tools is not None else None
+        encode = self.engine.tokenizer.encode_chat
+        return _tokenize(encode, "messages", messages, kwargs, functions)
 
     async def tokenize(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
@@ -224,19 +228,29 @@ class OpenAIServer:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(ChatCompletionRequest, body)
         self._check_model(req.model)
-        prompt_ids = self.chat_prompt_ids(req)
+        tools = req.chat_tools()
+        prompt_ids = self.chat_prompt_ids(req, tools)
         max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), "messages", None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, num_top)
+        start = prefix_state(req.template_messages(), req.thinking)
+        params = self._constrained(params, tools, req.thinking and start != "content")
         fmt = ChatFormat(
             self.options.served_model_name,
             self.token_bytes,
             num_top,
             req.return_token_ids,
             thinking=req.thinking,
-            start=prefix_state(req.template_messages(), req.thinking),
+            start=start,
+            tools=tools,
         )
         return await self._generate("/v1/chat/completions", prompt_ids, params, req, fmt)
+
+    def _constrained(self, params: SamplingParams, tools, reasons: bool) -> SamplingParams:
+        try:
+            return constrained(params, tools, reasons, self.engine.tokenizer.think_end_id)
+        except ValueError as exc:
+            raise bad_request(str(exc), str(exc).split(":", 1)[0]) from None
 
     def _max_tokens(self, asked: int | None, prompt_len: int, field: str, default: int | None):
         """The request's max_tokens, checked against the context; None = up to the context."""

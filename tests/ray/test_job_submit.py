@@ -109,6 +109,9 @@ def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None
 
 def _input_line(i: int) -> dict:
     """Request i: a prompt or chat messages, 1 or 2 tokens."""
+    if i % 6 == 0:  # with a tool the answer may call
+        return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1,
+                "tools": [{"type": "function", "function": {"name": "f"}}]}  # fmt: skip
     if i % 3 == 0:
         return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}
     return {"id": i, "prompt": f"Hello {i}", "max_tokens": 1 + i % 2, "ignore_eos": True}
@@ -163,4 +166,6 @@ def test_ray_job_submit_runs_200_requests_on_two_replicas(ray_head, tiny_ckpt, t
         row, asked = last[str(i)], _input_line(i)["max_tokens"]
         assert row["finish_reason"] in ("length", "stop") and "error" not in row, row
         assert len(row["token_ids"]) == asked or row["finish_reason"] == "stop", row
+        if i % 6 == 0:  # one token is no call: the answer is its text
+            assert (row["content"], row["tool_calls"]) == (row["text"], []), row
     assert run_job(tiny_ckpt, str(src), str(dst)) == 1  # the bad line again; nothing to redo

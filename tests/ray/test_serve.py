@@ -237,6 +237,40 @@ def test_a_json_schema_answer_validates_and_controls_reach_the_sampler(client, l
     assert forced.choices[0].text == local_llm.tokenizer.decode([97] * 4)
 
 
+def test_a_forced_tool_call_is_a_valid_call_streamed_or_not(client, local_llm):
+    import jsonschema
+
+    params = {"type": "object", "properties": {"room": {"enum": ["kitchen", "hall"]},
+                                               "on": {"type": "boolean"}},
+              "required": ["room", "on"]}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "set_light", "parameters": params}}]
+    messages = [{"role": "user", "content": "lights"}]
+    body = dict(model=MODEL, messages=messages, tools=tools, max_tokens=500, temperature=0,
+                tool_choice={"type": "function", "function": {"name": "set_light"}})  # fmt: skip
+    got = client.chat.completions.create(**body)
+    choice = got.choices[0]
+    assert (choice.finish_reason, choice.message.content) == ("tool_calls", None)
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "set_light" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params)
+    functions = [t["function"] for t in tools]
+    prompt = local_llm.tokenizer.encode_chat(messages, tools=functions)
+    assert got.usage.prompt_tokens == len(prompt)
+    streamed = [c for c in client.chat.completions.create(**body, stream=True) if c.choices]
+    deltas = [d for c in streamed for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [
+        (call.function.name, call.function.arguments)
+    ]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+    # the call and its result go back into the conversation
+    history = [*messages, choice.message.model_dump(exclude_none=True),
+               {"role": "tool", "tool_call_id": call.id, "content": "done"}]  # fmt: skip
+    follow = client.chat.completions.create(model=MODEL, messages=history, tools=tools,
+                                            max_tokens=4)  # fmt: skip
+    rendered = local_llm.tokenizer.encode_chat(history, tools=functions)
+    assert follow.usage.prompt_tokens == len(rendered)
+
+
 def test_32_concurrent_requests_complete_with_their_token_counts(base_url):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str]:
         max_tokens = 1 + i % 8

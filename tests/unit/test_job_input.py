@@ -40,3 +40,27 @@ def test_a_line_asks_for_json_with_openais_response_format():
     assert sampling_params(item["params"]).structured_output == {"json": schema}
     with pytest.raises(ValueError, match="'response_format'"):
         parse_line(json.dumps({"id": 1, "prompt": "p", "response_format": {"type": "xml"}}), 16)
+
+
+def test_a_chat_line_carries_tools_and_its_output_row_the_calls():
+    from dsv4ray.engine.outputs import RequestOutput
+    from dsv4ray.entrypoints.job_replica import output_row
+    from dsv4ray.entrypoints.tool_calls import ChatTools
+    from dsv4ray.model import dsml
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    messages = [{"role": "user", "content": "hi"}]
+    line = {"id": 1, "messages": messages, "tools": tools, "parallel_tool_calls": False}
+    _, item = parse_line(json.dumps(line), 16)
+    assert (item["tools"], item["parallel_tool_calls"]) == (tools, False)
+    chat_tools = ChatTools.from_request(item["tools"], None, item["parallel_tool_calls"])
+    text = "ok\n\n" + dsml.render_calls([("f", {"a": 1}), ("f", {})])
+    row = output_row("1", RequestOutput("r", [1], [2], text, finish_reason="stop"), chat_tools)
+    assert (row["text"], row["content"], row["finish_reason"]) == (text, "ok", "tool_calls")
+    assert [json.loads(c["function"]["arguments"]) for c in row["tool_calls"]] == [{"a": 1}]
+    bad_lines = [({"prompt": "p", "tools": tools}, "'tools' needs 'messages'"),
+                 ({"messages": messages, "tool_choice": "required"}, "tool_choice"),
+                 ({"messages": messages, "tools": [{"type": "f"}]}, "tools.0")]  # fmt: skip
+    for bad, problem in bad_lines:
+        with pytest.raises(ValueError, match=problem):
+            parse_line(json.dumps({"id": 1, **bad}), 16)

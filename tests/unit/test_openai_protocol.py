@@ -152,11 +152,8 @@ def test_large_token_prompts_parse_quickly():
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 REQUESTED = {  # a value of each field that asks for something this server does not do
-    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "tool_choice": "auto",
     "functions": [{"name": "f"}],
     "function_call": "auto",
-    "parallel_tool_calls": False,
     "audio": {"voice": "alloy", "format": "wav"},
     "modalities": ["text", "audio"],
     "prediction": {"type": "content", "content": "x"},
@@ -207,8 +204,8 @@ def test_informational_fields_are_accepted():
     assert parse_request(ChatCompletionRequest, chat_body(**values, user="u")).user == "u"
 
 
-@pytest.mark.parametrize("field", ["tool_calls", "function_call", "audio"])
-def test_message_fields_for_tools_and_audio_are_refused(field):
+@pytest.mark.parametrize("field", ["function_call", "audio"])
+def test_message_fields_for_functions_and_audio_are_refused(field):
     message = {"role": "assistant", "content": "x", field: {"id": "1"}}
     messages = [message, {"role": "user", "content": "hi"}]
     err = rejected(chat_body(messages=messages), ChatCompletionRequest)

@@ -141,7 +141,7 @@ def test_bad_chat_requests_are_400_naming_the_field(client):
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking"),
         ({**CHAT, "chat_template_kwargs": {"effort": 3}}, "chat_template_kwargs"),
-        ({**CHAT, "messages": [{"role": "tool", "content": "42"}]}, "messages"),
+        ({**CHAT, "messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
     ]:
         assert_error(client.post("/v1/chat/completions", json=body), 400, param=param)
 

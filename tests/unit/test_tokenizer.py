@@ -97,7 +97,7 @@ def test_no_generation_prompt_and_token_ids(tok):
 @pytest.mark.parametrize(
     "messages,kwargs,match",
     [
-        ([{"role": "tool", "content": "x"}], {}, r"messages\[0\]: role 'tool'"),
+        ([{"role": "wizard", "content": "x"}], {}, r"messages\[0\]: role 'wizard'"),
         ([{"role": "user", "content": [{"type": "text"}]}], {}, r"messages\[0\]\.content"),
         ([_user("x")], {"enable_thinkng": True}, "enable_thinkng"),
         ([_user("x")], {"thinking": "yes"}, r"chat_template_kwargs\.thinking"),

@@ -1,0 +1,233 @@
+"""Tool calls for the chat entrypoints (the OpenAI server, batch jobs, ``LLM.chat``): a request's
+tools in OpenAI's shape, checked; the functions the chat format renders; the grammar that forces
+a call when the choice asks for one; the answer's calls parsed (model/dsml.py) and their
+arguments checked against their tool's schema.
+
+    tools                [{"type": "function", "function": {"name", "description",
+                          "parameters" (a JSON schema of an object), "strict"}}]
+    tool_choice          "auto" (the default with tools: the model decides), "none" (no tools
+                          rendered, nothing parsed), "required" (a call block and nothing else,
+                          forced by a grammar), {"type": "function", "function": {"name"}} (one
+                          call of that function, forced)
+    parallel_tool_calls  false: at most one call (forced choices make one; with "auto", calls
+                          after the first are dropped)
+
+Arguments always are checked against their schema (``strict`` asks for nothing more): a call
+whose arguments do not validate, of a tool the request does not have, or unreadable, is given
+back as text with the rest of the answer, and the answer finishes as "stop".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.structured import JSON_LAYOUT
+from dsv4ray.model import dsml
+
+NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
+CHOICES = ("none", "auto", "required")
+_TOOL_KEYS, _FUNCTION_KEYS = {"type", "function"}, {"name", "description", "parameters", "strict"}
+
+
+@dataclass(frozen=True)
+class ChatTools:
+    functions: tuple[dict, ...]  # OpenAI function objects
+    choice: str = "auto"  # "none" | "auto" | "required" | "function" (``named``)
+    named: str | None = None
+    parallel: bool = True
+
+    @classmethod
+    def from_request(cls, tools, tool_choice=None, parallel_tool_calls=None) -> ChatTools | None:
+        """OpenAI's fields -> ChatTools, None when there is nothing to do; ValueError whose
+        message starts with the field at fault."""
+        functions = tuple(_function(i, t) for i, t in enumerate(_list(tools)))
+        names = [f["name"] for f in functions]
+        twice = {n for n in names if names.count(n) > 1}
+        if twice:
+            raise ValueError(f"tools: the function name {sorted(twice)[0]!r} is used twice")
+        if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
+            raise ValueError("parallel_tool_calls must be true or false")
+        choice, named = _choice(tool_choice, names)
+        if not functions or choice == "none":
+            return None
+        return cls(functions, choice, named, parallel_tool_calls is not False)
+
+    def prompt_functions(self) -> list[dict]:
+        """The functions the chat format renders into the system prompt."""
+        return [dict(f) for f in self.functions]
+
+    def structured_output(self) -> dict | None:
+        """The grammar of a forced call (required or named choice), None for auto."""
+        if self.choice == "auto":
+            return None
+        funcs = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
+        one = self.choice == "function" or not self.parallel
+        return {"grammar": dsml.call_grammar(funcs, one, JSON_LAYOUT)}
+
+    def parser(self) -> dsml.CallParser:
+        return dsml.CallParser(self.check)
+
+    def check(self, name: str, arguments: dict) -> dict | str:
+        """The arguments to keep, or why the call is not valid."""
+        function = next((f for f in self.functions if f["name"] == name), None)
+        if function is None:
+            return f"the request has no tool named {name!r}"
+        schema = function.get("parameters")
+        if not schema:
+            return arguments
+        problem = _invalid(schema, arguments)
+        if problem is None:
+            return arguments
+        coerced = _coerced(schema, arguments)
+        return coerced if _invalid(schema, coerced) is None else f"{name}: {problem}"
+
+    def answer(self, text: str, finish_reason: str | None) -> tuple[str | None, list[dict], str]:
+        """An answer's text -> (content, OpenAI tool calls, finish_reason)."""
+        parser, content, calls = self.parser(), [], []
+        for kind, value in parser.push(text) + parser.finish():
+            if kind == "text":
+                content.append(value)
+            elif self.parallel or not calls:
+                calls.append(openai_call(value))
+        text = "".join(content)
+        return (text or None) if calls else text, calls, finish(finish_reason, len(calls))
+
+
+def constrained(
+    params: SamplingParams, tools: ChatTools | None, reasons: bool, think_end_id: int | None
+) -> SamplingParams:
+    """The answer's constraint: the params' own structured_output, else a forced call's; when
+    the answer reasons first (thinking), it applies after ``</think>``. ValueError naming the
+    field at fault."""
+    forced = tools.structured_output() if tools is not None else None
+    if forced is not None and params.structured_output is not None:
+        raise ValueError("tool_choice: a forced call and a structured output (response_format) "
+                         "cannot both constrain the answer")  # fmt: skip
+    spec = params.structured_output or forced
+    if spec is None:
+        return params
+    if reasons:
+        if think_end_id is None:
+            raise ValueError("response_format: a constrained answer in thinking mode needs "
+                             "</think> to be one token of the vocabulary")  # fmt: skip
+        spec = {**spec, "after_token": think_end_id}
+    return dataclasses.replace(params, structured_output=spec)
+
+
+def finish(finish_reason: str | None, num_calls: int) -> str | None:
+    """An answer that made calls and stopped finishes as "tool_calls"."""
+    return "tool_calls" if num_calls and finish_reason == "stop" else finish_reason
+
+
+def openai_call(call: dsml.ToolCall) -> dict:
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": call.name,
+            "arguments": json.dumps(call.arguments, ensure_ascii=False),
+        },
+    }
+
+
+def _list(tools) -> list:
+    if tools is None:
+        return []
+    if not isinstance(tools, list):
+        raise ValueError("tools must be a list of {type: function, function: {...}} objects")
+    return tools
+
+
+def _function(index: int, tool) -> dict:
+    where = f"tools.{index}"
+    if not isinstance(tool, dict) or tool.get("type") != "function":
+        raise ValueError(f"{where}: a tool must be {{type: 'function', function: {{...}}}}")
+    _known(where, tool, _TOOL_KEYS)
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise ValueError(f"{where}.function: a required object is missing")
+    where += ".function"
+    _known(where, function, _FUNCTION_KEYS)
+    name = function.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"{where}.name must be 1 to 64 of a-z, A-Z, 0-9, _ and -, got {name!r}")
+    if not isinstance(function.get("description", ""), str):
+        raise ValueError(f"{where}.description must be a string")
+    if not isinstance(function.get("strict", False), bool):
+        raise ValueError(f"{where}.strict must be true or false")
+    _check_schema(f"{where}.parameters", function.get("parameters"))
+    return {k: v for k, v in function.items() if v is not None}
+
+
+def _known(where: str, obj: dict, keys: set) -> None:
+    unknown = sorted(set(obj) - keys)
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: this server does not implement this field")
+
+
+def _check_schema(where: str, schema) -> None:
+    if schema is None:
+        return
+    if not isinstance(schema, dict) or schema.get("type", "object") != "object":
+        raise ValueError(f"{where} must be the JSON schema of an object")
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise ValueError(f"{where} is not a valid JSON schema: {exc.message}"[:300]) from None
+
+
+def _choice(tool_choice, names: list[str]) -> tuple[str, str | None]:
+    if tool_choice is None:
+        return ("auto" if names else "none"), None
+    if isinstance(tool_choice, str):
+        if tool_choice not in CHOICES:
+            raise ValueError(f"tool_choice must be one of {list(CHOICES)} or a named function")
+        if tool_choice == "required" and not names:
+            raise ValueError("tool_choice: 'required' needs tools")
+        return tool_choice, None
+    if not isinstance(tool_choice, dict):
+        raise ValueError("tool_choice must be a string or {type: 'function', function: {name}}")
+    function = tool_choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if tool_choice.get("type") != "function" or not isinstance(name, str):
+        raise ValueError("tool_choice must be a string or {type: 'function', function: {name}}")
+    _known("tool_choice", tool_choice, _TOOL_KEYS)
+    _known("tool_choice.function", function, {"name"})
+    if name not in names:
+        raise ValueError(f"tool_choice names the function {name!r}, which is not in tools")
+    return "function", name
+
+
+def _invalid(schema: dict, arguments: dict) -> str | None:
+    import jsonschema
+
+    error = jsonschema.exceptions.best_match(
+        jsonschema.validators.validator_for(schema)(schema).iter_errors(arguments)
+    )
+    if error is None:
+        return None
+    where = "/".join(str(p) for p in error.absolute_path)
+    return f"{where or 'arguments'}: {error.message}"[:300]
+
+
+def _coerced(schema: dict, arguments: dict) -> dict:
+    """Values written as strings (``string="true"``) where the schema wants another type, read
+    as JSON when they parse."""
+    props = schema.get("properties") or {}
+    out = dict(arguments)
+    for name, value in arguments.items():
+        kinds = (props.get(name) or {}).get("type")
+        kinds = [kinds] if isinstance(kinds, str) else kinds or []
+        if isinstance(value, str) and kinds and "string" not in kinds:
+            try:
+                out[name] = json.loads(value)
+            except json.JSONDecodeError:
+                pass
+    return out
