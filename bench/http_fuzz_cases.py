@@ -192,8 +192,9 @@ def out_of_range(target: Target, rng: random.Random, scale: int) -> Iterator[Cas
         "top_k": [0, -2, *big],
         "seed": big,
         "logprobs": [-1, 21, 2**63],
-        "n": [0, 2, -1],
-        "best_of": [2, 0],
+        "n": [0, -1, 65],
+        "best_of": [0, 65],
+        "prompt_logprobs": [-1, 21],
         "frequency_penalty": [2.0000001, -2.5, 1e308],
         "presence_penalty": [3.0, -5e3],
         "repetition_penalty": [0, -1.0, 0.0],
@@ -202,7 +203,6 @@ def out_of_range(target: Target, rng: random.Random, scale: int) -> Iterator[Cas
         "logit_bias": [{"x": 1.0}, {"5": 100.5}, {"-3": 1.0}, {str(2**64): 1.0}],
         "prompt": [[-1], [10**6], [2**63], [2**64], [5] * (target.context + 1)],
         "stop_token_ids": [[-1], [2**63], list(range(1025))],
-        "echo": [True],
         "suffix": ["x"],
     }
     for field, values in completions.items():
@@ -230,6 +230,8 @@ VALID_EXTREMES = [
     {"top_k": 10**6}, {"top_k": 2**63 - 1}, {"seed": -(2**63 - 1)}, {"seed": 2**63 - 1},
     {"logprobs": 0}, {"logprobs": 20}, {"stop_token_ids": [2**63 - 1]}, {"stop": "a" * 1000},
     {"prompt": ""}, {"prompt": [0]}, {"temperature": 1e-38, "top_p": 5e-324, "top_k": 1},
+    {"n": 3, "seed": 2**63 - 1}, {"n": 2, "best_of": 3}, {"echo": True, "logprobs": 20},
+    {"prompt": ["a", [5, 6], ""], "n": 2}, {"prompt_logprobs": 20, "echo": True},
 ]  # fmt: skip
 
 

@@ -40,13 +40,15 @@ log = logging.getLogger("dsv4ray.engine")
 @dataclass
 class RequestUpdate:
     """What one step did for one request: new token ids and text, their logprobs when the
-    request asked for them (one {token id: logprob} per token); ``output`` when finished."""
+    request asked for them (one {token id: logprob} per token), the prompt's logprobs with the
+    first tokens (RequestOutput.prompt_logprobs); ``output`` when finished."""
 
     request_id: str
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
     output: RequestOutput | None = None
     logprobs: list[dict[int, float]] | None = None
+    prompt_logprobs: list | None = None  # the request's, with its first tokens (if asked)
 
 
 class EngineCore:
@@ -159,7 +161,8 @@ class EngineCore:
                 f"more) does not fit the HiSparse host store of {limit} tokens "
                 "(hisparse_host_tokens)"
             )
-        self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not score)
+        whole = score or params.prompt_logprobs is not None  # every position computed
+        self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not whole)
         self.outputs.add(req_id, prompt_ids, params)
         if score:
             self.scoring.add(req_id)
@@ -219,6 +222,7 @@ class EngineCore:
     def _prepare(self, plan) -> None:
         """What the engine adds to a scheduled plan before the stages get it, and counts of it."""
         plan.full_logits = [e.req_id for e in plan.batch if e.req_id in self.scoring]
+        plan.prompt_logprobs = self.outputs.prompt_targets(plan.batch)
         self.outputs.on_scheduled(e.req_id for e in plan.batch)
         self.num_preemptions += len(plan.preempted_ids)
 
@@ -236,6 +240,9 @@ class EngineCore:
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
                 self.outputs.logits.setdefault(req_id, []).append(logits)
+        for req_id, (start, entries) in result.prompt_logprobs.items():
+            if req_id in outcome.applied:
+                self.outputs.on_prompt_logprobs(req_id, start, entries)
         for req_id, token in outcome.tokens.items():
             tokens = [*outcome.extra_tokens.get(req_id, ()), token]
             try:
@@ -249,6 +256,9 @@ class EngineCore:
             recorded = self.outputs.outputs[req_id].logprobs  # the tokens' are its last ones
             logprobs = None if recorded is None else recorded[len(recorded) - len(tokens) :]
             updates[req_id] = RequestUpdate(req_id, tokens, delta, logprobs=logprobs)
+            out = self.outputs.outputs[req_id]
+            if out.prompt_logprobs is not None and len(out.token_ids) == len(tokens):
+                updates[req_id].prompt_logprobs = out.prompt_logprobs  # with the first tokens
             if stop and not any(f.req_id == req_id for f in finished):
                 done = self.scheduler.finish(req_id, "stop")
                 finished += [done] if done is not None else []
@@ -344,7 +354,8 @@ class EngineCore:
                 params = dataclasses.replace(params, max_tokens=point.max_tokens, seed=point.seed,
                                              min_tokens=point.min_tokens)  # fmt: skip
             try:
-                self.scheduler.add_request(req_id, prompt, params, req_id not in self.scoring)
+                whole = req_id in self.scoring or params.prompt_logprobs is not None
+                self.scheduler.add_request(req_id, prompt, params, not whole)
             except ValueError as exc:  # too long for the restarted pipeline's pools
                 out = self._end(req_id, f"the restarted pipeline cannot take it: {exc}")
                 refused.append(RequestUpdate(req_id, output=out))

@@ -31,6 +31,7 @@ class OutputProcessor:
             req_id,
             prompt_ids,
             logprobs=[] if sp.logprobs is not None else None,
+            prompt_logprobs=[None] * len(prompt_ids) if sp.prompt_logprobs is not None else None,
             metrics=RequestMetrics(num_prompt_tokens=len(prompt_ids)),
         )
         self.params[req_id] = sp
@@ -47,6 +48,28 @@ class OutputProcessor:
 
     def unfinished(self) -> list[str]:
         return [r for r, out in self.outputs.items() if not out.finished]
+
+    def prompt_targets(self, batch) -> dict[str, list]:
+        """StepPlan.prompt_logprobs of a plan's entries: [top n, the prompt's next token at
+        each of the entry's positions that has one]."""
+        targets = {}
+        for entry in batch:
+            sp = self.params[entry.req_id]
+            if sp.prompt_logprobs is None:
+                continue
+            prompt = self.outputs[entry.req_id].prompt_token_ids
+            start = entry.start_pos + 1
+            ids = prompt[start : min(start + entry.num_tokens, len(prompt))]
+            if ids:
+                targets[entry.req_id] = [sp.prompt_logprobs, list(ids)]
+        return targets
+
+    def on_prompt_logprobs(self, req_id: str, start: int, entries: list) -> None:
+        """The last stage's logprobs of prompt tokens start + 1, start + 2, ... (a recomputed
+        chunk writes the same values again)."""
+        out = self.outputs[req_id].prompt_logprobs
+        if out is not None:
+            out[start + 1 : start + 1 + len(entries)] = entries
 
     def on_token(self, req_id: str, token: int, logprobs) -> tuple[str, bool]:
         """Records a sampled token; returns (text delta, whether a stop string appeared)."""

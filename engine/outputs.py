@@ -59,6 +59,9 @@ class RequestOutput:
     error: str | None = None
     content: str | None = None
     tool_calls: list[dict] | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, None for the first token, else
+    # [[token id, logprob, rank], ...]: the prompt's token first, then the top ones not it
+    prompt_logprobs: list[list | None] | None = None
 
     def __post_init__(self) -> None:
         if self.finish_reason is not None and self.finish_reason not in FINISH_REASONS:
@@ -85,6 +88,7 @@ class RequestOutput:
             "error": self.error,
             "content": self.content,
             "tool_calls": self.tool_calls,
+            "prompt_logprobs": self.prompt_logprobs,
         }
 
     @classmethod

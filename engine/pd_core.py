@@ -7,7 +7,8 @@ first token, its logprobs and every stage's SendReport.
 
 ``DecodeCore`` is an EngineCore whose requests are prefilled by a prefill engine:
 
-    1. add_request marks a request remote (unless it is scored or the prefill engine is gone)
+    1. add_request marks a request remote (unless it is scored, asks for prompt logprobs, or
+       the prefill engine is gone)
     2. each step reserves ids for remote requests at the head of the queue (DecodeScheduler)
        and sends a PrefillRequest for each through a PrefillClient
     3. an answer is checked: no error, every layer sent once, layout signatures equal to this
@@ -105,7 +106,10 @@ class DecodeCore(EngineCore):
 
     def add_request(self, req_id, prompt_ids, params, score: bool = False) -> None:
         super().add_request(req_id, prompt_ids, params, score)
-        if self._remote_on and not score and self.prefill.alive:
+        # a scored prompt or one whose logprobs are asked for is prefilled here, where they
+        # come back from
+        local = score or params.prompt_logprobs is not None
+        if self._remote_on and not local and self.prefill.alive:
             self.scheduler.mark_remote(req_id)
 
     # ------------------------------------------------------------------ stepping

@@ -104,6 +104,8 @@ class StepPlan:
     logprobs: req_id -> number of top logprobs wanted, for sampling entries that asked.
     full_logits: requests whose every scheduled token's logits the last stage returns (scoring
     prompts, e.g. teacher-forced comparisons; filled by the engine, not the scheduler).
+    prompt_logprobs: req_id -> [top n, the prompt's next token at each of the entry's positions
+    that has one]: the last stage returns their logprobs (filled by the engine).
     eager: run without captured CUDA graphs (the startup warm-up compiles the eager kernels).
     lookahead: requests whose entry is the one token their previous plan samples (token_ids
     holds LOOKAHEAD_TOKEN there; the last stage fills it from that plan's sampled ids)."""
@@ -118,6 +120,7 @@ class StepPlan:
     snapshots: list[tuple[str, int]] = field(default_factory=list)
     logprobs: dict[str, int] = field(default_factory=dict)
     full_logits: list[str] = field(default_factory=list)
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     eager: bool = False
     lookahead: list[str] = field(default_factory=list)
     draft: bool = False  # a draft worker follows the last stage
@@ -175,6 +178,8 @@ class StageResult:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, list[Any]] = field(default_factory=dict)  # [logprob, [[id, lp], ...]]
     full_logits: dict[str, torch.Tensor] = field(default_factory=dict)  # req_id -> [n, V] fp32
+    # req_id -> per position of the plan's prompt_logprobs targets: [[token, logprob, rank], ...]
+    prompt_logprobs: dict[str, list] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     failed: str | None = None
     accepted: dict[str, list[int]] = field(default_factory=dict)  # drafts accepted before sampled

@@ -72,6 +72,9 @@ class SamplingParams:
     stop            strings that end the output (normalised to a tuple; valid UTF-8 text)
     stop_token_ids  token ids that end the output (normalised to a tuple)
     logprobs        None, or top logprobs per token (0..20; 0 = only the sampled token's)
+    prompt_logprobs None, or the logprob and rank of every prompt token after the first, with
+                    the top logprobs at its position (0..20), computed in the prefill (the
+                    request computes its whole prompt: no prefix-cache hit)
     ignore_eos      keep generating past the model's eos token
     presence_penalty    [-2, 2]: subtracted from the logit of every token generated so far
     frequency_penalty   [-2, 2]: subtracted once per time a token was generated so far
@@ -98,6 +101,7 @@ class SamplingParams:
     stop: tuple[str, ...] | str | None = None
     stop_token_ids: tuple[int, ...] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -124,12 +128,12 @@ class SamplingParams:
     def _check_lengths(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
-        if self.logprobs is not None and (
-            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"
-            )
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(
+                    f"{name} must be None or an int in [0, {MAX_LOGPROBS}], got {value!r}"
+                )
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 

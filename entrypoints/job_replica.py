@@ -74,7 +74,9 @@ class JobReplica:
 
 def output_row(req_id: str, result, tools: ChatTools | None = None) -> dict:
     """An output line: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ error;
-    + ``content`` and ``tool_calls`` for a line with tools)."""
+    + ``logprobs`` ([[token, logprob], ...] per token, the sampled one first) and
+    ``prompt_logprobs`` when the line asked; + ``content`` and ``tool_calls`` for a line with
+    tools)."""
     row = {
         "id": req_id,
         "text": result.text,
@@ -82,6 +84,10 @@ def output_row(req_id: str, result, tools: ChatTools | None = None) -> dict:
         "finish_reason": result.finish_reason,
         "metrics": result.metrics.to_dict(),
     }
+    asked = result.to_dict()
+    for name in ("logprobs", "prompt_logprobs"):  # a line that asked for them
+        if asked[name] is not None:
+            row[name] = asked[name]
     if tools is not None:
         row["content"], row["tool_calls"], row["finish_reason"] = tools.answer(
             result.text, result.finish_reason

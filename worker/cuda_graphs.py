@@ -153,7 +153,9 @@ class DecodeGraphs:
 
     def pick(self, plan: StepPlan, tables) -> tuple[int, int] | None:
         """The bucket that runs this step, or None when it must run eagerly."""
-        if not self.graphs or not plan.batch or plan.full_logits or plan.has_host_ops or plan.eager:
+        if not self.graphs or not plan.batch or plan.has_host_ops or plan.eager:
+            return None
+        if plan.full_logits or plan.prompt_logprobs:  # rows beyond the sampled ones
             return None
         if not all(self._fits(e) for e in plan.batch):
             return None

@@ -22,6 +22,8 @@ from dsv4ray.worker.overlap import SampledTokens
 from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
 from dsv4ray.worker.verify import sample_with_drafts, verify_rows
 
+PROMPT_LOGPROB_ROWS = 512  # prompt rows whose logits are computed at once
+
 
 class StageSampling:
     """model: the last stage's (its head gives the logits); model_path: the checkpoint (the
@@ -67,6 +69,8 @@ class StageSampling:
         [R, V] when a replayed graph computed them."""
         if plan.full_logits:
             self._full_logits(plan, x, result)
+        if plan.prompt_logprobs:
+            self._prompt_logprobs(plan, x, result)
         if any(e.num_drafts for e in plan.batch):
             sample_with_drafts(self.model, plan, x, self.rows, result, self)
             return
@@ -105,6 +109,43 @@ class StageSampling:
             self.peer_tokens.event.record()
         elif plan.lag:  # through the graph's edge back to the first stage (``take``)
             result.samples = token_ids
+
+    def _prompt_logprobs(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
+        """Each asking entry's prompt tokens: their logprob, rank and the top n at their
+        position (the logits of the row before), in blocks of rows (a chunk's [rows, V] fp32
+        logits would be gigabytes)."""
+        start = 0
+        for entry in plan.batch:
+            asked = plan.prompt_logprobs.get(entry.req_id)
+            if asked is not None:
+                num_top, targets = asked
+                rows = torch.arange(start, start + len(targets), device=self.device)
+                entries = []
+                for block in range(0, len(targets), PROMPT_LOGPROB_ROWS):
+                    block_rows = rows[block : block + PROMPT_LOGPROB_ROWS]
+                    ids = targets[block : block + PROMPT_LOGPROB_ROWS]
+                    entries += self._token_logprobs(x[block_rows], ids, num_top)
+                result.prompt_logprobs[entry.req_id] = (entry.start_pos, entries)
+            start += entry.num_tokens
+
+    def _token_logprobs(self, x: torch.Tensor, ids: list[int], num_top: int) -> list:
+        """x [n, ...] rows, ids [n] the tokens that follow them -> per row [[id, logprob,
+        rank], then the num_top best that are not id]."""
+        logprobs = torch.log_softmax(self.model.logits(x), dim=-1)  # [n, V] fp32
+        target = torch.tensor(ids, device=logprobs.device)[:, None]
+        chosen = logprobs.gather(1, target)  # [n, 1]
+        rank = (logprobs > chosen).sum(dim=1) + 1
+        top = logprobs.topk(num_top, dim=-1) if num_top else None
+        chosen, rank = chosen[:, 0].tolist(), rank.tolist()
+        top_ids, top_lps = (top.indices.tolist(), top.values.tolist()) if top else ([], [])
+        out = []
+        for i, token in enumerate(ids):
+            entry = [[token, chosen[i], rank[i]]]
+            if top is not None:
+                entry += [[t, lp, r + 1] for r, (t, lp) in enumerate(zip(top_ids[i], top_lps[i]))
+                          if t != token]  # fmt: skip
+            out.append(entry)
+        return out
 
     def _full_logits(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:
         """One head pass and one host copy for every scored request's tokens."""

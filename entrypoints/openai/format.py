@@ -17,6 +17,7 @@ and checked; text that may start a block is held back until it is decided.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import time
@@ -37,13 +38,18 @@ def sse(payload: dict | str) -> str:
 SSE_DONE = sse("[DONE]")
 
 
-def usage(output: RequestOutput) -> dict:
-    num_prompt, num_completion = len(output.prompt_token_ids), len(output.token_ids)
+def usage(outputs: list[RequestOutput], leaders: list[RequestOutput] | None = None) -> dict:
+    """The usage of a response's engine requests: each prompt counted once (``leaders``: one
+    output per prompt; all of them by default), every generated token counted."""
+    leaders = outputs if leaders is None else leaders
+    num_prompt = sum(len(out.prompt_token_ids) for out in leaders)
+    num_completion = sum(len(out.token_ids) for out in outputs)
+    cached = sum(out.metrics.num_cached_tokens for out in leaders)
     return {
         "prompt_tokens": num_prompt,
         "completion_tokens": num_completion,
         "total_tokens": num_prompt + num_completion,
-        "prompt_tokens_details": {"cached_tokens": output.metrics.num_cached_tokens},
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 
@@ -87,6 +93,9 @@ class _Format:
     ) -> None:
         self.request_id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.index = 0  # the choice this format renders (a response's choices share the id)
+        self.prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs of the prompt
+        self.show_prompt_logprobs: int | None = None  # prompt_logprobs: the top n to render
         self.model = model
         self.token_bytes = token_bytes
         self.num_top = num_top  # None: no logprobs
@@ -130,37 +139,96 @@ class _Format:
         """The logprobs object of these tokens; stream: the next chunk's (offsets go on)."""
         raise NotImplementedError
 
-    def usage_chunk(self, output: RequestOutput) -> dict:
-        return {**self._envelope(self.chunk_object_name, []), "usage": usage(output)}
+    def sibling(self, index: int) -> _Format:
+        """A format for another choice of the same response (same id, fresh state)."""
+        other = copy.copy(self)
+        other.index = index
+        other.reset()
+        return other
+
+    def reset(self) -> None:
+        """Per-choice stream state back to its start."""
+
+    def response(self, choices: list[dict], usage_: dict) -> dict:
+        return {**self._envelope(self.object_name, choices), "usage": usage_}
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return {**self._envelope(self.chunk_object_name, []), "usage": usage_}
+
+    def rendered_prompt_logprobs(self) -> list | None:
+        """vLLM's prompt_logprobs: per prompt token, None for the first, else {token id:
+        {logprob, rank, decoded_token}} for the token and the top ``show_prompt_logprobs``."""
+        if self.show_prompt_logprobs is None or self.prompt_logprobs is None:
+            return None
+        out = []
+        for entries in self.prompt_logprobs:
+            if entries is None:
+                out.append(None)
+                continue
+            shown = [entries[0]] + [e for e in entries[1:] if e[2] <= self.show_prompt_logprobs]
+            out.append({str(t): {"logprob": lp, "rank": rank, "decoded_token": self.token_text(t)}
+                        for t, lp, rank in shown})  # fmt: skip
+        return out
 
 
 class CompletionFormat(_Format):
+    """echo: the prompt's text, which then opens the choice's text (its tokens open the
+    logprobs, the first with none)."""
+
     prefix = "cmpl"
     object_name = chunk_object_name = "text_completion"
 
-    def response(self, output: RequestOutput) -> dict:
-        choice = {
-            "index": 0,
-            "text": output.text,
-            "finish_reason": output.finish_reason,
-            **self._choice_extras(output, None),
-        }
-        return {**self._envelope(self.object_name, [choice]), "usage": usage(output)}
+    def __init__(self, *args, echo: str | None = None, prompt_ids: list[int] = ()) -> None:
+        super().__init__(*args)
+        self.echo, self.prompt_ids = echo, list(prompt_ids)
+        self.reset()
+
+    def reset(self) -> None:
+        self.streamed_chars = 0  # text offset where the next stream chunk's tokens start
+        self.opened = False  # a stream's first chunk (the echo, the prompt logprobs) went out
+
+    def choice(self, output: RequestOutput) -> dict:
+        extras = self._choice_extras(output, None)
+        if self.echo is not None and extras["logprobs"] is not None:
+            extras["logprobs"] = self.logprobs(
+                self._prompt_steps() + self._steps(output.token_ids, output.logprobs)
+            )
+        choice = {"index": self.index, "text": (self.echo or "") + output.text,
+                  "finish_reason": output.finish_reason, **extras}  # fmt: skip
+        if self.show_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.rendered_prompt_logprobs()
+        return choice
 
     def start_chunks(self) -> list[dict]:
         return []
 
     def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None,
               logprobs: list | None = None) -> dict:  # fmt: skip
-        choice = {
-            "index": 0,
-            "text": text,
-            "finish_reason": output.finish_reason if output else None,
-            **self._choice_extras(output, token_ids, logprobs),
-        }
+        opening, self.opened = not self.opened, True
+        extras = self._choice_extras(output, token_ids, logprobs)
+        if opening and self.echo is not None:
+            text = self.echo + text
+            if self.num_top is not None:
+                steps = self._prompt_steps() + self._steps(token_ids, logprobs)
+                self.streamed_chars = 0
+                extras["logprobs"] = self.logprobs(steps, stream=True)
+        choice = {"index": self.index, "text": text,
+                  "finish_reason": output.finish_reason if output else None, **extras}  # fmt: skip
+        if opening and self.show_prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.rendered_prompt_logprobs()
         return self._envelope(self.chunk_object_name, [choice])
 
-    streamed_chars = 0  # text offset where the next stream chunk's tokens start
+    def _prompt_steps(self) -> list:
+        """The echoed prompt's tokens as logprob steps: (id, logprob, best); the first token
+        has no logprob (None) and no alternatives."""
+        steps = []
+        for token_id, entries in zip(self.prompt_ids, self.prompt_logprobs or ()):
+            if entries is None:
+                steps.append((token_id, None, []))
+                continue
+            best = [(t, lp) for t, lp, rank in entries[1:] if rank <= self.num_top]
+            steps.append((token_id, entries[0][1], best))
+        return steps
 
     def logprobs(self, steps: list, stream: bool = False) -> dict:
         tokens, token_logprobs, tops, offsets = [], [], [], []
@@ -169,7 +237,8 @@ class CompletionFormat(_Format):
             text = self.token_text(token_id)
             tokens.append(text)
             token_logprobs.append(logprob)
-            tops.append({**{self.token_text(t): lp for t, lp in best}, text: logprob})
+            top = {**{self.token_text(t): lp for t, lp in best}, text: logprob}
+            tops.append(None if logprob is None else top)
             offsets.append(offset)
             offset += len(text)
         if stream:
@@ -194,13 +263,21 @@ class ChatFormat(_Format):
         where the answer begins (model/chat_encoding.prefix_state); tools: the request's, whose
         calls are parsed out of the answer."""
         super().__init__(*args)
-        self.start = start
-        self.splitter = ReasoningSplitter(start) if thinking else None
-        self.tools = tools
-        self.parser = tools.parser() if tools is not None else None
+        self.start, self.thinking, self.tools = start, thinking, tools
+        self.reset()
+
+    def reset(self) -> None:
+        self.splitter = ReasoningSplitter(self.start) if self.thinking else None
+        self.parser = self.tools.parser() if self.tools is not None else None
         self.num_calls = 0  # calls streamed so far
 
-    def response(self, output: RequestOutput) -> dict:
+    def response(self, choices: list[dict], usage_: dict) -> dict:
+        body = super().response(choices, usage_)
+        if self.show_prompt_logprobs is not None:  # the prompt's, once (vLLM's place)
+            body["prompt_logprobs"] = self.rendered_prompt_logprobs()
+        return body
+
+    def choice(self, output: RequestOutput) -> dict:
         message = {"role": "assistant", "content": output.text}
         if self.splitter is not None:
             split = ReasoningSplitter(self.start).split(output.text)
@@ -211,17 +288,16 @@ class ChatFormat(_Format):
             message["content"] = content
             if calls:
                 message["tool_calls"] = calls
-        choice = {
-            "index": 0,
+        return {
+            "index": self.index,
             "message": message,
             "finish_reason": finish_reason,
             **self._choice_extras(output, None),
         }
-        return {**self._envelope(self.object_name, [choice]), "usage": usage(output)}
 
     def start_chunks(self) -> list[dict]:
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": {"role": "assistant", "content": ""},
             "logprobs": None,
             "finish_reason": None,
@@ -232,7 +308,7 @@ class ChatFormat(_Format):
               logprobs: list | None = None) -> dict:  # fmt: skip
         delta = self._delta(text, last=output is not None)
         choice = {
-            "index": 0,
+            "index": self.index,
             "delta": delta,
             "finish_reason": finish(output.finish_reason, self.num_calls) if output else None,
             **self._choice_extras(output, token_ids, logprobs),

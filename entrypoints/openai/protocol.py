@@ -3,7 +3,7 @@
 Pydantic lives here and nowhere deeper: a parsed request becomes a plain ``SamplingParams`` and a
 prompt; bodies are parsed within limits (``json_body``) and every failure is an ``APIError``
 (``errors``) with OpenAI's error body. No field is silently ignored: fields the API
-defines but this server does not implement (``n`` > 1, ``echo``, the deprecated ``functions`` and
+defines but this server does not implement (``suffix``, the deprecated ``functions`` and
 ``function_call``, ...) are a 400 naming them unless they hold the value that asks for nothing
 (``functions: []``, ...), and so is any field the API does not define, at the top level, in
 ``stream_options`` or in a message (``typical_p``, ``guided_json``, a typo). ``INFORMATIONAL``
@@ -18,6 +18,9 @@ chat format's thinking mode, as ``chat_template_kwargs.thinking`` does (values t
 a 400). DeepSeek's prefix completion: the last message may be an assistant message with
 ``prefix: true``, whose text (and reasoning) the answer continues. ``stream_options`` takes
 ``include_usage`` and ``continuous_usage_stats`` (every chunk carries the usage so far).
+``n`` choices per prompt, several prompts per completions request and ``best_of`` are one
+engine request each (entrypoints/openai/server.py); ``echo`` and ``prompt_logprobs`` (vLLM's)
+give the prompt's tokens and logprobs back.
 ``presence_penalty``, ``frequency_penalty`` and ``logit_bias`` (token ids as string keys) go to
 the sampler. Extensions: ``top_k``, ``repetition_penalty``, ``min_p``, ``min_tokens`` (as vLLM
 takes them), ``ignore_eos``, ``stop_token_ids``, ``return_token_ids`` (the choice
@@ -42,6 +45,7 @@ MAX_TEMPERATURE = 2.0  # OpenAI's bound
 MAX_STOP_STRINGS = 4
 MAX_STOP_TOKEN_IDS = 1024  # every plan of the request carries them to the last stage
 INT64_MAX = 2**63 - 1  # seeds and ids travel to the stages as msgpack int64s
+MAX_RUNS = 64  # engine requests one response may make: prompts x max(n, best_of)
 _FUNCTIONS = "the deprecated function-calling fields are not supported: use tools and tool_choice"
 NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> why
     "functions": _FUNCTIONS,
@@ -121,6 +125,7 @@ class _GenerationRequest(_Request):
     stop: Any = None
     seed: int | None = None
     n: int = 1
+    prompt_logprobs: int | None = None  # extension (vLLM's): the prompt tokens' logprobs
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -147,8 +152,10 @@ class _GenerationRequest(_Request):
         return stop
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise bad_request("only n = 1 is supported", "n")
+        if not 1 <= self.n <= MAX_RUNS:
+            raise bad_request(f"n must be in [1, {MAX_RUNS}]", "n")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream = true", "stream_options")
         if len(self.stop_token_ids or ()) > MAX_STOP_TOKEN_IDS:
@@ -171,9 +178,17 @@ class _GenerationRequest(_Request):
     def continuous_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @property
+    def num_runs(self) -> int:
+        """Engine requests per prompt: the choices, or the best_of candidates."""
+        return self.n
+
+    def sampling_params(
+        self, max_tokens: int, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
         """OpenAI's defaults for omitted fields (temperature 1, top_p 1); a bad value is a 400
-        naming the field (SamplingParams' messages start with it)."""
+        naming the field (SamplingParams' messages start with it). logprobs and
+        prompt_logprobs: what the engine records (the response may show less)."""
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -184,6 +199,7 @@ class _GenerationRequest(_Request):
                 stop=self.stop,
                 stop_token_ids=self.stop_token_ids,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 ignore_eos=self.ignore_eos,
                 presence_penalty=self.presence_penalty,
                 frequency_penalty=self.frequency_penalty,
@@ -206,26 +222,49 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, prompt: Any) -> str | list[int]:
-        """A string or a token-id list; a batch of exactly one of those is unwrapped."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
+    def _prompt(cls, prompt: Any) -> str | list[int] | list[str | list[int]]:
+        """A string, a token-id list, or a non-empty list of those (several prompts)."""
+        if _is_prompt(prompt):
             return prompt
-        if isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        if isinstance(prompt, list) and prompt and all(_is_prompt(p) for p in prompt):
             return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-            raise ValueError("one prompt per request: batches of several prompts are not supported")
-        raise ValueError("prompt must be a string or a non-empty list of token ids")
+        raise ValueError("prompt must be a string, a non-empty list of token ids, or a "
+                         "non-empty list of those")  # fmt: skip
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return [self.prompt] if _is_prompt(self.prompt) else list(self.prompt)
+
+    @property
+    def num_runs(self) -> int:
+        return self.best_of or self.n
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise bad_request("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise bad_request("only best_of = 1 is supported", "best_of")
+        if self.best_of is not None:
+            if not self.n <= self.best_of <= MAX_RUNS:
+                raise bad_request(f"best_of must be in [n, {MAX_RUNS}]", "best_of")
+            if self.stream and self.best_of > self.n:
+                raise bad_request("best_of > n cannot stream (the best are known at the end)",
+                                  "best_of")  # fmt: skip
+        if len(self.prompts) * self.num_runs > MAX_RUNS:
+            raise bad_request(f"prompts x max(n, best_of) must be at most {MAX_RUNS}", "n")
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """What the engine records per token: the asked top n, or the sampled token's alone
+        when best_of ranks candidates by their cumulative logprob."""
+        if self.logprobs is None and (self.best_of or self.n) > self.n:
+            return 0
+        return self.logprobs
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, or the logprobs of an echoed prompt."""
+        asked = [v for v in (self.prompt_logprobs, self.echo and self.logprobs) if _is_int(v)]
+        return max(asked) if asked else None
 
 
 class TextPart(_Strict):
@@ -280,6 +319,9 @@ class ChatCompletionRequest(_GenerationRequest):
         for i, message in enumerate(self.messages):
             _check_message(i, message, last=i == len(self.messages) - 1)
         self.template_kwargs()  # a bad thinking option is a 400 naming it
+        if self.stream and self.prompt_logprobs is not None:
+            raise bad_request("prompt_logprobs are given in whole chat answers, not in chat "
+                              "streams", "prompt_logprobs")  # fmt: skip
         tools = self.chat_tools()
         if tools is not None and tools.choice != "auto":
             if self.messages[-1].prefix:
@@ -355,6 +397,13 @@ class ChatCompletionRequest(_GenerationRequest):
         """The last message when it is an assistant prefix the answer continues."""
         last = self.messages[-1]
         return self.template_messages()[-1] if last.prefix else None
+
+
+def _is_prompt(prompt: Any) -> bool:
+    """One prompt: a string or a non-empty list of token ids."""
+    if isinstance(prompt, str):
+        return True
+    return isinstance(prompt, list) and bool(prompt) and all(_is_int(t) for t in prompt)
 
 
 def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -35,13 +36,21 @@ from dsv4ray.entrypoints.openai.api import build_api
 from dsv4ray.entrypoints.openai.edge import aborted, read_body
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request
 from dsv4ray.entrypoints.openai.format import ChatFormat, CompletionFormat, TokenBytes
+from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
 from dsv4ray.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     parse_request,
 )
-from dsv4ray.entrypoints.openai.streaming import SSEResponse, Tracked, last_output, stream
+from dsv4ray.entrypoints.openai.streaming import (
+    Run,
+    SSEResponse,
+    StreamUsage,
+    Tracked,
+    last_output,
+    stream,
+)
 from dsv4ray.entrypoints.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from dsv4ray.entrypoints.openai.vllm_metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from dsv4ray.entrypoints.tool_calls import constrained
@@ -214,15 +223,24 @@ class OpenAIServer:
         body = await read_body(request, self.options.max_body_bytes)
         req = parse_request(CompletionRequest, body)
         self._check_model(req.model)
-        prompt_ids = self.prompt_ids(req.prompt)
-        max_tokens = self._max_tokens(
-            req.max_tokens, len(prompt_ids), "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS
-        )
-        params = req.sampling_params(max_tokens, req.logprobs)
-        fmt = CompletionFormat(
+        first = CompletionFormat(
             self.options.served_model_name, self.token_bytes, req.logprobs, req.return_token_ids
         )
-        return await self._generate("/v1/completions", prompt_ids, params, req, fmt)
+        runs = []
+        for prompt in req.prompts:
+            prompt_ids = self.prompt_ids(prompt)
+            max_tokens = self._max_tokens(
+                req.max_tokens, len(prompt_ids), "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS
+            )
+            params = req.sampling_params(
+                max_tokens, req.engine_logprobs, req.engine_prompt_logprobs
+            )
+            fmt = first.sibling(len(runs))
+            if req.echo:
+                text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+                fmt.echo, fmt.prompt_ids = text, prompt_ids
+            runs += self._runs(fmt, prompt_ids, params, req)
+        return await self._generate("/v1/completions", runs, req)
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
@@ -232,7 +250,7 @@ class OpenAIServer:
         prompt_ids = self.chat_prompt_ids(req, tools)
         max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), "messages", None)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
-        params = req.sampling_params(max_tokens, num_top)
+        params = req.sampling_params(max_tokens, num_top, req.prompt_logprobs)
         start = prefix_state(req.template_messages(), req.thinking)
         params = self._constrained(params, tools, req.thinking and start != "content")
         fmt = ChatFormat(
@@ -244,7 +262,20 @@ class OpenAIServer:
             start=start,
             tools=tools,
         )
-        return await self._generate("/v1/chat/completions", prompt_ids, params, req, fmt)
+        runs = self._runs(fmt, prompt_ids, params, req)
+        return await self._generate("/v1/chat/completions", runs, req)
+
+    def _runs(self, fmt, prompt_ids: list[int], params: SamplingParams, req) -> list[Run]:
+        """A prompt's engine requests: its leader, then the other choices (or best_of
+        candidates); a seed gives choice j seed + j. Only the leader computes prompt
+        logprobs (the others read the prompt from the prefix cache)."""
+        fmt.show_prompt_logprobs = req.prompt_logprobs
+        runs = [Run(fmt, prompt_ids, params)]
+        for j in range(1, req.num_runs):
+            seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
+            follower = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
+            runs.append(Run(fmt.sibling(fmt.index + j), prompt_ids, follower, leader=False))
+        return runs
 
     def _constrained(self, params: SamplingParams, tools, reasons: bool) -> SamplingParams:
         try:
@@ -272,47 +303,107 @@ class OpenAIServer:
             )
         return min(asked or default or room, room)
 
-    async def _generate(self, endpoint, prompt_ids, params, req, fmt) -> Response:
-        if self.num_pending >= self.options.max_pending_requests:
+    async def _generate(self, endpoint: str, runs: list[Run], req) -> Response:
+        if self.num_pending + len(runs) > self.options.max_pending_requests:
             raise APIError(
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"
             )
-        updates = self.engine.generate(prompt_ids, params, request_id=fmt.request_id)
-        tracked = Tracked(self, endpoint, updates)
-        try:
-            first = await updates.__anext__()  # engine-side ValueErrors come before any token
-        except ValueError as exc:
-            tracked.release(None)  # never ran; answered as a 400, counted as it is sent
-            field = "prompt" if endpoint == "/v1/completions" else "messages"
-            raise bad_request(str(exc), field) from None
-        except BaseException as exc:
-            await _give_up(tracked, updates, exc)
-            raise
+        await self._start(endpoint, [r for r in runs if r.leader], runs)
+        leader = None
+        for run in runs:  # the others of a prompt share its leader's prompt logprobs
+            leader = run if run.leader else leader
+            run.fmt.prompt_logprobs = leader.first.prompt_logprobs
+        await self._start(endpoint, [r for r in runs if not r.leader], runs)
         if req.stream:
-            usage = (req.include_usage, req.continuous_usage, len(prompt_ids))
-            body = stream(tracked, fmt, first, updates, usage)
-            return SSEResponse(body, cleanup=tracked.cancel, media_type="text/event-stream")
+            num_prompt = sum(len(r.prompt_ids) for r in runs if r.leader)
+            usage = StreamUsage(req.include_usage, req.continuous_usage, num_prompt)
+            return SSEResponse(stream(runs, usage), cleanup=lambda: _cancel_all(runs),
+                               media_type="text/event-stream")  # fmt: skip
         try:
-            output = await last_output(tracked, first, updates)
+            outputs = await asyncio.gather(
+                *(last_output(r.tracked, r.first, r.updates) for r in runs)
+            )
         except BaseException as exc:
-            await _give_up(tracked, updates, exc)
+            await _give_up(runs, exc)
             raise
-        if output.finish_reason == "abort":
-            tracked.release()
-            log.warning("request %s aborted: %s", fmt.request_id, output.error)
-            raise aborted(output.error)
-        tracked.close(200, output)
-        return JSONResponse(fmt.response(output))
+        failed = next((o for o in outputs if o.finish_reason == "abort"), None)
+        if failed is not None:
+            await _give_up(runs, Exception(failed.error))  # the others end with it
+            log.warning("request %s aborted: %s", runs[0].fmt.request_id, failed.error)
+            raise aborted(failed.error)
+        for run, output in zip(runs, outputs):
+            run.tracked.close(200, output)
+        leaders = [o for r, o in zip(runs, outputs) if r.leader]
+        chosen = _best(runs, outputs, req.n)
+        choices = [run.fmt.choice(output) for run, output in chosen]
+        return JSONResponse(runs[0].fmt.response(choices, format_usage(outputs, leaders)))
+
+    async def _start(self, endpoint: str, runs: list[Run], every: list[Run]) -> None:
+        """Submits runs and waits for each one's first update (engine-side ValueErrors come
+        before any token: a 400 naming the prompt, after every started run is aborted)."""
+        for run in runs:
+            index, request_id = run.fmt.index, run.fmt.request_id
+            request_id = f"{request_id}-{index}" if index else request_id  # a choice's own
+            run.updates = self.engine.generate(run.prompt_ids, run.params, request_id=request_id)
+            run.tracked = Tracked(self, endpoint, run.updates)
+        firsts = await asyncio.gather(
+            *(run.updates.__anext__() for run in runs), return_exceptions=True
+        )
+        for run, first in zip(runs, firsts):
+            if not isinstance(first, BaseException):
+                run.first = first
+        problem = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if problem is None:
+            return
+        started = [r for r in every if r.tracked is not None]
+        if isinstance(problem, ValueError):
+            for run in started:
+                await run.updates.aclose()
+                run.tracked.release(None)  # never ran; answered as a 400
+            field = "prompt" if endpoint == "/v1/completions" else "messages"
+            raise bad_request(str(problem), field) from None
+        await _give_up(started, problem)
+        raise problem
 
 
-async def _give_up(tracked: Tracked, updates, exc: BaseException) -> None:
-    """The engine stream failed or the client went away: abort the request. A failure is
+def _best(runs: list[Run], outputs: list, n: int) -> list[tuple[Run, object]]:
+    """The choices a response shows: every run, or with best_of the n of each prompt whose
+    tokens are likeliest (cumulative logprob), numbered in that order."""
+    groups, group = [], []
+    for run, output in zip(runs, outputs):
+        if run.leader and group:
+            groups.append(group)
+            group = []
+        group.append((run, output))
+    groups.append(group)
+    chosen = []
+    for group in groups:
+        if len(group) > n:
+            group = sorted(group, key=lambda pair: -_cumulative_logprob(pair[1]))[:n]
+        for run, output in group:
+            run.fmt.index = len(chosen)
+            chosen.append((run, output))
+    return chosen
+
+
+def _cumulative_logprob(output) -> float:
+    return sum(step[token] for token, step in zip(output.token_ids, output.logprobs or ()))
+
+
+async def _cancel_all(runs: list[Run]) -> None:
+    for run in runs:
+        await run.tracked.cancel()
+
+
+async def _give_up(runs: list[Run], exc: BaseException) -> None:
+    """An engine stream failed or the client went away: abort every run. A failure is
     answered (and counted) as a 500; a client gone gets no answer, so it is counted here."""
-    await updates.aclose()
-    if isinstance(exc, Exception):
-        tracked.release()
-    else:
-        tracked.close(STATUS_CLIENT_CLOSED)
+    for run in runs:
+        await run.updates.aclose()
+        if isinstance(exc, Exception):
+            run.tracked.release()
+        else:
+            run.tracked.close(STATUS_CLIENT_CLOSED)
 
 
 def _tokenize(encode, field: str, *args) -> list[int]:

@@ -1,25 +1,31 @@
-"""One generation in flight over HTTP: its bookkeeping, and its answer as one body or as SSE.
+"""Generations in flight over HTTP: their bookkeeping, and a response as one body or as SSE.
 
+A response runs one engine request (``Run``) per choice (or best_of candidate) and prompt.
 ``Tracked`` keeps the server's pending count, time to first token, the gaps between tokens, token
-counts and the request's metrics, and closes exactly once whatever ends the request (its end, an
-abort, a client gone), counting how it ended.
-``stream`` renders server-sent events: the chat role chunk, one chunk per engine update, the
-usage chunk when asked for, ``[DONE]``; ``SSEResponse`` aborts the request when the client goes
-away mid-stream, so its pages go back.
+counts and each engine request's metrics, and closes exactly once whatever ends the request (its
+end, an abort, a client gone), counting how it ended.
+``stream`` renders server-sent events: per run the chat role chunk and one chunk per engine
+update (runs interleave, each chunk naming its choice), the usage chunk when asked for,
+``[DONE]``; ``SSEResponse`` aborts the requests when the client goes away mid-stream, so their
+pages go back.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 
 from starlette.responses import StreamingResponse
 
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestOutput
+from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.edge import aborted, internal_error
 from dsv4ray.entrypoints.openai.format import SSE_DONE, sse
+from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
 
 log = logging.getLogger("dsv4ray.serve")
@@ -89,6 +95,35 @@ class Tracked:
         await self.updates.aclose()
 
 
+@dataclass
+class Run:
+    """One engine request of a response: a choice, or a best_of candidate. The leader of a
+    prompt runs first; the others of that prompt start once it has its first token, so its
+    prompt pages are in the prefix cache for them."""
+
+    fmt: object  # its choice's format (entrypoints/openai/format.py)
+    prompt_ids: list[int]
+    params: SamplingParams
+    leader: bool = True
+    tracked: Tracked | None = None
+    updates: AsyncIterator | None = None
+    first: RequestUpdate | None = None
+
+
+@dataclass
+class StreamUsage:
+    include: bool  # a usage chunk at the end
+    continuous: bool  # the usage so far in every chunk
+    num_prompt: int  # the prompts' tokens, each prompt counted once
+    num_generated: int = 0  # every run's tokens so far
+    outputs: list = field(default_factory=list)  # the runs' outputs as they finish
+    leaders: list = field(default_factory=list)  # the leaders' outputs
+
+
+class StreamAborted(Exception):
+    """A run was aborted by the engine: the stream ends with the reason as an error event."""
+
+
 async def last_output(tracked: Tracked, update: RequestUpdate, updates) -> RequestOutput:
     while True:
         tracked.on_update(update)
@@ -97,60 +132,102 @@ async def last_output(tracked: Tracked, update: RequestUpdate, updates) -> Reque
         update = await updates.__anext__()
 
 
-async def stream(tracked: Tracked, fmt, update: RequestUpdate, updates, usage: tuple):
-    """SSE chunks: the chat role chunk, one chunk per engine update, usage, ``[DONE]``.
-    usage: (a usage chunk at the end, the usage so far in every chunk, the prompt's tokens). A
-    failure after the headers went out becomes an error chunk (without internals), then
-    ``[DONE]``."""
+async def stream(runs: list[Run], usage: StreamUsage):
+    """SSE chunks of every run (interleaved as they come, each with its choice index), the
+    usage chunk, ``[DONE]``. A failure after the headers went out, or an aborted run, becomes an
+    error chunk (without internals) and ends every run."""
+    fmt = runs[0].fmt
     try:
-        async for chunk in _stream_chunks(tracked, fmt, update, updates, usage):
+        async for chunk in _merged(runs, usage):
             yield chunk
+        if usage.include:
+            yield sse(fmt.usage_chunk(format_usage(usage.outputs, usage.leaders)))
+    except StreamAborted as exc:
+        _close_all(runs, 500)
+        log.warning("stream %s aborted: %s", fmt.request_id, exc)
+        yield sse(aborted(str(exc)).body())
     except Exception:
         log.exception("stream %s failed", fmt.request_id)
-        tracked.close(500)
+        _close_all(runs, 500)
         yield sse(internal_error(fmt.request_id).body())
     finally:
-        await updates.aclose()  # an unfinished engine stream aborts its request
+        for run in runs:
+            await run.updates.aclose()  # an unfinished engine stream aborts its request
     yield SSE_DONE
 
 
-async def _stream_chunks(tracked: Tracked, fmt, update: RequestUpdate, updates, usage: tuple):
-    include_usage, continuous, num_prompt = usage
-    num_generated = 0
+def _close_all(runs: list[Run], status: int) -> None:
+    for run in runs:
+        run.tracked.close(status)  # no-op for a run that ended
+
+
+async def _merged(runs: list[Run], usage: StreamUsage):
+    if len(runs) == 1:
+        async for chunk in _run_chunks(runs[0], usage):
+            yield chunk
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(run: Run) -> None:
+        try:
+            async for chunk in _run_chunks(run, usage):
+                await queue.put(chunk)
+            await queue.put(None)
+        except Exception as exc:  # handed to the consumer, which ends every run
+            await queue.put(exc)
+
+    tasks = [asyncio.create_task(pump(run)) for run in runs]
+    try:
+        num_done = 0
+        while num_done < len(runs):
+            item = await queue.get()
+            if item is None:
+                num_done += 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_chunks(run: Run, usage: StreamUsage):
+    tracked, fmt, update = run.tracked, run.fmt, run.first
     for chunk in fmt.start_chunks():
-        yield sse(_with_usage(chunk, continuous, num_prompt, 0))
+        yield sse(_with_usage(chunk, usage))
     while True:
         tracked.on_update(update)
         output = update.output
         if output is not None and output.finish_reason == "abort":
-            tracked.close(500)
-            log.warning("stream %s aborted: %s", fmt.request_id, output.error)
-            yield sse(aborted(output.error).body())
-            return
+            raise StreamAborted(output.error)
         text = update.text
         if output is not None and output.text.startswith(tracked.text + text):
             text = output.text[len(tracked.text) :]  # what the decoder held back, if any
         tracked.text += text
-        num_generated += len(update.token_ids)
+        usage.num_generated += len(update.token_ids)
         carries = fmt.return_token_ids or fmt.num_top is not None
         if text or output is not None or (carries and update.token_ids):
             chunk = fmt.chunk(text, update.token_ids, output, update.logprobs)
-            yield sse(_with_usage(chunk, continuous, num_prompt, num_generated))
+            yield sse(_with_usage(chunk, usage))
         if output is not None:
-            if include_usage:
-                yield sse(fmt.usage_chunk(output))
+            usage.outputs.append(output)
+            if run.leader:
+                usage.leaders.append(output)
             tracked.close(200, output)
             return
-        update = await updates.__anext__()
+        update = await run.updates.__anext__()
 
 
-def _with_usage(chunk: dict, continuous: bool, num_prompt: int, num_generated: int) -> dict:
+def _with_usage(chunk: dict, usage: StreamUsage) -> dict:
     """A chunk with the usage so far (``stream_options.continuous_usage_stats``)."""
-    if not continuous:
+    if not usage.continuous:
         return chunk
-    total = num_prompt + num_generated
-    usage = {"prompt_tokens": num_prompt, "completion_tokens": num_generated, "total_tokens": total}
-    return {**chunk, "usage": usage}
+    total = usage.num_prompt + usage.num_generated
+    so_far = {"prompt_tokens": usage.num_prompt, "completion_tokens": usage.num_generated,
+              "total_tokens": total}  # fmt: skip
+    return {**chunk, "usage": so_far}
 
 
 class SSEResponse(StreamingResponse):

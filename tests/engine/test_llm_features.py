@@ -76,6 +76,36 @@ def test_logprobs_match_the_reference(llm, tiny_model):
             assert abs(lp - ref[pos, tok].item()) < 1e-4
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_prompt_logprobs_come_from_the_prefill_and_match_the_reference(tiny_ckpt, tiny_model, pp):
+    """Chunked prefills (600 tokens: three chunks) beside a plain request and a cached prefix:
+    every prompt token's logprob and rank, and the top n at its position, are the reference
+    network's; the prompt is computed whole even when its prefix is cached."""
+    g = torch.Generator().manual_seed(8)
+    long, short = (torch.randint(2, 258, (n,), generator=g).tolist() for n in (600, 9))
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=pp, use_ray=False)
+    try:
+        llm.generate([long], SamplingParams(max_tokens=1))  # caches the long prompt's prefix
+        asked = SamplingParams(max_tokens=2, prompt_logprobs=3, ignore_eos=True)
+        outs = llm.generate([long, short, long], [asked, SamplingParams(max_tokens=2), asked])
+    finally:
+        llm.shutdown()
+    assert outs[1].prompt_logprobs is None
+    assert outs[0].metrics.num_cached_tokens == 0  # every position computed
+    ref = torch.log_softmax(tiny_model(torch.tensor([long]))[0], dim=-1)  # [600, V]
+    for out in (outs[0], outs[2]):
+        got = out.prompt_logprobs
+        assert len(got) == len(long) and got[0] is None
+        for pos in range(1, len(long)):
+            row = ref[pos - 1]
+            (token, lp, rank), *top = got[pos]
+            assert token == long[pos] and abs(lp - row[token].item()) < 1e-4
+            assert rank == int((row > row[token]).sum()) + 1
+            best = torch.topk(row, 3).indices.tolist()
+            assert [t for t, _, _ in top] == [t for t in best if t != token]
+            assert [r for t, _, r in top] == [best.index(t) + 1 for t, _, _ in top]
+
+
 def _controlled_greedy(model, prompt: list[int], n: int, params: dict, stop_ids=()) -> list[int]:
     """Greedy decoding of the reference network with the sampling controls applied by the
     element-wise reference of tests/unit/test_logits_processors.py."""

@@ -4,6 +4,7 @@ stage back to the first, fixed-shape buckets on every stage; and a pipeline that
 placed says why."""
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -29,14 +30,20 @@ def _prompts(lengths, seed):
 def test_pp_1_2_3_give_identical_greedy_tokens(ray_session, tiny_ckpt, tiny_model):
     prompts = _prompts([3, 130, 300], seed=0)
     expected = [reference_greedy(tiny_model, p, 5) for p in prompts]
+    # the 300-token prompt's logprobs come back from the last stage actor with its prefill
+    ref = torch.log_softmax(tiny_model(torch.tensor([prompts[2]]))[0], dim=-1)
+    want = [ref[i - 1, prompts[2][i]].item() for i in range(1, len(prompts[2]))]
+    params = [GREEDY, GREEDY, dataclasses.replace(GREEDY, prompt_logprobs=0)]
     for pp in (1, 2, 3):
         llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=pp, use_ray=True)
         try:
             assert len(llm.core.pipeline.actors) == pp
-            got = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            outs = llm.generate(prompts, params)
         finally:
             llm.shutdown()
-        assert got == expected, pp
+        assert [o.token_ids for o in outs] == expected, pp
+        got = [entries[0][1] for entries in outs[2].prompt_logprobs[1:]]
+        assert max(abs(a - b) for a, b in zip(got, want)) < 1e-4, pp
 
 
 def test_top_k_crosses_the_stage_boundary(ray_session, tmp_path):

@@ -271,6 +271,37 @@ def test_a_forced_tool_call_is_a_valid_call_streamed_or_not(client, local_llm):
     assert follow.usage.prompt_tokens == len(rendered)
 
 
+def test_choices_echo_and_prompt_logprobs_equal_the_engine_run_alone(client, local_llm):
+    """n (seeds in turn), best_of, several prompts and echo with logprobs, against LLM: each
+    choice is the token-exact answer of its own seeded request; the echoed prompt's logprobs
+    are LLM.score's."""
+    prompts = ["Once upon", "The sea"]
+    got = client.completions.create(model=MODEL, prompt=prompts, n=2, seed=11, max_tokens=6,
+                                    temperature=1.0, logprobs=0,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=11 + j, logprobs=0,
+                             ignore_eos=True) for j in range(2)]  # fmt: skip
+    alone = [local_llm.generate([p] * 2, params) for p in prompts]
+    texts = [c.text for c in sorted(got.choices, key=lambda c: c.index)]
+    assert texts == [out.text for outs in alone for out in outs]
+    # best_of 2 keeps the likelier of the two seeded answers
+    best = client.completions.create(model=MODEL, prompt=prompts[0], best_of=2, seed=11,
+                                     max_tokens=6, temperature=1.0,
+                                     extra_body={"ignore_eos": True})  # fmt: skip
+    likelier = max(alone[0], key=lambda o: sum(s[t] for t, s in zip(o.token_ids, o.logprobs)))
+    assert best.choices[0].text == likelier.text and len(best.choices) == 1
+    # echo: the prompt opens the text; its logprobs are the prefill's, as LLM.score gives them
+    echo = client.completions.create(model=MODEL, prompt=prompts[1], echo=True, max_tokens=1,
+                                     temperature=0, logprobs=1)  # fmt: skip
+    ids = local_llm.tokenizer.encode(prompts[1])
+    assert echo.choices[0].text.startswith(prompts[1])
+    scored = local_llm.score([ids])[0]
+    want = [scored[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    lps = echo.choices[0].logprobs.token_logprobs
+    assert lps[0] is None and len(lps) == len(ids) + 1
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lps[1 : len(ids)], want))
+
+
 def test_32_concurrent_requests_complete_with_their_token_counts(base_url):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int, str]:
         max_tokens = 1 + i % 8

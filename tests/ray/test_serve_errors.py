@@ -97,7 +97,7 @@ BAD_COMPLETIONS = [
     ("prompt too long", {**GOOD, "prompt": [5] * (CONTEXT + 10)}, "prompt"),
     ("token id outside the vocabulary", {**GOOD, "prompt": [5, 10**6]}, "prompt"),
     ("lone surrogate escape", {**GOOD, "prompt": "a\ud800b"}, "prompt"),
-    ("n > 1", {**GOOD, "n": 2}, "n"),
+    ("n out of range", {**GOOD, "n": 65}, "n"),
     ("seed beyond 64 bits", {**GOOD, "seed": 2**64}, "seed"),
 ]
 

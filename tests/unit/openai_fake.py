@@ -49,6 +49,8 @@ class FakeEngine:
         self.abort_reason = "the engine failed while the request ran"
         self.gate: asyncio.Event | None = None
         self.num_cached_tokens = 0
+        self.sampled_logprob = lambda params: SAMPLED_LOGPROB  # every scripted token's
+        self.events: list[tuple[str, str]] = []  # ("start" | "first token", request id)
 
     async def generate(self, prompt, params: SamplingParams, request_id: str):
         ids = list(prompt)
@@ -56,6 +58,7 @@ class FakeEngine:
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
         self.requests.append((ids, params, request_id))
+        self.events.append(("start", request_id))
         if self.gate is not None:
             await self.gate.wait()
         if self.fail is not None:
@@ -79,7 +82,10 @@ class FakeEngine:
             await asyncio.sleep(0)  # other requests run between steps
             update = RequestUpdate(request_id, [token], decoder.push([token]))
             if params.logprobs is not None:  # as the engine records them, per step
-                update.logprobs = [self._step_logprobs(token, params.logprobs)]
+                update.logprobs = [self._step_logprobs(token, params.logprobs, params)]
+            if i == 0:
+                update.prompt_logprobs = self._prompt_logprobs(ids, params)
+                self.events.append(("first token", request_id))
             if i == len(reply) - 1:
                 update.output = self._output(ids, reply, params, False)
             yield update
@@ -91,7 +97,7 @@ class FakeEngine:
             finish = "length" if len(generated) == params.max_tokens else "stop"
         logprobs = None
         if params.logprobs is not None:
-            logprobs = [self._step_logprobs(t, params.logprobs) for t in generated]
+            logprobs = [self._step_logprobs(t, params.logprobs, params) for t in generated]
         return RequestOutput(
             request_id="",
             prompt_token_ids=ids,
@@ -101,12 +107,26 @@ class FakeEngine:
             finish_reason=finish,
             metrics=RequestMetrics(len(ids), self.num_cached_tokens),
             error=self.abort_reason if aborted else None,
+            prompt_logprobs=self._prompt_logprobs(ids, params),
         )
 
-    def _step_logprobs(self, token: int, num_top: int) -> dict[int, float]:
+    def _step_logprobs(self, token: int, num_top: int, params) -> dict[int, float]:
         """The sampled token and the ``num_top`` best, as the engine records them."""
         others = [(token + 1 + k) % self.vocab_size for k in range(num_top)]
-        return {token: SAMPLED_LOGPROB, **{t: -3.0 - k for k, t in enumerate(others)}}
+        sampled = self.sampled_logprob(params)
+        return {token: sampled, **{t: -3.0 - k for k, t in enumerate(others)}}
+
+    def _prompt_logprobs(self, ids: list[int], params) -> list | None:
+        """RequestOutput.prompt_logprobs: token i has logprob -i / 10 at rank i + 1; the top n
+        at its position are ids token + 7, token + 8, ... (logprob -0.01 * (k + 1))."""
+        if params.prompt_logprobs is None:
+            return None
+        out = [None]
+        for i, token in enumerate(ids[1:], start=1):
+            top = [[(token + 7 + k) % self.vocab_size, -0.01 * (k + 1), k + 1]
+                   for k in range(params.prompt_logprobs)]  # fmt: skip
+            out.append([[token, -i / 10, i + 1], *top])
+        return out
 
     async def stats(self) -> dict:
         if isinstance(self.fail, OSError):

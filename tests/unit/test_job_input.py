@@ -64,3 +64,20 @@ def test_a_chat_line_carries_tools_and_its_output_row_the_calls():
     for bad, problem in bad_lines:
         with pytest.raises(ValueError, match=problem):
             parse_line(json.dumps({"id": 1, **bad}), 16)
+
+
+def test_an_output_row_carries_the_logprobs_a_line_asked_for():
+    from dsv4ray.engine.outputs import RequestOutput
+    from dsv4ray.entrypoints.job_replica import output_row
+
+    _, item = parse_line(json.dumps({"id": 1, "prompt": "ab", "logprobs": 1,
+                                     "prompt_logprobs": 0}), 16)  # fmt: skip
+    params = sampling_params(item["params"])
+    assert (params.logprobs, params.prompt_logprobs) == (1, 0)
+    out = RequestOutput("r", [5, 6], [7], "x", logprobs=[{7: -0.5, 8: -1.0}],
+                        finish_reason="length", prompt_logprobs=[None, [[6, -2.0, 3]]])  # fmt: skip
+    row = output_row("1", out)
+    assert row["logprobs"] == [[[7, -0.5], [8, -1.0]]]
+    assert row["prompt_logprobs"] == [None, [[6, -2.0, 3]]]
+    plain = RequestOutput("r", [5], [7], "x", finish_reason="stop")
+    assert "logprobs" not in output_row("1", plain)

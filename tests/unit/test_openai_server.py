@@ -121,7 +121,10 @@ BAD_REQUESTS = [
     ("token outside the vocabulary", {**GOOD, "prompt": [5, 10**6]}, "prompt"),
     ("NaN temperature", b'{"model": "m", "prompt": "x", "temperature": NaN}', "temperature"),
     ("top_p 0", {**GOOD, "top_p": 0}, "top_p"),
-    ("n > 1", {**GOOD, "n": 2}, "n"),
+    ("n out of range", {**GOOD, "n": 0}, "n"),
+    ("best_of below n", {**GOOD, "n": 3, "best_of": 2}, "best_of"),
+    ("best_of streamed", {**GOOD, "best_of": 2, "stream": True}, "best_of"),
+    ("too many choices", {**GOOD, "prompt": ["a"] * 9, "n": 8}, "n"),
     ("unknown field", {**GOOD, "typical_p": 0.9}, "typical_p"),
 ]
 

@@ -34,6 +34,7 @@ def _full_plan() -> StepPlan:
         snapshots=[("a", 1)],
         logprobs={"a": 2},
         full_logits=["b"],
+        prompt_logprobs={"a": [2, [5, 6]]},
         eager=True,
         lookahead=["a"],
         draft=True,

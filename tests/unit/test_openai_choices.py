@@ -1,0 +1,152 @@
+"""Several choices per response, with a scripted fake engine: ``n`` and several prompts run one
+engine request each (the other choices of a prompt start once its first has a token, so its
+prompt is cached for them), ``best_of`` keeps the likeliest, ``echo`` and ``prompt_logprobs``
+give the prompt back, streamed chunks name their choice, and a failure ends every choice."""
+
+import json
+
+import pytest
+from starlette.testclient import TestClient
+
+from dsv4ray.entrypoints.openai.metrics import ServeMetrics
+from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
+
+MODEL = "tiny-test"
+
+
+@pytest.fixture
+def server(engine) -> OpenAIServer:
+    return OpenAIServer(engine, ServerOptions(MODEL), ServeMetrics(MODEL))
+
+
+@pytest.fixture
+def client(server) -> TestClient:
+    return TestClient(server.app, base_url="http://127.0.0.1:8000")
+
+
+def body(path: str, fields: dict) -> dict:
+    base = {"prompt": "hi"} if path == "/v1/completions" else {
+        "messages": [{"role": "user", "content": "hi"}]}  # fmt: skip
+    return {"model": MODEL, **base, **fields}
+
+
+def post(client, path="/v1/completions", **fields) -> dict:
+    response = client.post(path, json=body(path, fields))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def events(client, path="/v1/completions", **fields) -> list[dict]:
+    response = client.post(path, json=body(path, {"stream": True, **fields}))
+    *data, done, tail = response.text.split("\n\n")
+    assert (done, tail) == ("data: [DONE]", "")
+    return [json.loads(e.removeprefix("data: ")) for e in data]
+
+
+def reply(engine, num_tokens: int) -> str:
+    return engine.tokenizer.decode(engine.reply[:num_tokens])
+
+
+def test_n_choices_are_one_engine_request_each_with_seeds_in_turn(client, engine):
+    got = post(client, n=3, seed=5, max_tokens=4)
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2]
+    assert all(c["text"] == reply(engine, 4) for c in got["choices"])
+    seeds = [params.seed for _, params, _ in engine.requests]
+    assert seeds == [5, 6, 7] and len({r for _, _, r in engine.requests}) == 3
+    # the leader's first token comes before the others start: its prompt is cached for them
+    leader = engine.requests[0][2]
+    assert engine.events.index(("first token", leader)) < engine.events.index(
+        ("start", engine.requests[1][2]))  # fmt: skip
+    prompt = len(engine.requests[0][0])
+    assert got["usage"]["prompt_tokens"] == prompt  # the prompt once, every choice's tokens
+    assert got["usage"]["completion_tokens"] == 3 * 4
+
+
+def test_several_prompts_get_their_choices_in_order(client, engine):
+    got = post(client, prompt=["a", [70, 71]], n=2, max_tokens=2)
+    assert [c["index"] for c in got["choices"]] == [0, 1, 2, 3]
+    prompts = [ids for ids, _, _ in engine.requests]  # the leaders, then the others
+    assert prompts[1] == prompts[3] == [70, 71] and prompts[0] == prompts[2] != [70, 71]
+    assert got["usage"]["prompt_tokens"] == len(prompts[0]) + 2
+
+
+def test_best_of_keeps_the_likeliest_choices(client, engine):
+    engine.sampled_logprob = lambda params: -abs(params.seed - 6)  # seed 6 is likeliest
+    got = post(client, best_of=3, seed=5, max_tokens=2)
+    assert len(got["choices"]) == 1 and got["choices"][0]["logprobs"] is None
+    assert [params.logprobs for _, params, _ in engine.requests] == [0, 0, 0]  # to rank them
+    got = post(client, best_of=3, n=2, seed=5, max_tokens=2, logprobs=0)
+    ranked = [c["logprobs"]["token_logprobs"] for c in got["choices"]]
+    assert ranked == [[0, 0], [-1, -1]] and [c["index"] for c in got["choices"]] == [0, 1]
+    assert got["usage"]["completion_tokens"] == 3 * 2  # every candidate's tokens
+
+
+def test_echo_opens_the_text_and_the_logprobs_with_the_prompt(client, engine):
+    prompt = engine.tokenizer.encode("hi")
+    got = post(client, echo=True, max_tokens=3)["choices"][0]
+    assert got["text"] == "hi" + reply(engine, 3)
+    logprobs = post(client, echo=True, max_tokens=3, logprobs=1)["choices"][0]["logprobs"]
+    assert engine.requests[-1][1].prompt_logprobs == 1
+    tokens = [engine.tokenizer.decode([t], skip_special_tokens=False) for t in prompt]
+    assert logprobs["tokens"][: len(prompt)] == tokens
+    want = [None, *(-i / 10 for i in range(1, len(prompt)))]  # the fake's prompt logprobs
+    assert logprobs["token_logprobs"][: len(prompt)] == want
+    assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 2
+    assert len(logprobs["tokens"]) == len(prompt) + 3
+    offsets = logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[len(prompt)] == len("".join(tokens))
+    # streamed: the first chunk brings the prompt; the chunks join to the same answer
+    chunks = [c["choices"][0] for c in events(client, echo=True, max_tokens=3, logprobs=1)]
+    assert chunks[0]["text"].startswith("hi")
+    assert "".join(c["text"] for c in chunks) == got["text"]
+    joined = {k: sum((c["logprobs"][k] for c in chunks if c["logprobs"]), []) for k in logprobs}
+    assert joined == logprobs
+
+
+def test_prompt_logprobs_are_vllms_shape_once_per_prompt(client, engine):
+    got = post(client, prompt_logprobs=2, n=2, max_tokens=1)
+    prompt = engine.requests[0][0]
+    asked = [params.prompt_logprobs for _, params, _ in engine.requests]
+    assert asked == [2, None]  # only the leader computes its whole prompt
+    for choice in got["choices"]:
+        lps = choice["prompt_logprobs"]
+        assert lps[0] is None and len(lps) == len(prompt)
+        entry = lps[1]
+        assert entry[str(prompt[1])] == {"logprob": -0.1, "rank": 2, "decoded_token":
+                                         engine.tokenizer.decode([prompt[1]])}  # fmt: skip
+        assert len(entry) == 3
+    chat = post(client, "/v1/chat/completions", prompt_logprobs=0, max_tokens=1)
+    assert [list(e) for e in chat["prompt_logprobs"][1:3]] == [
+        [str(t)] for t in engine.requests[-1][0][1:3]
+    ]
+    assert "prompt_logprobs" not in chat["choices"][0]
+
+
+def test_streamed_choices_interleave_and_each_joins_to_its_answer(client, engine):
+    chunks = events(client, n=2, max_tokens=4, stream_options={"include_usage": True})
+    texts, finishes = {0: "", 1: ""}, {}
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] += choice["text"]
+        if choice["finish_reason"]:
+            finishes[choice["index"]] = choice["finish_reason"]
+    assert texts == {0: reply(engine, 4), 1: reply(engine, 4)}
+    assert finishes == {0: "length", 1: "length"}
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    chat = events(client, "/v1/chat/completions", n=2, max_tokens=2)
+    assert {c["choices"][0]["index"] for c in chat} == {0, 1}
+    roles = [c["choices"][0]["index"] for c in chat if c["choices"][0]["delta"].get("role")]
+    assert sorted(roles) == [0, 1]  # each choice opens with its role
+
+
+def test_a_failing_choice_ends_them_all_and_nothing_stays_pending(client, engine, server):
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": ["a", [9999]],
+                                                    "n": 2})  # fmt: skip
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert server.num_pending == 0
+    assert {r for _, _, r in engine.requests} <= set(engine.aborted)  # started ones ended
+    engine.abort_after = 1
+    response = client.post("/v1/completions", json={"model": MODEL, "prompt": "a", "n": 3})
+    assert response.status_code == 500 and server.num_pending == 0
+    chunks = events(client, n=2)
+    assert "error" in chunks[-1] and server.num_pending == 0
