@@ -221,6 +221,8 @@ def _memory_full_tokens(
     window_token_bytes = entry_bytes["window"] * len(ratios_slice)
     if res.hosts_draft:
         window_token_bytes *= (len(ratios_slice) + 1) / len(ratios_slice)
+    # the window pool is whole pages: rounding r_swa * N up adds less than one page
+    fixed += WINDOW_PAGE_SIZE * window_token_bytes
     return _solve_full_tokens(
         available_bytes - fixed,
         per_token,

@@ -62,6 +62,47 @@ def test_raw_config_restores_fields_a_config_class_clobbers(tmp_path):
     assert any(s.skip_topk for s in cfg.layers)
 
 
+RATIOS_10 = [0, 4, 128, 4, 4, 4, 128, 4, 4, 4, 0]
+
+
+@pytest.mark.parametrize(
+    "given,drop,clobber",
+    [
+        ({"index_topk_pattern": ["compute", "share", "share", "compute", "share", "compute",
+                                 "share"]}, "index_topk_pattern", None),
+        ({"index_topk_freq": 2, "index_skip_topk_offset": 3}, "index_skip_topk_offset", None),
+        ({"index_topk_freq": 3}, None, ("index_topk_freq", 1)),
+        ({"num_hash_layers": 2}, None, ("num_hash_layers", 0)),
+        ({"compress_ratios": [0, 4, 4, 4, 4, 128, 128, 4, 4, 4, 0]}, None,
+         ("compress_ratios", RATIOS_10)),
+    ],
+    ids=["pattern dropped", "offset dropped", "freq clobbered", "hash layers clobbered",
+         "ratios clobbered"],
+)  # fmt: skip
+def test_every_index_share_and_layer_field_is_reread_from_the_raw_file(tmp_path, given, drop,
+                                                                       clobber):  # fmt: skip
+    """Seed 003's class: whatever a config class drops or resets, each layer's compress ratio,
+    IndexShare flags and hash routing are the raw file's."""
+    raw = _raw(**{"num_hidden_layers": 10, "compress_ratios": RATIOS_10, **given})
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+
+    class LossyConfig:
+        _name_or_path = str(tmp_path)
+
+        def to_dict(self):
+            d = dict(raw)
+            d.pop(drop, None)
+            if clobber is not None:
+                d[clobber[0]] = clobber[1]
+            return d
+
+    want = ModelConfig.from_hf(str(tmp_path))
+    got = ModelConfig.from_hf(LossyConfig())
+    assert got == want
+    plain = ModelConfig.from_hf(LossyConfig().to_dict())  # what the lossy dict alone says
+    assert plain.layers != want.layers or plain.num_hash_layers != want.num_hash_layers
+
+
 def _seed_skip(c, freq, offset=None):
     """Seed 003's formulas, with the C4 ordinal c in place of layer_id."""
     if offset is not None:

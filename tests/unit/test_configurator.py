@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4ray.cache.configurator import (
+    ENTRY_KINDS,
     StageCapacity,
     bytes_per_full_token,
     min_window_pages,
@@ -117,16 +118,18 @@ def test_window_pool_never_starves_a_full_batch():
 
 
 def _stage_bytes(ratios_slice, entry_bytes, max_running, num_cached, tokens):
-    """Bytes a stage's pools take with `tokens` full tokens (the model size_stage solves)."""
+    """Bytes a stage's pools take with `tokens` full tokens: the window pool is whole pages
+    of max(10% of the tokens, the floor)."""
     skip = [False] * len(ratios_slice)
     window_token = entry_bytes["window"] * len(ratios_slice)
     no_window = bytes_per_full_token(ratios_slice, skip, entry_bytes, r_swa=0.0)
     floor_tokens = min_window_pages(max_running, 2048) * 128
+    window_pages = math.ceil(max(0.1 * tokens, floor_tokens) / 128)
     return (
         max_running * state_bytes_per_request(ratios_slice, skip)
         + num_cached * snapshot_bytes(ratios_slice, skip)
         + tokens * no_window
-        + max(0.1 * tokens, floor_tokens) * window_token
+        + window_pages * 128 * window_token
     )
 
 
@@ -142,9 +145,10 @@ def test_gpu_sizing_fills_the_budget_up_to_one_page(available, max_running):
         return
     used = _stage_bytes(HALF, FP8, max_running, 4 * max_running, cap.num_full_tokens)
     assert used <= available
-    assert _stage_bytes(HALF, FP8, max_running, 4 * max_running, cap.num_full_tokens + 256) > (
-        available
-    )
+    # tight up to one page, and the window page the rounding may need
+    window_page = 128 * FP8["window"] * len(HALF)
+    more = _stage_bytes(HALF, FP8, max_running, 4 * max_running, cap.num_full_tokens + 256)
+    assert more + window_page > available
 
 
 def test_too_little_memory_raises_naming_the_stage():
@@ -212,3 +216,42 @@ def test_stages_on_their_own_devices_or_cpus_keep_what_they_measured():
     assert share_devices([None, None], [None, None], [1.0, 1.0]) == [None, None]
     # three stages, two of them on one device: only those two split (the smaller measurement)
     assert share_devices([9.0, 8.0, 7.0], ["a", "b", "a"], [1.0, 5.0, 2.0]) == [7 / 3, 8.0, 14 / 3]
+
+
+def _allocated_bytes(pools) -> int:
+    """Every byte a StagePools holds: page buffers and compressor rings."""
+    tensors = [*pools.window, *pools.c4, *pools.c128, *pools.indexer, *pools._c128_rings]
+    tensors += [t for pair in pools.c4_state + pools.indexer_state for t in pair]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_each_stage_of_an_asymmetric_model_allocates_what_its_sizing_priced(dtype):
+    """Seed 004's class on a model whose stages differ in ratios and IndexShare flags: stage 0
+    holds three C4 layers, the last two sharing their top-k (no indexer); stage 1 two C4
+    layers with indexers and a C128 layer, placed where stage 0's flags would drop an indexer.
+    Sized for a memory budget, each stage's real pools fill it to within one page: a stage
+    priced with another stage's ratios or flags over- or under-fills."""
+    from dsv4ray.cache.layout import layout_for
+    from dsv4ray.cache.pools import PoolSizes, StagePools
+    from dsv4ray.config import ModelConfig
+    from dsv4ray.model.tiny import PRESETS
+
+    raw = {**PRESETS["tiny"], "num_hidden_layers": 8,
+           "compress_ratios": [0, 4, 4, 4, 4, 128, 4, 0, 0],
+           "index_topk_pattern": ["compute", "share", "share", "compute", "compute"]}  # fmt: skip
+    cfg = ModelConfig.from_hf(raw)
+    ratios, skip = list(cfg.layer_ratios), [s.skip_topk for s in cfg.layers]
+    assert skip[:4] != skip[4:] and ratios[:4] != ratios[4:]
+    entry_bytes = {k: layout_for(k, dtype).bytes_per_entry for k in ENTRY_KINDS}
+    budget = 24 * (1 << 20)
+    for stage, (start, end) in enumerate(split_layers(8, 2)):
+        cap = size_stage(stage, start, end, ratios, skip, entry_bytes, available_bytes=budget,
+                         max_running_requests=4)  # fmt: skip
+        sizes = PoolSizes(cap.num_pages, cap.num_window_pages, cap.num_state_slots,
+                          cap.num_cached_state_slots)  # fmt: skip
+        pools = StagePools(cfg, start, end, sizes, dtype)
+        used = _allocated_bytes(pools)
+        # within a page of full tokens and the window page rounding may leave unused
+        slack = 256 * cap.bytes_per_full_token + 128 * entry_bytes["window"] * (end - start)
+        assert budget - slack < used <= budget, (stage, used, budget, slack)
