@@ -202,6 +202,14 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
     (``joined``) the checkpoint may live only on the nodes that run the replicas."""
     if not joined and not os.path.isfile(os.path.join(model, "config.json")):
         return f"no checkpoint at {model!r} (no config.json); pass --model /path/to/checkpoint"
+    if not joined:
+        from dsv4ray.model.checkpoint_check import check_checkpoint
+        from dsv4ray.model.weights import CheckpointError
+
+        try:
+            check_checkpoint(model)
+        except CheckpointError as exc:
+            return f"bad checkpoint: {exc}"
     if not input_exists(input_path):
         return f"no input file {input_path!r}"
     folder = os.path.dirname(os.path.abspath(output_path))

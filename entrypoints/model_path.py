@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from typing import NoReturn
 
 DEFAULT_MODEL_ENV = "DSV4RAY_MODEL"
 
@@ -18,11 +20,24 @@ def default_model() -> str:
 
 
 def model_path(path: str | None) -> str:
-    """The named checkpoint, or the default; SystemExit naming the folder without config.json."""
+    """The named checkpoint, or the default, checked (model/checkpoint_check.py); a usage error
+    (one line, exit code 2) names the folder without config.json or the broken file."""
+    from dsv4ray.model.checkpoint_check import check_checkpoint
+    from dsv4ray.model.weights import CheckpointError
+
     path = path or default_model()
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(
+        usage_exit(
             f"dsv4ray: no checkpoint at {path!r} (no config.json). Make the tiny one with "
             "`dsv4ray make-tiny --out .tiny` or pass --model /path/to/checkpoint."
         )
+    try:
+        check_checkpoint(path)
+    except CheckpointError as exc:
+        usage_exit(f"dsv4ray: bad checkpoint: {exc}")
     return path
+
+
+def usage_exit(message: str) -> NoReturn:
+    print(message, file=sys.stderr)
+    raise SystemExit(2)

@@ -63,21 +63,26 @@ def _write(stage_model, pools, meta, layer_id: int, seed: int):
 
 
 @pytest.mark.parametrize(
-    "shape,backend", [("decode", "torch"), ("decode", "triton"), ("mixed", "torch")]
+    "shape,backend",
+    [("decode", "torch"), ("decode", "triton"), ("mixed", "torch"), ("mixed", "triton")],
 )
 def test_compressor_writes_physical_rows_never_another_requests(stage, shape, backend):
     """A's newest entry has logical C4 slot 19 (page 0, position 19), which is B's hot row 2 in
-    the hot buffer: written there (the logical slot), it would overwrite B's row. It must land in
-    A's reserved row and A's host history, bytes equal to the all-on-device write."""
+    the hot buffer: written there (the logical slot), it would overwrite B's row. In a mixed
+    step (B prefills 84 tokens beside A's decode) slot 19 of the step's scratch buffer holds B's
+    20th entry: written there, A's entry would overwrite B's. It must land
+    in A's reserved row and A's host history, bytes equal to the all-on-device write, and B's
+    entries must reach its history untouched."""
     cfg, model = stage
     layer_id = next(i for i, r in enumerate(cfg.layer_ratios) if r == 4)
     hot = _pools(cfg, "fp32", HOT_ROWS)
     device = StagePools(cfg, 0, cfg.num_hidden_layers, PoolSizes(4, 8, 3, 0), "fp32")
     store, i = hot.hisparse, hot.info(layer_id).compress_layer_id
     assert store.hot_slot(1, 2) == 19 == store.host_slot([0], 19)  # the collision
-    b_tokens = 1 if shape == "decode" else 44  # B: decode at 43, or a prefill chunk 0..43
+    # B: a decode at 43, or a prefill chunk 0..83 whose region holds scratch slots 0..20
+    b_start, b_tokens = (43, 1) if shape == "decode" else (0, 84)
     tables = {"A": ReqTable(0, [0], [0]), "B": ReqTable(1, [2], [1])}
-    entries = [("A", 79, 1), ("B", 44 - b_tokens, b_tokens)]
+    entries = [("A", 79, 1), ("B", b_start, b_tokens)]
     store.hot[i].random_(0, 256, generator=torch.Generator().manual_seed(3))
     before = store.hot[i].clone()
     with dispatch.use_backend(backend):
@@ -91,7 +96,7 @@ def test_compressor_writes_physical_rows_never_another_requests(stage, shape, ba
     a_entry = _entry_bytes(device.c4[i], 19, layout)  # all on device: at the logical slot
     assert torch.equal(_entry_bytes(store.hot[i], store.reserved_slot(0), layout), a_entry)
     assert torch.equal(_entry_bytes(store.history[i], 19, layout), a_entry)
-    b_slots = [2 * 64 + 10] if shape == "decode" else [2 * 64 + c for c in range(11)]
+    b_slots = [2 * 64 + 10] if shape == "decode" else [2 * 64 + c for c in range(21)]
     for slot in b_slots:  # B's entries in its history (page 2), equal to the device pool's
         assert torch.equal(_entry_bytes(store.history[i], slot, layout),
                            _entry_bytes(device.c4[i], slot, layout))  # fmt: skip

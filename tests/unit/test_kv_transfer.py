@@ -23,17 +23,41 @@ def cfg(tiny_ckpt):
 
 
 @pytest.fixture(scope="module")
+def share_cfg(tiny_ckpt):
+    """The tiny model with IndexShare: its C4 layers 1, 3, 4 have compress ids 0, 1, 2 and
+    indexers 0, none, 1 (an indexer id is not a compress id)."""
+    import json
+    import os
+
+    with open(os.path.join(tiny_ckpt, "config.json")) as f:
+        raw = json.load(f)
+    cfg = ModelConfig.from_hf({**raw, "index_topk_pattern": ["compute", "share", "compute"]})
+    ids = [(i.compress_layer_id, i.indexer_layer_id) for i in _infos(cfg) if i.compress_ratio == 4]
+    assert ids == [(0, 0), (1, None), (2, 1)]
+    return cfg
+
+
+def _infos(cfg):
+    from dsv4ray.cache.layer_mapping import build_layer_mapping
+
+    skip = [spec.skip_topk for spec in cfg.layers]
+    mapping = build_layer_mapping(cfg.layer_ratios, skip, 0, cfg.num_hidden_layers)
+    return [info for info in mapping if info is not None]
+
+
+@pytest.fixture(scope="module")
 def ports(cfg):
-    """ports(ranges, dtype, seed=None) -> a KVPort per stage range, reused across tests (a
-    transfer engine takes about a second to stop): random bytes with a seed, else fresh pools
-    (zeros, ring scores -inf)."""
+    """ports(ranges, dtype, seed=None, model=None) -> a KVPort per stage range of the tiny
+    model (or ``model``), reused across tests (a transfer engine takes about a second to stop):
+    random bytes with a seed, else fresh pools (zeros, ring scores -inf)."""
     made = {}
 
-    def get(ranges, dtype, seed=None):
-        key = (tuple(ranges), dtype, seed is None)
+    def get(ranges, dtype, seed=None, model=None):
+        model = model or cfg
+        key = (tuple(ranges), dtype, seed is None, id(model))
         if key not in made:
             made[key] = [
-                KVPort(StagePools(cfg, s, e, SIZES, dtype), MooncakeTransport("127.0.0.1"))
+                KVPort(StagePools(model, s, e, SIZES, dtype), MooncakeTransport("127.0.0.1"))
                 for s, e in ranges
             ]
         for port in made[key]:
@@ -77,8 +101,17 @@ def handoff(prefill, decode, num_tokens, corrupt=False):
 def test_destination_rows_equal_the_source_rows_and_nothing_else_changes(
     cfg, ports, prefill_ranges, decode_ranges
 ):
-    prefill = ports(prefill_ranges, "fp8", seed=1)
-    decode = ports(decode_ranges, "fp8")
+    assert_exact_handoff(cfg, ports(prefill_ranges, "fp8", seed=1), ports(decode_ranges, "fp8"))
+
+
+def test_an_index_share_model_hands_each_indexer_to_its_own_buffer(share_cfg, ports):
+    prefill = ports([(0, 3), (3, 6)], "fp8", seed=2, model=share_cfg)
+    assert_exact_handoff(share_cfg, prefill, ports([(0, 6)], "fp8", model=share_cfg))
+
+
+def assert_exact_handoff(cfg, prefill, decode) -> None:
+    """A 300-token handoff: every destination row equals its source row, nothing else changes,
+    and both sides' checksums agree."""
     before = [{key: view.clone() for key, view in port.views.items()} for port in decode]
     src, dst, reports, checks = handoff(prefill, decode, 300)
     assert all(r.error is None for r in reports) and sum(r.num_bytes for r in reports) > 0
