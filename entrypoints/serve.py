@@ -40,8 +40,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 import sys
-import time
+import threading
 from collections.abc import Mapping
 
 import ray
@@ -161,17 +162,34 @@ def run_server(
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
     print(startup_line(info, host, port), flush=True)
+    stop = _stop_on_signals()
     try:
-        while True:
-            time.sleep(3600)
+        # short waits: a signal the OS hands to one of Ray's threads runs its Python handler
+        # only when this (main) thread next runs, so it must never sleep long
+        while not stop.wait(0.2):
+            pass
     except KeyboardInterrupt:
-        print("dsv4ray serve: stopping", flush=True)
+        pass
     finally:
+        print("dsv4ray serve: stopping", flush=True)
         if joined:  # other applications on the cluster keep running
             serve.delete(APP_NAME)
         else:
             serve.shutdown()
+            ray.shutdown()  # the local Ray this command started
     return 0
+
+
+def _stop_on_signals() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event (installed after Ray, which sets its own)."""
+    stop = threading.Event()
+
+    def handler(signum, frame) -> None:
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, handler)
+    return stop
 
 
 def startup_line(info: dict, host: str, port: int) -> str:

@@ -7,7 +7,8 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.model.tiny import PRESETS
+from dsv4ray.model import load_reference
+from dsv4ray.model.tiny import PRESETS, make_tiny
 from tests.oracle import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -31,14 +32,19 @@ def _engine(ckpt, **kw):
 
 
 @pytest.mark.parametrize(
-    "pp,policy,overlap",
-    [(1, "write_through", False), (2, "write_through", True), (1, "write_back", True)],
-)
+    "pp,policy,overlap,share",
+    [(1, "write_through", False, False), (2, "write_through", True, False),
+     (1, "write_back", True, True)],
+)  # fmt: skip
 def test_evicted_prefixes_are_served_from_the_host_tier(
-    ray_session, tiny_ckpt, tiny_model, pp, policy, overlap
+    ray_session, tiny_ckpt, tiny_model, tmp_path, pp, policy, overlap, share
 ):
     if pp == 2:  # the tiny preset splits into stages [0, 4, 128] and [4, 4, 128]
         assert PRESETS["tiny"]["compress_ratios"][:6] == [0, 4, 128, 4, 4, 128]
+    if share:  # IndexShare: the C4 layers' indexer ids (0, -, 1) are not their compress ids
+        tiny_ckpt = make_tiny(str(tmp_path), "tiny", seed=0,
+                              index_topk_pattern=["compute", "share", "compute"])  # fmt: skip
+        tiny_model = load_reference(tiny_ckpt, torch.float32)
     a, b, c = _prompts(pp)
     llm = _engine(tiny_ckpt, pp_size=pp, hicache_write_policy=policy,
                   overlap_scheduling=overlap)  # fmt: skip

@@ -155,3 +155,21 @@ def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, promp
     assert core.stats()["pd_remote_prefills"] == before["pd_remote_prefills"]
     drain(llm)  # ids the dead engine's stages might still have written are held a while
     assert_nothing_held(llm)
+
+
+def test_a_hisparse_decode_side_takes_handoffs_token_exact(ray_session, tiny_ckpt, prompts,
+                                                           colocated):  # fmt: skip
+    """PD with HiSparse on both sides: prefill writes each request's C4 history into the
+    decode side's host store (slot 0 included) and the decode side's few hot rows miss, so
+    decoding reads the handed-over history through the host: tokens equal the colocated ones."""
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", prefill_pp_size=1, pp_size=2,
+              enable_hisparse=True, hisparse_hot_rows=17)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.core.stats()
+        assert [o.token_ids for o in outs] == colocated[0]
+        assert stats["pd_remote_prefills"] == len(prompts) and stats["pd_local_prefills"] == 0
+        assert stats["hisparse_misses"] > 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
