@@ -203,6 +203,17 @@ class RayPipeline:
             logging.getLevelName(log.getEffectiveLevel()),
         )
 
+    def stages_alive(self) -> bool:
+        """Every stage actor and the draft actor answer a ping (a control call beside the
+        compiled graph)."""
+        actors = [*self.actors, *([self.draft] if self.draft is not None else [])]
+        try:
+            ray.get([a.ready.remote() for a in actors], timeout=10)
+            return True
+        except Exception as exc:  # a dead actor surfaces in several exception types
+            log.error("a pipeline actor does not answer: %s", describe(exc))
+            return False
+
     def draft_lost(self) -> bool:
         """After a PipelineFailure: True when the draft actor is gone and every stage answers."""
         if self.draft is None:

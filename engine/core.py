@@ -395,8 +395,25 @@ class EngineCore:
             "num_preemptions": self.num_preemptions,
         }
         if self.config.enable_hisparse:
-            out.update(hisparse_totals(self.pipeline.stage_stats()))
+            try:
+                stage_stats = self.pipeline.stage_stats()
+            except Exception as exc:  # a dead stage: counters are absent until the rebuild
+                log.warning("stage counters unavailable: %s", exc)
+                stage_stats = []
+            out.update(hisparse_totals(stage_stats))
         return out
+
+    def check_liveness(self) -> list[RequestUpdate]:
+        """Between requests: a stage or draft worker that died while idle is found and the
+        pipeline rebuilt now, before a request needs it (so none fails for it). Returns what a
+        step would (nothing, unless a rebuild refuses waiting requests)."""
+        if self.in_flight or self.scheduler.has_unfinished():
+            return []
+        if not self.needs_rebuild and self.pipeline.stages_alive():
+            return []
+        log.error("a pipeline actor died while the engine was idle: rebuilding the pipeline")
+        self.needs_rebuild, self.pending_drafts = True, None
+        return self._rebuild() or []
 
     def describe(self) -> dict:
         """Where the stages run and how many tokens their pools hold."""

@@ -44,4 +44,6 @@ class Pipeline(Protocol):
     def placement(self) -> dict: ...
 
     def draft_lost(self) -> bool: ...  # after a PipelineFailure: only the draft worker died
+
+    def stages_alive(self) -> bool: ...  # every stage (and the draft worker) answers a ping
     def stage_stats(self) -> list[dict]: ...

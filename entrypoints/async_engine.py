@@ -3,7 +3,8 @@
 The EngineCore runs on one background thread: it takes commands (add, abort) from a queue, steps
 while requests are unfinished, and hands each update to the asyncio loop of the caller that owns
 the request. A caller that stops iterating (a client that disconnected) aborts its request, so
-its pages return to the pool.
+its pages return to the pool. While idle it pings the pipeline's actors every ``LIVENESS_S``
+seconds and rebuilds a pipeline whose stage died, before the next request needs it.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
+
+LIVENESS_S = 5.0  # idle engines check their actors this often
 
 log = logging.getLogger("dsv4ray.async")
 
@@ -39,6 +43,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._ids = itertools.count()
         self._stopped = threading.Event()
+        self._next_liveness = time.monotonic() + LIVENESS_S
         self._thread = threading.Thread(target=self._loop, name="dsv4ray-engine", daemon=True)
         self._thread.start()
 
@@ -109,6 +114,8 @@ class AsyncEngine:
             self._drain(block=not self.core.has_unfinished())
             if self._stopped.is_set():
                 break
+            if not self.core.has_unfinished():
+                self._check_liveness()
             if self.core.has_unfinished():
                 try:
                     updates = self.core.step()
@@ -117,6 +124,19 @@ class AsyncEngine:
                     updates = self.core.abort_all("the engine failed while the request ran")
                 for update in updates:
                     self._deliver(update)
+
+    def _check_liveness(self) -> None:
+        now = time.monotonic()
+        if now < self._next_liveness:
+            return
+        try:
+            updates = self.core.check_liveness()
+        except Exception:  # the next check (or the next request's step) tries again
+            log.exception("pipeline liveness check failed")
+            updates = []
+        self._next_liveness = time.monotonic() + LIVENESS_S
+        for update in updates:
+            self._deliver(update)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -198,6 +198,9 @@ class LocalPipeline:
         """Where the stages run: this process."""
         return {"stage_placement_group_id": None}
 
+    def stages_alive(self) -> bool:
+        return True  # the stages are this process
+
     def draft_lost(self) -> bool:
         """A draft worker in process fails with the process, never alone."""
         return False

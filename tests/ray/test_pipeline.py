@@ -220,3 +220,34 @@ def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(ray_
     finally:
         remove_placement_group(pg)
         remove_placement_group(hold)
+
+
+def test_stages_killed_while_idle_are_replaced_before_the_next_request(
+    ray_session, tiny_ckpt, tiny_model, monkeypatch
+):
+    """A stage that dies between requests is found by the idle engine's ping and the pipeline
+    rebuilt before the next request arrives: no request fails for it, tokens stay exact, and
+    the stats call answers throughout."""
+    from dsv4ray.entrypoints import async_engine
+
+    monkeypatch.setattr(async_engine, "LIVENESS_S", 1.0)  # the check's period (5 s by default)
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2)
+    prompt = _prompts([40], seed=5)[0]
+
+    async def answer():
+        async for update in engine.generate(prompt, GREEDY):
+            if update.output is not None:
+                return update.output
+
+    try:
+        for kill in range(2):  # the first stage, then the second
+            ray.kill(engine.core.pipeline.actors[kill % 2], no_restart=True)
+            deadline = time.monotonic() + 60
+            while asyncio.run(engine.stats())["num_pipeline_rebuilds"] <= kill:
+                assert time.monotonic() < deadline, "the dead stage was not replaced"
+                time.sleep(0.5)
+            out = asyncio.run(answer())
+            assert out.finish_reason == "length" and out.error is None
+            assert out.token_ids == reference_greedy(tiny_model, prompt, 5)
+    finally:
+        engine.shutdown()
