@@ -10,13 +10,16 @@ therefore records, once built, the channel files that this (driver) process and 
 actors map, and removes exactly those when it is torn down. Channels a graph grows while it runs
 (a larger message gets a new buffer) are recorded when it is torn down, from what its actors on
 this machine map then, before any of them is killed.
-``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py).
+``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py);
+``sweep_dead_raylets`` removes those of raylets that no longer run (a command that stopped the
+local Ray it started calls it, so actors killed with that Ray leave nothing behind).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 
 log = logging.getLogger("dsv4ray.pipeline")
@@ -96,6 +99,35 @@ def node_shm_files(raylet_pid: int, pipeline_keys: list[str]) -> set[str]:
     except FileNotFoundError:
         return set()
     return {name for name in names if name.startswith(prefixes)}
+
+
+def sweep_dead_raylets(shm: str = "/dev/shm") -> int:
+    """Removes the channel files of raylets no longer running on this machine (a stopped or
+    killed Ray leaves those of actors that never exited cleanly); files of a live raylet, this
+    user's or another's, stay. Returns how many it removed."""
+    try:
+        names = os.listdir(shm)
+    except FileNotFoundError:
+        return 0
+    dead = [
+        os.path.join(shm, name)
+        for name in names
+        if (match := _CHANNEL_FILE.match(name)) and not _alive(int(match.group(1)))
+    ]
+    return remove_channel_files(dead)
+
+
+_CHANNEL_FILE = re.compile(r"sem\.(?:obj|hdr)(\d+)-")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def actor_channel_files(actors: list, timeout_s: float = 10.0) -> set[str]:

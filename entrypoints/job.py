@@ -32,6 +32,9 @@ import threading
 import time
 from dataclasses import dataclass
 
+import ray
+
+from dsv4ray.cluster.channel_files import sweep_dead_raylets
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
@@ -82,13 +85,14 @@ def run_job(
         return usage_error(problem)
     if options.get("speculative_num_steps"):
         print(f"dsv4ray job: {describe(options['speculative_num_steps'])}", file=sys.stderr)
-    stats, rows = JobStats(), None
+    stats, rows, started_ray = JobStats(), None, False
     start = time.perf_counter()
     _TERMINATED.clear()
     previous = _raise_on_sigterm()
     try:
         rows = read_requests(input_path, last_results(output_path), stats, job.default_max_tokens)
         if rows:
+            started_ray = not joined and not ray.is_initialized()
             ensure_ray()
             _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": _device(job, options)}
@@ -98,6 +102,9 @@ def run_job(
         stats.left = len(rows) - stats.returned if rows is not None else None
     finally:
         _restore_sigterm(previous)
+        if started_ray:  # the local Ray this call started, and then its leftover files
+            ray.shutdown()
+            sweep_dead_raylets()
     _summary(stats, time.perf_counter() - start)
     if stats.interrupted:
         return EXIT_TERMINATED if stats.terminated else EXIT_INTERRUPTED

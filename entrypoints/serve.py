@@ -48,6 +48,7 @@ from collections.abc import Mapping
 import ray
 from ray import serve
 
+from dsv4ray.cluster.channel_files import sweep_dead_raylets
 from dsv4ray.cluster.placement import bundle_device, ensure_ray
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -176,7 +177,8 @@ def run_server(
             serve.delete(APP_NAME)
         else:
             serve.shutdown()
-            ray.shutdown()  # the local Ray this command started
+            ray.shutdown()  # the local Ray this command started, and then its leftover files
+            sweep_dead_raylets()
     return 0
 
 
