@@ -102,9 +102,9 @@ def node_shm_files(raylet_pid: int, pipeline_keys: list[str]) -> set[str]:
 
 
 def sweep_dead_raylets(shm: str = "/dev/shm") -> int:
-    """Removes the channel files of raylets no longer running on this machine (a stopped or
-    killed Ray leaves those of actors that never exited cleanly); files of a live raylet, this
-    user's or another's, stay. Returns how many it removed."""
+    """Removes this user's channel files of raylets no longer running on this machine (a
+    stopped or killed Ray leaves those of actors that never exited cleanly); files of a live
+    raylet stay. Returns how many it removed."""
     try:
         names = os.listdir(shm)
     except FileNotFoundError:
@@ -114,10 +114,18 @@ def sweep_dead_raylets(shm: str = "/dev/shm") -> int:
         for name in names
         if (match := _CHANNEL_FILE.match(name)) and not _alive(int(match.group(1)))
     ]
-    return remove_channel_files(dead)
+    return remove_channel_files([path for path in dead if _owned(path)])
 
 
 _CHANNEL_FILE = re.compile(r"sem\.(?:obj|hdr)(\d+)-")
+
+
+def _owned(path: str) -> bool:
+    """This user's file (another user's Ray is that user's to clean)."""
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except FileNotFoundError:
+        return False
 
 
 def _alive(pid: int) -> bool:
