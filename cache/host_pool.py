@@ -36,6 +36,7 @@ class HostLayout:
     dtype: str
     num_pages: int
     num_snapshots: int
+    ring_scale: int = 1  # the device rings' (2 with drafts): snapshots copy them whole
 
     def counts(self) -> dict[str, int]:
         """Buffers per kind of this stage's layers only."""
@@ -64,7 +65,8 @@ class HostLayout:
             ("indexer_state", 2 * self.cfg.index_head_dim),
         ):
             count = n["c4" if kind == "c4_state" else "indexer"]
-            out += [(kind, (self.num_snapshots, C4_RING, width), torch.float32)] * (2 * count)
+            rows = C4_RING * self.ring_scale
+            out += [(kind, (self.num_snapshots, rows, width), torch.float32)] * (2 * count)
         return out
 
     @property

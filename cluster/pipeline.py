@@ -233,7 +233,9 @@ class RayPipeline:
     # ------------------------------------------------------------------ host tier
     def attach_host(self, num_pages: int, num_snapshots: int) -> None:
         """Maps a host-tier region per stage (on the stage's node); rebuilds map them again."""
-        self.host_args = {"num_pages": num_pages, "num_snapshots": num_snapshots}
+        ring_scale = 2 if self.config.speculative_num_steps else 1  # as the stage pools' rings
+        self.host_args = {"num_pages": num_pages, "num_snapshots": num_snapshots,
+                          "ring_scale": ring_scale}  # fmt: skip
         self._attach_regions()
 
     def _attach_regions(self) -> None:

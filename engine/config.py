@@ -154,11 +154,6 @@ class EngineConfig:
                 "overlap_scheduling does not combine with speculative_num_steps or "
                 "prefill_pp_size yet"
             )
-        if self.enable_hicache and self.speculative_num_steps:
-            raise ValueError(
-                "speculative_num_steps with enable_hicache is not supported yet: host snapshots "
-                "hold single-size compressor rings, speculation doubles them"
-            )
 
     @property
     def spec(self) -> SpecConfig:

@@ -60,6 +60,26 @@ def test_evicted_prefixes_are_served_from_the_host_tier(
     assert again.token_ids == reference_greedy(tiny_model, a + [9, 10], 4)
 
 
+@pytest.mark.parametrize("pp", [1, 2])
+def test_drafts_with_the_host_tier_give_the_reference_tokens(ray_session, tiny_ckpt, tiny_model,
+                                                             pp):  # fmt: skip
+    """MTP drafts (k = 2) beside the host tier: prefixes evicted to the host and loaded back
+    restore the doubled compressor rings speculation keeps, and every verified token is the
+    reference's."""
+    a, b, c = _prompts(10 + pp)
+    llm = _engine(tiny_ckpt, pp_size=pp, speculative_num_steps=2)
+    try:
+        for prompt in (a, b, c):
+            llm.generate([prompt], GREEDY)
+        again = llm.generate([a + [9, 10]], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+        llm.core.check_integrity()
+        stats = llm.core.stats()
+    finally:
+        llm.shutdown()
+    assert again.metrics.num_host_cached_tokens > 0 and stats["num_draft_tokens"] > 0
+    assert again.token_ids == reference_greedy(tiny_model, a + [9, 10], 8)
+
+
 def test_restarted_stage_reloads_prefixes_from_the_host_tier(ray_session, tiny_ckpt, tiny_model):
     a, b, _ = _prompts(5)
     llm = _engine(tiny_ckpt, pp_size=2)
