@@ -25,6 +25,7 @@ class OutputProcessor:
         self.start: dict[str, float] = {}
         self.stopped_by_string: set[str] = set()
         self.logits: dict[str, list] = {}
+        self.prompt_asking: set[str] = set()  # requests whose prompt logprobs are computed
 
     def add(self, req_id: str, prompt_ids: list[int], sp: SamplingParams) -> None:
         self.outputs[req_id] = RequestOutput(
@@ -35,6 +36,8 @@ class OutputProcessor:
             metrics=RequestMetrics(num_prompt_tokens=len(prompt_ids)),
         )
         self.params[req_id] = sp
+        if sp.prompt_logprobs is not None:
+            self.prompt_asking.add(req_id)
         self.decoders[req_id] = StreamDecoder(self.tokenizer)
         self.start[req_id] = time.perf_counter()
 
@@ -53,10 +56,12 @@ class OutputProcessor:
         """StepPlan.prompt_logprobs of a plan's entries: [top n, the prompt's next token at
         each of the entry's positions that has one]."""
         targets = {}
+        if not self.prompt_asking:  # every step asks: nothing to do for most
+            return targets
         for entry in batch:
-            sp = self.params[entry.req_id]
-            if sp.prompt_logprobs is None:
+            if entry.req_id not in self.prompt_asking:
                 continue
+            sp = self.params[entry.req_id]
             prompt = self.outputs[entry.req_id].prompt_token_ids
             start = entry.start_pos + 1
             ids = prompt[start : min(start + entry.num_tokens, len(prompt))]
@@ -111,6 +116,7 @@ class OutputProcessor:
         for table in (self.params, self.decoders, self.start, self.logits):
             table.pop(req_id, None)
         self.stopped_by_string.discard(req_id)
+        self.prompt_asking.discard(req_id)
         return self.outputs.pop(req_id)
 
     def pop_logits(self, req_id: str) -> list:
