@@ -33,9 +33,11 @@ def test_make_tiny_then_generate(tmp_path, capsys):
     assert main(["generate", "--model", str(tmp_path / "m"), "--max-tokens", "2", "a"]) == 0
 
 
-def test_missing_checkpoint_says_how_to_make_one(tmp_path):
-    with pytest.raises(SystemExit, match="make-tiny"):
+def test_missing_checkpoint_says_how_to_make_one(tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
         main(["generate", "--model", str(tmp_path / "nothing"), "x"])
+    assert stop.value.code == 2  # a usage error
+    assert "make-tiny" in capsys.readouterr().err
 
 
 def test_tokenizer_round_trips_bytes(tiny_ckpt):
