@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import ray
 import torch
@@ -37,6 +38,7 @@ class StageActor:
         torch.set_num_threads(max(1, num_threads))
         self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
                                   cuda_graphs=cuda_graphs, weight_format=weight_format)  # fmt: skip
+        self.records: list | None = None  # (method, step id, entered, left) while recording
 
     def ready(self) -> dict:
         return {
@@ -82,11 +84,29 @@ class StageActor:
     def wait_for_tokens(self, event_handle: bytes) -> None:
         self.worker.wait_for_tokens(event_handle)
 
+    def timeline(self, record: bool) -> list:
+        """Starts (record) or stops recording when each graph method was entered and left
+        (time.monotonic, one clock for every process of a machine); returns what was recorded
+        since the last call: [(method, step id, entered, left)] (bench/pipeline.py --timeline)."""
+        records, self.records = self.records or [], ([] if record else None)
+        return records
+
     def take(self, plan: bytes, result: StageResult) -> StageResult:
-        return self.worker.take(decode(plan), result)
+        entered = time.monotonic()
+        out = self.worker.take(plan := decode(plan), result)
+        return self._record("take", plan, entered, out)
 
     def first(self, plan: bytes) -> StageResult:
-        return self.worker.step(decode(plan))
+        entered = time.monotonic()
+        out = self.worker.step(plan := decode(plan))
+        return self._record("first", plan, entered, out)
 
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
-        return self.worker.step(decode(plan), prev)
+        entered = time.monotonic()
+        out = self.worker.step(plan := decode(plan), prev)
+        return self._record("next", plan, entered, out)
+
+    def _record(self, method: str, plan, entered: float, out: StageResult) -> StageResult:
+        if self.records is not None and len(self.records) < 100_000:
+            self.records.append((method, plan.step_id, entered, time.monotonic()))
+        return out

@@ -4,9 +4,11 @@ the KV transfer's share of it, and the transfer's bandwidth against the Mooncake
     python bench/pd.py [--model DIR] [--prompt-len N] [--reps R] [--kv-cache-dtype fp8]
                        [--commit SHA] [--out-dir DIR]
 
-On a GPU (default --model /tmp/dsv4-mini, made with make_tiny(dir, "dsv4-mini") when missing;
-8192-token prompts) every engine shares the one GPU: each stage takes 0.3 of it
-(num_gpus_per_stage) and 0.3 of the memory free when it starts. On CPU it is a smoke run on the
+On GPUs (default --model /tmp/dsv4-mini, made with make_tiny(dir, "dsv4-mini") when missing;
+8192-token prompts) each engine's stage has a GPU of its own where the machine has three (the
+prefill pipeline on one, the decode pipeline on another, the engine without PD on a third);
+with fewer, every engine shares one GPU: each stage takes 0.3 of it (num_gpus_per_stage) and
+0.3 of the memory free when it starts. On CPU it is a smoke run on the
 tiny preset (1024-token prompts). In one run it measures:
   - the ceiling: one raw 256 MiB Mooncake TCP write between two buffers registered in this
     process (device buffers on a GPU, as the pools are), median of 3;
@@ -75,11 +77,12 @@ def _raw_write_gbs(device: torch.device) -> float:
 
 
 def measure(model: str, gpu: bool, prompt_len: int, reps: int, kv_dtype: str) -> dict:
-    """Both engines up at once (on a GPU a third of it and 0.3 of the free memory per stage);
+    """Both engines up at once (each stage on its own GPU where there are three, else a third
+    of one GPU and 0.3 of its free memory per stage);
     each prompt runs on one, then on the other, one request at a time, so that TTFT is the
     prefill and load on a shared machine hits both alike. The first prompt warms up."""
     options = dict(kv_cache_dtype=kv_dtype, max_num_batched_tokens=max(2048, prompt_len))
-    if gpu:
+    if gpu and torch.cuda.device_count() < 3:
         options.update(num_gpus_per_stage=0.3, memory_fraction=0.3)
     prompts = random_prompts(reps + 1, prompt_len, seed=11)
     plain = LLM(model, use_ray=True, **options)
@@ -113,6 +116,7 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
         o.metrics.kv_transfer_s / o.metrics.ttft_s for o in m["pd"] if o.metrics.kv_transfer_s
     )
     stats = m["stats"]
+    placed = "a GPU each" if gpu and torch.cuda.device_count() >= 3 else "sharing one device"
     num_bytes = stats["pd_transfer_bytes"] / max(1, stats["pd_remote_prefills"])
     seconds = stats["pd_transfer_seconds"]
     bandwidth = stats["pd_transfer_bytes"] / seconds / 1e9 if seconds else float("nan")
@@ -132,8 +136,8 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
         result(
             f"TTFT with PD / without ({prompt_len} tokens)",
             pd_ttft, "s", base_ttft, 1.10, "<=",
-            f"prefill pp 1 -> decode pp 1 vs one engine (both Ray stage actors); greedy tokens "
-            f"{'equal' if same else 'DIFFER'}"
+            f"prefill pp 1 -> decode pp 1 vs one engine (both Ray stage actors, {placed}); "
+            f"greedy tokens {'equal' if same else 'DIFFER'}"
             + ("" if gpu else "; CPU smoke run: on shared cores the ratio swings both ways"),
         ),
         result(

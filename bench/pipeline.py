@@ -1,12 +1,17 @@
-"""Pipeline benchmark: per-hop step time, compiled graph vs plain calls, pp=2 vs pp=1.
+"""Pipeline benchmark: pp=N against pp=1 (decode throughput, capacity); compiled graph vs calls.
 
-    python bench/pipeline.py [--model .tiny] [--batch 16] [--decode 16] [--commit SHA]
+    python bench/pipeline.py [--model DIR] [--pp 2,4] [--batches 1,16,64] [--max-batch 256]
+                             [--weights bf16,native] [--decode 32] [--commit SHA] [--out-dir DIR]
 
 On CPU (tiny preset): the per-step latency of an empty plan through the compiled graph vs a
 chain of plain ``.remote()`` calls (PERF.md: compiled >= 2x faster), and decode throughput of
-pp=2 vs pp=1. On GPUs (one per stage, NCCL between stages; use the dsv4-mini preset): decode
-throughput pp=2 vs pp=1 at the same batch (>= 0.9x) and maximum concurrent tokens (>= 1.9x),
-plus a check that pp=2 gives pp=1's greedy tokens. Writes bench/results/pipeline-<device>.json.
+pp=2 vs pp=1. On N GPUs (one per stage, NCCL between stages): a dsv4-mini checkpoint with
+--layers layers (each stage holds 1/N of them; made on the GPU when --model does not exist, bf16
+and natively quantized, FP8 linears + FP4 experts), for every pp in --pp and each weight format:
+decode throughput at each batch of --batches (>= 0.9x pp=1) and at --max-batch (running-request
+limit of both; >= 1.8x pp=1), the pools' maximum concurrent tokens (>= 1.9x at pp 2, 3.6x at 4),
+pp=N's greedy tokens against pp=1's, and the compiled graph's empty-plan round trip.
+Writes bench/results/pipeline-<device>.json.
 """
 
 from __future__ import annotations
@@ -16,12 +21,15 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import ray
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from report import (  # noqa: E402
+    RESULTS_DIR,
+    device_slug,
     git_commit,
     random_prompts,
     result,
@@ -66,6 +74,50 @@ def decode_tok_s(llm: LLM, batch: int, length: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0 - prefill)
 
 
+def timeline(llm: LLM, batch: int, args) -> str:
+    """Where a pp > 1 decode step's time goes: every stage actor records when each graph method
+    was entered (its inputs read: after an NCCL receive, the sender's kernels finished) and
+    left; medians over the steady decode steps of one run at ``batch``."""
+    actors = llm.core.pipeline.actors
+    prompts = random_prompts(batch, args.prompt_len, 21)
+    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+    ray.get([a.timeline.remote(True) for a in actors])
+    llm.generate(prompts, SamplingParams(max_tokens=args.decode + 1, ignore_eos=True))
+    records = ray.get([a.timeline.remote(False) for a in actors])
+    steps: dict[int, dict] = {}
+    for stage, rows in enumerate(records):
+        for method, step_id, entered, left in rows:
+            steps.setdefault(step_id, {})[(stage, method)] = (entered, left)
+    last = len(actors) - 1
+    chain = [(0, "first")] + [(i, "next") for i in range(1, last + 1)]
+    full = sorted(k for k, v in steps.items() if k >= 0 and all(c in v for c in chain))
+    full = full[len(full) // 4 : -2] or full  # steady state: no prefill, no final steps
+    med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
+    lines = [f"batch {batch}, pp {len(actors)}: medians over {len(full)} steps (ms)"]
+    period = med([steps[b][chain[0]][0] - steps[a][chain[0]][0] for a, b in zip(full, full[1:])])
+    lines.append(f"  step period (stage 0 entries)              {period:8.3f}")
+    for i, key in enumerate(chain):
+        if i:
+            wait = med([steps[k][key][0] - steps[k][chain[i - 1]][1] for k in full])
+            lines.append(f"  stage {i - 1} left -> stage {i} entered (hop+GPU) {wait:8.3f}")
+        host = med([steps[k][key][1] - steps[k][key][0] for k in full])
+        lines.append(f"  stage {key[0]} {key[1]:5s} in the method (host)       {host:8.3f}")
+    taken = [k for k in full if (0, "take") in steps[k]]
+    if taken:
+        back = med([steps[k][(0, "take")][0] - steps[k][chain[-1]][1] for k in taken])
+        took = med([steps[k][(0, "take")][1] - steps[k][(0, "take")][0] for k in taken])
+        idle = med([steps[b][chain[0]][0] - steps[a][(0, "take")][1]
+                    for a, b in zip(taken, taken[1:]) if b == a + 1])  # fmt: skip
+        lines.append(f"  stage {last} left -> stage 0 take entered    {back:8.3f}")
+        lines.append(f"  stage 0 take  in the method (host)       {took:8.3f}")
+        lines.append(f"  take left -> next step entered (driver)  {idle:8.3f}")
+    return "\n".join(lines)
+
+
+def decode_rows(llm: LLM, batches: list[int], args) -> dict[int, float]:
+    return {b: decode_tok_s(llm, b, args.prompt_len, args.decode) for b in batches}
+
+
 def measure(model: str, pp: int, args) -> dict:
     llm = LLM(
         model,
@@ -74,11 +126,14 @@ def measure(model: str, pp: int, args) -> dict:
         kv_cache_dtype=args.kv_cache_dtype,
         enable_prefix_caching=False,
         max_total_tokens=args.max_total_tokens,
+        max_running_requests=args.max_batch,
     )
     try:
+        gpus = {info["gpu"] for info in llm.core.pipeline.infos} - {None}
         out = {
             "capacity": llm.core.pipeline.capacity.num_full_tokens,
-            "tok_s": decode_tok_s(llm, args.batch, args.prompt_len, args.decode),
+            "gpus": len(gpus),
+            "tok_s": decode_rows(llm, sorted({*args.batches, args.max_batch}), args),
             "tokens": [
                 o.token_ids
                 for o in llm.generate(
@@ -88,70 +143,131 @@ def measure(model: str, pp: int, args) -> dict:
             ],
         }
         out["compiled_ms"], out["plain_ms"] = empty_step_ms(llm)
+        if pp > 1 and args.timeline:
+            out["timeline"] = "\n".join(timeline(llm, b, args) for b in args.timeline)
+            print(out["timeline"])
     finally:
         llm.shutdown()
+    gpus = out["gpus"] or "no"
+    print(f"{model} pp={pp}: {gpus} GPUs, capacity {out['capacity']}, tok/s {out['tok_s']}")
     return out
+
+
+def checkpoints(args, gpu: bool) -> dict[str, str]:
+    """weight format -> checkpoint dir, made when missing (dsv4-mini with --layers layers on a
+    GPU: every stage of pp 2 and 4 holds one C4 and one C128 layer per two layers)."""
+    from dsv4ray.model.tiny import make_tiny
+
+    out = {}
+    for weights in args.weights:
+        path = args.model if weights == "bf16" else f"{args.model}-native"
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            if not gpu:
+                make_tiny(path, "tiny", seed=0)
+            else:
+                quantize = None if weights == "bf16" else "fp8+fp4-experts"
+                ratios = [4, 128] * (args.layers // 2) + [0]
+                make_tiny(path, "dsv4-mini", seed=0, device="cuda", quantize=quantize,
+                          num_hidden_layers=args.layers, compress_ratios=ratios)  # fmt: skip
+        out[weights] = path
+    return out
+
+
+def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool) -> list[dict]:
+    note = f"{weights} weights, {args.prompt_len}-token prompts"
+    same = one["tokens"] == many["tokens"]
+    out = [
+        result(
+            f"pp={pp} decode throughput vs pp=1, batch {b} ({weights})",
+            many["tok_s"][b], "tok/s", one["tok_s"][b], 0.9, ">=",
+            f"{note}; {many['gpus'] or 'no'} GPUs; same greedy tokens as pp=1: {same}",
+        )
+        for b in args.batches if b != args.max_batch
+    ]  # fmt: skip
+    top = args.max_batch
+    out.append(result(
+        f"pp={pp} decode throughput vs pp=1, largest batch {top} ({weights})",
+        many["tok_s"][top], "tok/s", one["tok_s"][top], 1.8 if gpu else 0.9, ">=",
+        f"{note}; max_running_requests {top} for both; same greedy tokens as pp=1: {same}",
+    ))  # fmt: skip
+    out.append(result(
+        f"pp={pp} max concurrent tokens vs pp=1 ({weights})",
+        many["capacity"], "tokens", one["capacity"], (0.95 * pp if pp > 2 else 1.9) if gpu else 1.0,
+        ">=", "pool capacity" + ("" if gpu else " (CPU: capped by max_total_tokens)"),
+    ))  # fmt: skip
+    out.append(result(
+        f"empty step, plain calls / compiled graph (pp={pp})",
+        many["plain_ms"], "ms", many["compiled_ms"], 2.0, ">=",
+        f"median of 200 steps; ratio = plain / compiled; compiled {many['compiled_ms']:.3f} ms "
+        f"per step = {many['compiled_ms'] / (pp + 1):.3f} ms per hop",
+    ))  # fmt: skip
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".tiny")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--pp", type=_ints, default=None)
+    parser.add_argument("--batches", type=_ints, default=None)
+    parser.add_argument("--max-batch", type=int, default=None)
+    parser.add_argument("--weights", type=lambda t: t.split(","), default=None)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--decode", type=int, default=16)
+    parser.add_argument("--decode", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--max-total-tokens", type=int, default=None)
+    parser.add_argument(
+        "--timeline",
+        type=_ints,
+        default=[],
+        help="batches at which pp > 1 pipelines record where a step's time goes",
+    )
     parser.add_argument("--commit", default=None)
     parser.add_argument("--out-dir", default=None)
     args = parser.parse_args()
     gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if gpu else "cpu"
-    one, two = measure(args.model, 1, args), measure(args.model, 2, args)
-    note = f"{args.model}, batch {args.batch}, {args.prompt_len}-token prompts"
-    rows = [
-        result(
-            "pp=2 decode throughput vs pp=1",
-            two["tok_s"],
-            "tok/s",
-            one["tok_s"],
-            0.9,
-            ">=",
-            f"{note}; same greedy tokens: {one['tokens'] == two['tokens']}",
-        ),
-        result(
-            "pp=2 max concurrent tokens vs pp=1",
-            two["capacity"],
-            "tokens",
-            one["capacity"],
-            1.9 if gpu else 1.0,
-            ">=",
-            "pool capacity" + ("" if gpu else " (CPU: capped by max_total_tokens)"),
-        ),
-        result(
-            "empty step, plain calls / compiled graph (pp=2)",
-            two["plain_ms"],
-            "ms",
-            two["compiled_ms"],
-            2.0,
-            ">=",
-            f"median of 200 steps; ratio = plain / compiled; compiled {two['compiled_ms']:.3f} "
-            f"ms per step = {two['compiled_ms'] / 3:.3f} ms per hop (driver -> s0 -> s1 -> driver)",
-        ),
-    ]
-    ceilings = {
-        "pp=1 decode": {"value": one["tok_s"], "unit": "tok/s", "note": note},
-        "pp=1 capacity": {"value": one["capacity"], "unit": "tokens", "note": ""},
-    }
+    count = torch.cuda.device_count() if gpu else 2
+    args.model = args.model or ("/tmp/dsv4-mini-pp" if gpu else ".tiny")
+    args.pp = args.pp or [n for n in (2, 4) if n <= count]
+    args.batches = args.batches or ([1, 16, 64] if gpu else [16])
+    args.max_batch = args.max_batch or (256 if gpu else 16)
+    args.weights = args.weights or (["bf16", "native"] if gpu else ["bf16"])
+    args.decode = args.decode or (32 if gpu else 16)
+    rows, ceilings, profiles = [], {}, []
+    for weights, model in checkpoints(args, gpu).items():
+        one = measure(model, 1, args)
+        for b, tok_s in one["tok_s"].items():
+            note = f"{model}, {args.prompt_len}-token prompts"
+            ceilings[f"pp=1 decode, batch {b} ({weights})"] = {
+                "value": tok_s, "unit": "tok/s", "note": note}  # fmt: skip
+        ceilings[f"pp=1 capacity ({weights})"] = {
+            "value": one["capacity"],
+            "unit": "tokens",
+            "note": "",
+        }
+        for pp in args.pp:
+            many = measure(model, pp, args)
+            rows += rows_for(weights, pp, one, many, args, gpu)
+            profiles.append(f"{weights} weights\n{many.get('timeline', '')}")
     kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
     path = write_results("pipeline", device, args.commit or git_commit(), ceilings, rows, **kwargs)
+    if args.timeline:
+        out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "profiles"
+        text = f"bench/pipeline.py --timeline on {device}\n\n" + "\n\n".join(profiles)
+        (out_dir / f"pipeline-timeline-{device_slug(device)}.txt").write_text(text + "\n")
     if not args.out_dir:
         write_benchmarks_md()
     for row in rows:
         print(
-            f"{row['name']}: {row['value']:.3g} {row['unit']} (ratio {row['ratio']:.3g}, "
-            f"target {row['op']} {row['target']})"
+            f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, "
+            f"target {row['op']} {row['target']}; {row['note']})"
         )
-    print(f"same greedy tokens pp=1 vs pp=2: {one['tokens'] == two['tokens']}; wrote {path}")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
