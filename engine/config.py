@@ -169,10 +169,25 @@ class EngineConfig:
         (any pp, in process or on stage actors), without drafts or a prefill pipeline; on CUDA
         unless asked for elsewhere."""
         if self.overlap_scheduling == "auto":
-            on = self.device == "cuda"
+            on = self.device == "cuda" and not self._stages_on_separate_gpus
         else:
             on = bool(self.overlap_scheduling)
         return on and self._overlap_possible
+
+    @property
+    def _stages_on_separate_gpus(self) -> bool:
+        return self.uses_ray and self.pp_size > 1 and self.num_gpus_per_stage >= 1
+
+    @property
+    def micro_batches(self) -> int:
+        """Plans of distinct requests in flight at once: one per stage on a pipeline of stage
+        actors without lookahead (its stages compute different micro-batches at once; with a
+        lookahead the next plan needs the last stage's tokens on the first, so stages take
+        turns), else 1. On separate GPUs this is the default: between two GPUs a lookahead
+        token costs a full round trip through every stage per step."""
+        if self.uses_ray and self.pp_size > 1 and not self.uses_overlap:
+            return 1 if self.speculative_num_steps else self.pp_size
+        return 1
 
     def _check_hisparse(self) -> None:
         for name, low in (("hisparse_hot_rows", 2), ("hisparse_host_tokens", PAGE_SIZE)):
@@ -225,8 +240,12 @@ class SchedulerConfig:
     hicache_write_policy: str = "write_through"  # when pages are copied to the host tier
     lookahead: bool = False  # a decode in flight may be scheduled for its next token
     num_speculative_steps: int = 0  # drafts the draft worker proposes (0: no draft worker)
+    # plans in flight on a pipeline of stage actors: each takes its share of the running
+    # decodes, so that every stage computes a different micro-batch at once
+    micro_batches: int = 1
 
     def __post_init__(self) -> None:
+        _int_at_least(self, "micro_batches", 1)
         for name in _POSITIVE_FIELDS:
             _int_at_least(self, name, 1)
         _int_at_least(self, "num_cached_state_slots", 0)

@@ -131,6 +131,7 @@ class EngineCore:
                 hicache_write_policy=ec.hicache_write_policy,
                 lookahead=ec.uses_overlap,
                 num_speculative_steps=ec.speculative_num_steps,
+                micro_batches=ec.micro_batches,
             )
         )
 

@@ -23,8 +23,10 @@ behind its last token; ``commit`` appends the verified ones and rolls the rest b
 
 Several plans may be in flight (pipeline micro-batches): a request in flight is not scheduled
 again until ``commit`` of its step, except for one lookahead token with overlap scheduling
-(engine/lookahead.py); stages apply plans in order, so ids freed while a step is in flight are
-reused only by later plans. ``schedule`` returns None when nothing can run now.
+(engine/lookahead.py); with ``micro_batches`` > 1 a plan takes at most its share of the running
+decodes, so that each stage of a pipeline of stage actors computes a different micro-batch.
+Stages apply plans in order, so ids freed while a step is in flight are reused only by later
+plans. ``schedule`` returns None when nothing can run now.
 """
 
 from __future__ import annotations
@@ -260,11 +262,16 @@ class Scheduler:
     def _schedule_running(self, step: _Step) -> None:
         # Decodes (one token left) before partial prefills; the sort is stable (admission order).
         ordered = sorted(self._running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        decodes = -(-len(ordered) // self.config.micro_batches)  # this plan's share of them
         for req in ordered:
             if req.in_flight_step is not None:
                 self._look_ahead(req, step)
             if req.status is not Status.RUNNING or req.in_flight_step is not None:
                 continue  # preempted earlier in this loop, or its previous step is in flight
+            if req.num_tokens - req.num_computed_tokens == 1:
+                if decodes == 0:
+                    continue  # the next plan in flight decodes it
+                decodes -= 1
             start = req.num_computed_tokens
             num_tokens = self._chunk_len(req, start, step.budget)
             num_drafts = spec.draft_len(req, step.budget, self.config.max_model_len)

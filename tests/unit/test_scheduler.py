@@ -396,3 +396,29 @@ def test_lookahead_schedules_decodes_early_and_keeps_outputs_and_ids_right():
     for req_id, prompt in prompts.items():
         out, reason = reference(prompt, params[req_id])
         assert (finished[req_id].output_token_ids, finished[req_id].finish_reason) == (out, reason)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+def test_micro_batches_split_the_running_decodes_between_the_plans_in_flight(micro_batches):
+    config = small_config(micro_batches=micro_batches, num_state_slots=6, num_pages=32,
+                          num_window_pages=30, max_model_len=64)  # fmt: skip
+    sched, stage = Scheduler(config), FakeStage(config)
+    prompts = {f"r{i}": [(5 * i + k) % VOCAB for k in range(3 + i)] for i in range(6)}
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    for req_id, prompt in prompts.items():
+        sched.add_request(req_id, prompt, params)
+    sizes, in_flight, finished = [], deque(), {}
+    while sched.has_unfinished() or in_flight:
+        while len(in_flight) < micro_batches and (plan := sched.schedule()) is not None:
+            check_plan(config, plan)
+            batch_ids = {e.req_id for e in plan.batch}
+            for other in in_flight:  # micro-batches in flight never share a request
+                assert not batch_ids & {e.req_id for e in other.batch}
+            if all(e.num_tokens == 1 for e in plan.batch):
+                sizes.append(len(plan.batch))
+            in_flight.append(plan)
+        commit_and_check(sched, stage, in_flight.popleft(), finished, {})
+    # 6 running decodes: each plan takes its share, never the whole batch
+    assert sizes and max(sizes) == -(-6 // micro_batches)
+    for req_id, prompt in prompts.items():
+        assert finished[req_id].output_token_ids == reference(prompt, params)[0]
