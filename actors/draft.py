@@ -17,6 +17,7 @@ import torch
 
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
+from dsv4ray.model.sources import fetch_model
 from dsv4ray.worker.draft import DraftWorker
 
 
@@ -36,7 +37,7 @@ class DraftActor:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
         self.worker = DraftWorker(
-            model, num_steps, kv_cache_dtype, dtype, device, eagle_topk=eagle_topk
+            fetch_model(model), num_steps, kv_cache_dtype, dtype, device, eagle_topk=eagle_topk
         )
 
     def ready(self) -> dict:

@@ -16,6 +16,7 @@ import torch
 
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
+from dsv4ray.model.sources import fetch_model
 from dsv4ray.worker.stage_worker import StageWorker
 
 
@@ -36,6 +37,7 @@ class StageActor:
     ) -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
+        model = fetch_model(model)  # a URI: this machine's cached copy
         self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
                                   cuda_graphs=cuda_graphs, weight_format=weight_format)  # fmt: skip
         self.records: list | None = None  # (method, step id, entered, left) while recording

@@ -29,6 +29,7 @@ from dsv4ray.engine.checks import check_paged_shapes
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import PrefillRequest, PrefillResult, to_dict
 from dsv4ray.engine.pd_core import DecodeCore, PrefillCore
+from dsv4ray.model.sources import fetch_model
 
 log = logging.getLogger("dsv4ray.pd")
 
@@ -45,6 +46,8 @@ class PrefillService:
     ``submit`` returns a future of the PrefillResult."""
 
     def __init__(self, config: EngineConfig) -> None:
+        if config.model_source:  # this machine's copy
+            config = dataclasses.replace(config, model=fetch_model(config.model_source))
         model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
         pipeline = RayPipeline(config, model_config, kv_transfer=True)
         self.core = PrefillCore(config, model_config, pipeline)

@@ -171,7 +171,7 @@ class RayPipeline:
                 {"num_gpus": 0.9 * gpus, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
             )
         return StageActor.options(scheduling_strategy=strategy, **resources).remote(
-            ec.model,
+            ec.model_source or ec.model,
             start,
             end,
             ec.kv_cache_dtype,
@@ -193,7 +193,7 @@ class RayPipeline:
         gpus = 0.1 * ec.num_gpus_per_stage
         resources = {"num_gpus": gpus, "num_cpus": 0} if self.use_gpu else {"num_cpus": 0.25}
         return DraftActor.options(scheduling_strategy=strategy, **resources).remote(
-            ec.model,
+            ec.model_source or ec.model,
             ec.speculative_num_steps,
             ec.kv_cache_dtype,
             ec.dtype,

@@ -25,7 +25,7 @@ WEIGHT_FORMATS = ("auto", "dequantized", "native")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
+    model: str  # a checkpoint folder, or a URI / Hugging Face id (model/sources.py)
     pp_size: int = 1  # pipeline-parallel stages (Ray actors when > 1)
     kv_cache_dtype: str = "fp8"  # format of the KV pages
     max_total_tokens: int | None = None  # cap on logical full-token capacity of the device pools
@@ -59,6 +59,9 @@ class EngineConfig:
     # quantized checkpoints: "native" keeps FP8 / FP4 weights (kernels compute with them),
     # "dequantized" converts them to the compute dtype at load; "auto": native on CUDA
     weight_format: str = "auto"
+    # the URI ``model`` was fetched from (model is then the local copy): stage actors on
+    # other machines fetch it there
+    model_source: str | None = None
 
     @classmethod
     def build(cls, model: str, check_model: bool = True, **options) -> EngineConfig:
@@ -74,6 +77,10 @@ class EngineConfig:
         return config
 
     def check_model(self) -> None:
+        from dsv4ray.model.sources import is_remote
+
+        if is_remote(str(self.model)):
+            return  # fetched (and checked) where an engine is built
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):
             raise ValueError(f"model: no config.json in {self.model!r}")
 

@@ -13,6 +13,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import EngineCore
 from dsv4ray.model.checkpoint_check import check_checkpoint
 from dsv4ray.model.loader import missing_draft_tensors
+from dsv4ray.model.sources import fetch_model, is_remote
 from dsv4ray.worker.local_pipeline import LocalPipeline
 
 
@@ -33,6 +34,9 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
     its own, sharing bundle 0); None creates one when the stages are actors."""
     if config.device is None:
         config = dataclasses.replace(config, device=default_device())
+    if is_remote(config.model):  # copied once per machine; stage actors fetch it where they run
+        config = dataclasses.replace(config, model=fetch_model(config.model),
+                                     model_source=config.model)  # fmt: skip
     check_checkpoint(config.model)  # a broken file is a ValueError naming it, before any actor
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
     if config.speculative_num_steps:  # a checkpoint that cannot draft fails here, by name

@@ -117,7 +117,7 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     if "prompt" in item and not isinstance(item["prompt"], str):
         raise ValueError("'prompt' must be a string")
     if "messages" in item:
-        _check_messages(item["messages"])
+        check_messages(item["messages"])
     params = {k: item[k] for k in PARAM_KEYS if k in item}
     params.setdefault("max_tokens", default_max_tokens)
     if "response_format" in item:  # OpenAI's shape, as the chat API takes it
@@ -153,7 +153,7 @@ def sampling_params(params: dict) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def _check_messages(messages) -> None:
+def check_messages(messages) -> None:
     if (
         not isinstance(messages, list)
         or not messages
@@ -199,7 +199,11 @@ def open_output(path: str):
 
 def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -> str | None:
     """What makes the command unusable before any work starts, or None. On a cluster
-    (``joined``) the checkpoint may live only on the nodes that run the replicas."""
+    (``joined``) the checkpoint may live only on the nodes that run the replicas; a URI is
+    fetched by each replica."""
+    from dsv4ray.model.sources import is_remote
+
+    joined = joined or is_remote(model)
     if not joined and not os.path.isfile(os.path.join(model, "config.json")):
         return f"no checkpoint at {model!r} (no config.json); pass --model /path/to/checkpoint"
     if not joined:

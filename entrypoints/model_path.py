@@ -20,12 +20,16 @@ def default_model() -> str:
 
 
 def model_path(path: str | None) -> str:
-    """The named checkpoint, or the default, checked (model/checkpoint_check.py); a usage error
+    """The named checkpoint (a folder, URI or Hugging Face id: model/sources.py), or the
+    default, checked when local (model/checkpoint_check.py); a usage error
     (one line, exit code 2) names the folder without config.json or the broken file."""
     from dsv4ray.model.checkpoint_check import check_checkpoint
+    from dsv4ray.model.sources import is_remote
     from dsv4ray.model.weights import CheckpointError
 
     path = path or default_model()
+    if is_remote(path):
+        return path  # a URI or a Hugging Face id: fetched (and checked) where engines start
     if not os.path.isfile(os.path.join(path, "config.json")):
         usage_exit(
             f"dsv4ray: no checkpoint at {path!r} (no config.json). Make the tiny one with "
