@@ -34,7 +34,6 @@ from dsv4ray.model.sources import fetch_model
 log = logging.getLogger("dsv4ray.pd")
 
 READY_TIMEOUT_S = 600.0
-PING_TIMEOUT_S = 10.0
 
 
 def prefill_config(config: EngineConfig) -> EngineConfig:
@@ -120,9 +119,6 @@ class PrefillActor:
     async def ready(self) -> dict:
         return (await self._started()).describe()
 
-    async def ping(self) -> bool:
-        return True
-
     async def prefill(self, request: dict) -> dict:
         future = (await self._started()).submit(PrefillRequest.from_dict(request))
         return to_dict(await asyncio.wrap_future(future))
@@ -138,12 +134,10 @@ class PrefillActor:
 class RayPrefillClient:
     """A decode engine's handle on a PrefillActor (engine.pd_core.PrefillClient)."""
 
-    def __init__(self, actor, config: EngineConfig | None = None) -> None:
+    def __init__(self, actor) -> None:
         self.actor = actor
         self.alive = True
         self.info: dict = {}
-        self.config = config  # what a restart starts again
-        self._starting = None  # a restarted actor's ready() while it comes up
 
     def submit(self, request: PrefillRequest):
         return self.actor.prefill.remote(to_dict(request))
@@ -166,35 +160,6 @@ class RayPrefillClient:
         keys = ("prefill_pp_size", "stage_placement_group_id")
         return {f"prefill_{k}" if k.startswith("stage") else k: self.info.get(k) for k in keys}
 
-    def answers(self) -> bool:
-        try:
-            ray.get(self.actor.ping.remote(), timeout=PING_TIMEOUT_S)
-            return True
-        except Exception as exc:  # a dead or stuck actor surfaces in several types
-            log.warning("prefill engine does not answer: %s", describe(exc))
-            return False
-
-    def restart(self) -> bool:
-        """Starts a new prefill actor (killing the old one), or polls the one starting; True
-        once it is up (then ``alive``). A start that fails is tried again at the next call."""
-        if self._starting is None:
-            ray.kill(self.actor, no_restart=True)
-            self.actor = start_prefill(self.config).actor
-            self._starting = self.actor.ready.remote()
-            log.info("prefill engine: starting a new one")
-            return False
-        done, _ = ray.wait([self._starting], timeout=0)
-        if not done:
-            return False
-        self._starting, ref = None, self._starting
-        try:
-            self.info = ray.get(ref)
-        except Exception as exc:  # it died while starting: the next call starts another
-            log.error("prefill engine failed to start: %s", describe(exc))
-            return False
-        self.alive = True
-        return True
-
     def shutdown(self) -> None:
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
@@ -209,7 +174,7 @@ def start_prefill(config: EngineConfig) -> RayPrefillClient:
     actor = PrefillActor.options(scheduling_strategy="DEFAULT").remote(
         prefill_config(config), level
     )
-    return RayPrefillClient(actor, config)
+    return RayPrefillClient(actor)
 
 
 def build_pd_core(config: EngineConfig, model_config: ModelConfig, placement=None) -> DecodeCore:
