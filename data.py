@@ -117,7 +117,7 @@ class EngineStage:
         return final.text, tokens, len(ids), len(tokens), final.finish_reason, final.error
 
     def _params(self, own):
-        if own is None or (not isinstance(own, dict) and _is_missing(own)):
+        if own is None or _is_missing(own):
             own = {}
         if not isinstance(own, dict):
             raise ValueError(f"sampling_params must be a dict, got {type(own).__name__}")

@@ -94,17 +94,17 @@ class StageActor:
         return records
 
     def take(self, plan: bytes, result: StageResult) -> StageResult:
-        entered = time.monotonic()
+        entered = time.monotonic() if self.records is not None else 0.0
         out = self.worker.take(plan := decode(plan), result)
         return self._record("take", plan, entered, out)
 
     def first(self, plan: bytes) -> StageResult:
-        entered = time.monotonic()
+        entered = time.monotonic() if self.records is not None else 0.0
         out = self.worker.step(plan := decode(plan))
         return self._record("first", plan, entered, out)
 
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
-        entered = time.monotonic()
+        entered = time.monotonic() if self.records is not None else 0.0
         out = self.worker.step(plan := decode(plan), prev)
         return self._record("next", plan, entered, out)
 

@@ -5,6 +5,7 @@ placed says why."""
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import pytest
@@ -251,3 +252,15 @@ def test_stages_killed_while_idle_are_replaced_before_the_next_request(
             assert out.token_ids == reference_greedy(tiny_model, prompt, 5)
     finally:
         engine.shutdown()
+
+
+def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ckpt, tiny_model):
+    # the driver and each stage actor resolve the URI into their machine's cache
+    llm = LLM("file://" + os.path.abspath(tiny_ckpt), kv_cache_dtype="fp32", pp_size=2)
+    try:
+        assert llm.core.config.model_source.startswith("file://")
+        prompt = _prompts([40], seed=5)[0]
+        got = llm.generate([prompt], GREEDY)[0].token_ids
+    finally:
+        llm.shutdown()
+    assert got == reference_greedy(tiny_model, prompt, 5)
