@@ -193,7 +193,7 @@ class SamplingParams:
     @property
     def reads_history(self) -> bool:
         """Whether sampling follows the request's tokens: penalties count them, a grammar
-        consumes them (such a request decodes without drafts)."""
+        consumes them (a preempted request's stages replay them)."""
         return self.penalizes or self.structured_output is not None
 
     @staticmethod

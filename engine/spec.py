@@ -104,11 +104,12 @@ class SpecConfig:
 def draft_len(req: Request, budget: int, max_model_len: int) -> int:
     """Drafts a running decode schedules behind its last token: no more than it holds, the
     budget left after its last token, the tokens it may still generate after the bonus one,
-    or the room left below max_model_len; none when its sampling follows its tokens
-    (penalties, a grammar: a draft's would read the drafts before it)."""
+    or the room left below max_model_len; none when penalties count its tokens (a draft's
+    penalties would count the drafts before it). A grammar's drafts are verified under the
+    mask that follows the drafts before them (worker/grammar.py)."""
     if req.num_tokens - req.num_computed_tokens != 1 or not req.draft_token_ids:
         return 0
-    if req.sampling.reads_history:
+    if req.sampling.penalizes:
         return 0
     left = req.sampling.max_tokens - req.num_output_tokens - 1
     room = max_model_len - req.num_tokens - 1

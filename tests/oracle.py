@@ -297,3 +297,23 @@ def reference_drafts(model, tokens: list[int], k: int) -> list[int]:
         logits, x = mtp.draft(x, model.embed(tok), head, tok, pos, state, topk)
         drafts.append(int(logits[0, -1].argmax()))
     return drafts
+
+
+def grammar_greedy(ref, ckpt: str, prompt: list[int], spec: dict, n: int, eos: int):
+    """Greedy decoding of the reference network under an llguidance matcher of the test's own
+    (the grammar's allowed tokens at each step, eos among them where it may end)."""
+    from llguidance import LLMatcher, LLTokenizer
+
+    from dsv4ray.engine.structured import grammar
+
+    vocab = ref.cfg.vocab_size
+    lltok = LLTokenizer(f"{ckpt}/tokenizer.json", n_vocab=vocab, eos_token=eos)
+    matcher, state, out = LLMatcher(lltok, grammar(spec)), ref.new_state(1), []
+    logits = ref.step(torch.tensor([prompt]), state)[0, -1].float()
+    while len(out) < n and (not out or out[-1] != eos):
+        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
+        ok = ((words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).flatten().bool()
+        out.append(int(logits.masked_fill(~ok[:vocab], -torch.inf).argmax()))
+        assert matcher.consume_token(out[-1])
+        logits = ref.step(torch.tensor([[out[-1]]]), state)[0, -1].float()
+    return out

@@ -10,6 +10,13 @@ an ``after_token`` leaves its row free (no mask) until that token is drawn, and 
 starts with the token after it. A row whose
 matcher is done allows only the end of sequence; a matcher in error (a token it could not
 take) fails its row alone. Rows without a grammar are not touched.
+
+A step that verifies drafts scores a request at d + 1 positions: row j's mask is the
+matcher's after the first j drafts (consumed, then rolled back). A draft the grammar refuses
+ends the rows that count: the target's token at its row is drawn under the mask, so it cannot
+equal that draft, and the rows after it are never accepted (they repeat its mask). After the
+draw the matcher consumes what the verification keeps: the drafts equal to the target's
+tokens, then the target's token after them.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ class Grammars:
         self.model_path, self.vocab_size, self.eos = model_path, vocab_size, eos_token_id
         self.tokenizer = None  # llguidance's view of the vocabulary, made with the first grammar
         self.matchers: dict = {}  # req_id -> LLMatcher
-        self.pending: dict[str, tuple] = {}  # req_id -> (PendingSample, row) of its last draw
+        # req_id -> (PendingSample, first row, drafts) of its last draw
+        self.pending: dict[str, tuple] = {}
         self.waiting: dict[str, int] = {}  # req_id -> the after_token its matcher waits for
 
     def add(self, new: NewRequest) -> None:
@@ -58,38 +66,77 @@ class Grammars:
         self.pending.pop(req_id, None)
         self.waiting.pop(req_id, None)
 
-    def mask(self, logits: torch.Tensor, req_ids: list[str]) -> torch.Tensor:
+    def constrains(self, req_ids) -> bool:
+        """Whether any of these requests has a grammar."""
+        return any(r in self.matchers for r in req_ids)
+
+    def mask(self, logits: torch.Tensor, req_ids: list[str],
+             drafts: dict[str, list[int]] | None = None) -> torch.Tensor:  # fmt: skip
         """logits [R, V] with every token the rows' grammars forbid at -inf (rows without one
-        unchanged; a new tensor when any row has one)."""
-        rows = [(i, self.matchers[r], r) for i, r in enumerate(req_ids) if r in self.matchers]
-        for _, matcher, req_id in rows:
-            self._catch_up(matcher, req_id)
-        rows = [row for row in rows if row[2] not in self.waiting]
+        unchanged; a new tensor when any row has one). A request's consecutive rows score its
+        positions in order, after its drafts (req_id -> the step's drafts; none: one row)."""
+        groups: dict[str, list[int]] = {}
+        for i, req_id in enumerate(req_ids):
+            if req_id in self.matchers:
+                groups.setdefault(req_id, []).append(i)
+        rows, allowed = [], []
+        for req_id, idx in groups.items():
+            self._catch_up(req_id)
+            tokens = (drafts or {}).get(req_id, [])[: len(idx) - 1]
+            for i, ok in zip(idx, self._masks(req_id, tokens), strict=True):
+                if ok is not None:  # None: free until the after_token
+                    rows.append(i)
+                    allowed.append(ok)
         if not rows:
             return logits
-        allowed = [self._allowed(matcher) for _, matcher, _ in rows]
-        idx = to_device([i for i, _, _ in rows], torch.long, logits.device)
+        idx = to_device(rows, torch.long, logits.device)
         ok = torch.stack(allowed).to(logits.device)  # [Rg, V] bool
         return logits.index_copy(0, idx, logits.index_select(0, idx).masked_fill(~ok, -torch.inf))
 
-    def record(self, req_ids: list[str], pending) -> None:
+    def record(self, req_ids: list[str], pending,
+               drafts: dict[str, list[int]] | None = None) -> None:  # fmt: skip
         """The rows' draw (``PendingSample``), which each constrained request consumes before
-        its next one."""
-        for row, req_id in enumerate(req_ids):
+        its next one (its drafts the target's tokens kept, then the token after them)."""
+        for row in range(len(req_ids) - 1, -1, -1):  # a request's first row last
+            req_id = req_ids[row]
             if req_id in self.matchers:
-                self.pending[req_id] = (pending, row)
+                self.pending[req_id] = (pending, row, list((drafts or {}).get(req_id, [])))
 
-    def _catch_up(self, matcher, req_id: str) -> None:
+    def _masks(self, req_id: str, tokens: list[int]) -> list:
+        """The allowed tokens ([V] bool, None: free) at each of len(tokens) + 1 positions, the
+        j-th after tokens[:j]; the matcher ends where it was."""
+        matcher, waiting = self.matchers[req_id], self.waiting.get(req_id)
+        out, consumed = [], 0
+        for j in range(len(tokens) + 1):
+            out.append(None if waiting is not None else self._allowed(matcher))
+            if j == len(tokens):
+                break
+            if waiting is not None:
+                waiting = None if tokens[j] == waiting else waiting
+            elif matcher.is_stopped() or matcher.try_consume_tokens([tokens[j]]) != 1:
+                out += [out[-1]] * (len(tokens) - j)  # rows never accepted
+                break
+            else:
+                consumed += 1
+        if consumed:
+            matcher.rollback(consumed)
+        return out
+
+    def _catch_up(self, req_id: str) -> None:
         last = self.pending.pop(req_id, None)
         if last is None:
             return
-        pending, row = last
-        token = pending.result()[row].token_id  # the previous step's draw, done by now
-        if req_id in self.waiting:
-            if token == self.waiting[req_id]:
-                del self.waiting[req_id]  # the constraint starts with the next token
-        elif token >= 0:
-            matcher.consume_token(token)
+        pending, first, drafts = last
+        outcomes = pending.result()  # the previous step's draw, done by now
+        kept = 0
+        while kept < len(drafts) and outcomes[first + kept].token_id == drafts[kept]:
+            kept += 1
+        for token in [*drafts[:kept], outcomes[first + kept].token_id]:
+            if req_id in self.waiting:
+                if token == self.waiting[req_id]:
+                    del self.waiting[req_id]  # the constraint starts with the next token
+            elif token >= 0:
+                self.matchers[req_id].consume_token(token)
 
     def _allowed(self, matcher) -> torch.Tensor:
         """[V] bool: what the matcher lets the next token be (only eos once it is done, nothing

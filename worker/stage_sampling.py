@@ -52,16 +52,18 @@ class StageSampling:
         self.controls.drop(req_id)
         self.grammars.drop(req_id)
 
-    def process(self, logits: torch.Tensor, req_ids: list[str], positions: list[int]):
+    def process(self, logits: torch.Tensor, req_ids: list[str], positions: list[int],
+                drafts: dict[str, list[int]] | None = None):  # fmt: skip
         """Rows' logits [R, V] through their controls and grammars (each row draws the token
-        at its position)."""
-        return self.grammars.mask(self.controls.apply(logits, req_ids, positions), req_ids)
+        at its position; a request's rows after its drafts, req_id -> drafts)."""
+        controlled = self.controls.apply(logits, req_ids, positions)
+        return self.grammars.mask(controlled, req_ids, drafts)
 
-    def drawn(self, req_ids: list[str], pending) -> None:
+    def drawn(self, req_ids: list[str], pending, drafts: dict[str, list[int]] | None = None):
         """A draw of these rows (``PendingSample``): the penalties count it, the grammars
-        consume it before the rows' next draw."""
+        consume what its verification keeps before the rows' next draw."""
         self.controls.record(req_ids, pending.token_ids)
-        self.grammars.record(req_ids, pending)
+        self.grammars.record(req_ids, pending, drafts)
 
     def sample(self, plan: StepPlan, meta: BatchMeta, x, result: StageResult, tables,
                logits=None) -> None:  # fmt: skip
@@ -94,9 +96,12 @@ class StageSampling:
         result.pending = (req_ids, rows, pending)
         self._share(plan, [tables[r].state_slot for r in req_ids], pending.token_ids, result)
 
-    def verify(self, plan: StepPlan, logits: torch.Tensor, row_of):
+    def verify(self, plan: StepPlan, logits: torch.Tensor, row_of, draft_fill=None):
         """A replayed verification's sampling pass over logits [T', V] (row_of: the row of each
-        batch token), launched (worker/verify.PendingVerify)."""
+        batch token), launched (worker/verify.PendingVerify). draft_fill: the plan's drafts
+        still on the device, read first when a grammar's masks follow them."""
+        if draft_fill is not None and self.grammars.constrains(plan.draft_lookahead):
+            draft_fill.resolve()
         return verify_rows(plan, logits, row_of, self.rows, self)
 
     def _share(self, plan: StepPlan, slots: list[int], token_ids, result: StageResult) -> None:

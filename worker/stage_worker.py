@@ -299,7 +299,7 @@ class StageWorker:
                       draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A replayed verification step: its logits, stack and top-k are in slotted rows."""
         logits, x, topk = out
-        launched = self.sampler.verify(plan, logits, rows)
+        launched = self.sampler.verify(plan, logits, rows, draft_fill)
         if handoff:  # every batch token is scored: its target token is token_ids[its index]
             result.pending = launched
             result.handoff = Handoff(x, topk, rows, launched.token_ids)

@@ -108,8 +108,8 @@ def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
     """``verify``'s sampling pass, launched: the target's tokens stay on the device
     (PendingVerify.token_ids [R]) until ``settle`` reads them. sampler: the stage's
     (worker/stage_sampling.py): its controls and grammars act on each scored row at its own
-    position (a request whose sampling follows its tokens, penalties or a grammar, decodes
-    without drafts: one scored row a step)."""
+    position, a grammar's after the drafts before it (a request whose penalties count its
+    tokens decodes without drafts: one scored row a step)."""
     entries = [e for e, _ in _sampling_entries(plan)]
     params = [sampling[e.req_id] for e in entries for _ in range(e.num_drafts + 1)]
     num_top = [plan.logprobs.get(e.req_id) for e in entries for _ in range(e.num_drafts + 1)]
@@ -117,10 +117,11 @@ def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
     positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
     req_ids = [e.req_id for e in entries for _ in range(e.num_drafts + 1)]
-    processed = logits if sampler is None else sampler.process(logits, req_ids, positions)
+    drafts = step_drafts(plan)
+    processed = logits if sampler is None else sampler.process(logits, req_ids, positions, drafts)
     pending = sample_batch_async(processed, usable, positions, num_top, raw=logits)
     if sampler is not None:
-        sampler.drawn(req_ids, pending)
+        sampler.drawn(req_ids, pending, drafts)
     return PendingVerify(plan, pending, {e.req_id: sampling[e.req_id] for e in entries})
 
 
@@ -160,6 +161,17 @@ def settle_handoff(plan: StepPlan, result: StageResult) -> None:
     result.pending.settle(result)
     h = result.handoff
     hand_over(plan, result, h.stack, h.topk, h.rows)
+
+
+def step_drafts(plan: StepPlan) -> dict[str, list[int]]:
+    """req_id -> the drafts of every sampling entry that has some (host values: on the device
+    until ``DraftFill.resolve`` writes them into plan.token_ids)."""
+    out = {}
+    for e, first in _sampling_entries(plan):
+        if e.num_drafts:
+            end = first + e.num_tokens
+            out[e.req_id] = plan.token_ids[end - e.num_drafts : end]
+    return out
 
 
 def _scored_rows(plan: StepPlan) -> list[int]:

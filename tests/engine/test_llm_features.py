@@ -181,7 +181,7 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
         chatted = llm.chat([{"role": "user", "content": "json?"}], constrained[0])[0]
         # a forced call after the reasoning: a bias forces </think> first, then the grammar
         think_end = llm.tokenizer.think_end_id
-        called = None if k else llm.chat(
+        called = llm.chat(
             [{"role": "user", "content": "call"}],
             SamplingParams(max_tokens=400, logit_bias={think_end: 100.0}),
             {"thinking": True}, TOOLS, "required", False)[0]  # fmt: skip
@@ -193,10 +193,10 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
     assert outs[1].text in ("alpha", "beta gamma")
     assert outs[2].token_ids == reference_greedy(tiny_model, prompts[2], 6)
     jsonschema.validate(json.loads(chatted.text), SCHEMA)
-    if called is not None:
-        assert called.token_ids[0] == think_end and called.content is None
-        (call,) = called.tool_calls  # parallel_tool_calls=False: the grammar ends after one
-        assert call["function"]["name"] == "pick" and called.finish_reason == "stop"
-        jsonschema.validate(json.loads(call["function"]["arguments"]), PICK)
-    if k:  # the free request drafted; the constrained ones decoded a token a step
+    assert called.token_ids[0] == think_end and called.content is None
+    (call,) = called.tool_calls  # parallel_tool_calls=False: the grammar ends after one
+    assert call["function"]["name"] == "pick" and called.finish_reason == "stop"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), PICK)
+    if k:  # the constrained requests drafted too (exactness: tests/engine/test_spec_decode.py)
         assert stats["num_draft_tokens"] > 0
+        assert outs[0].metrics.num_draft_tokens > 0 and outs[1].metrics.num_draft_tokens > 0

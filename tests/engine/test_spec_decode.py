@@ -20,7 +20,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from tests.oracle import reference_drafts, sampled_tokens, sampling_row
+from tests.oracle import grammar_greedy, reference_drafts, sampled_tokens, sampling_row
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
 CODE = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(se"]
@@ -201,6 +201,25 @@ def test_sampled_tokens_follow_the_target_distribution(trained_llm, trained_ref)
     freq = torch.bincount(seconds, minlength=probs.numel()) / seconds.numel()
     tol = 4 * torch.sqrt(probs * (1 - probs) / seconds.numel()) + 1e-3
     assert seconds.numel() >= 200 and torch.all((freq - probs).abs() <= tol)
+
+
+def test_a_grammar_verified_on_drafts_gives_the_tokens_of_plain_decoding(
+    trained_llm, trained_ref, trained_ckpt
+):
+    tok = trained_llm.tokenizer
+    # no e at even characters, no t at odd ones: a draft's mask depends on the drafts before
+    # it (the tokenizer's tokens are characters)
+    spec = {"regex": "([^e\\n][^t\\n])*[^e\\n]?"}
+    prompts = [tok.encode(c) for c in CODE]
+    outs = trained_llm.generate(prompts, SamplingParams(max_tokens=24, structured_output=spec))
+    for prompt, out in zip(prompts, outs):
+        # the grammar ends with the checkpoint's eos (this copy stops at the newline as well)
+        want = grammar_greedy(trained_ref, trained_ckpt, prompt, spec, 24,
+                               trained_ref.cfg.eos_token_id)  # fmt: skip
+        assert out.token_ids == want
+        assert "e" not in out.text[::2] and "t" not in out.text[1::2]
+        assert out.metrics.num_draft_tokens > 0
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
 
 
 def test_a_checkpoint_without_mtp_tensors_is_refused_by_name(tiny_ckpt, tmp_path):

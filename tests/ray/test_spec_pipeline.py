@@ -14,7 +14,7 @@ from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
 from dsv4ray.model.tokenizer import Tokenizer
-from tests.oracle import reference_greedy, sampled_tokens, sampling_row
+from tests.oracle import grammar_greedy, reference_greedy, sampled_tokens, sampling_row
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
 GREEDY = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -92,12 +92,20 @@ def test_job_with_drafts_from_the_command_line(ray_session, tmp_path, capsys):
     rows = [
         {"id": i, "prompt": p, "max_tokens": 12, "ignore_eos": True} for i, p in prompts.items()
     ]
+    # a grammar verified on the drafts: no e at even characters, no t at odd ones
+    regex = "([^e\\n][^t\\n])*[^e\\n]?"
+    rows.append({"id": "c", "prompt": prompts["b"], "max_tokens": 12, "structured_output":
+                 {"regex": regex}})  # fmt: skip
     src.write_text("".join(json.dumps(row) + "\n" for row in rows))
     argv = ["job", "--model", TRAINED, "--input", str(src), "--output", str(dst)]
     assert main([*argv, "--kv-cache-dtype", "fp32", "--speculative-num-steps", "2"]) == 0
     assert "MTP drafts on (2 per step)" in capsys.readouterr().err
     tok = Tokenizer(TRAINED)
-    for line in dst.read_text().splitlines():
-        out = json.loads(line)
-        assert out["token_ids"] == ref.greedy(tok.encode(prompts[out["id"]]), 12)
+    lines = [json.loads(line) for line in dst.read_text().splitlines()]
+    for out in lines:
+        prompt = tok.encode(prompts.get(out["id"], prompts["b"]))
+        want = ref.greedy(prompt, 12) if out["id"] != "c" else grammar_greedy(
+            ref, TRAINED, prompt, {"regex": regex}, 12, tok.eos_token_id)  # fmt: skip
+        assert out["token_ids"] == want
         assert out["metrics"]["num_draft_tokens"] >= out["metrics"]["num_accepted_draft_tokens"] > 0
+    assert sorted(out["id"] for out in lines) == ["a", "b", "c"]
