@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
 from dsv4ray.engine.plan import NewRequest
@@ -40,6 +41,8 @@ class Grammars:
         # req_id -> (PendingSample, first row, drafts) of its last draw
         self.pending: dict[str, tuple] = {}
         self.waiting: dict[str, int] = {}  # req_id -> the after_token its matcher waits for
+        self.num_words = (vocab_size + 31) // 32  # int32 words of a packed token mask
+        self._shifts = None  # [32] bit positions on the device
 
     def add(self, new: NewRequest) -> None:
         """A request with a structured_output constraint gets its matcher (and replays what it
@@ -83,14 +86,14 @@ class Grammars:
         for req_id, idx in groups.items():
             self._catch_up(req_id)
             tokens = (drafts or {}).get(req_id, [])[: len(idx) - 1]
-            for i, ok in zip(idx, self._masks(req_id, tokens), strict=True):
-                if ok is not None:  # None: free until the after_token
+            for i, words in zip(idx, self._masks(req_id, tokens), strict=True):
+                if words is not None:  # None: free until the after_token
                     rows.append(i)
-                    allowed.append(ok)
+                    allowed.append(words)
         if not rows:
             return logits
+        ok = self._unpack(np.stack(allowed), logits.device)  # [Rg, V] bool
         idx = to_device(rows, torch.long, logits.device)
-        ok = torch.stack(allowed).to(logits.device)  # [Rg, V] bool
         return logits.index_copy(0, idx, logits.index_select(0, idx).masked_fill(~ok, -torch.inf))
 
     def record(self, req_ids: list[str], pending,
@@ -103,8 +106,8 @@ class Grammars:
                 self.pending[req_id] = (pending, row, list((drafts or {}).get(req_id, [])))
 
     def _masks(self, req_id: str, tokens: list[int]) -> list:
-        """The allowed tokens ([V] bool, None: free) at each of len(tokens) + 1 positions, the
-        j-th after tokens[:j]; the matcher ends where it was."""
+        """The allowed tokens ([W] int32 packed, None: free) at each of len(tokens) + 1
+        positions, the j-th after tokens[:j]; the matcher ends where it was."""
         matcher, waiting = self.matchers[req_id], self.waiting.get(req_id)
         out, consumed = [], 0
         for j in range(len(tokens) + 1):
@@ -138,20 +141,29 @@ class Grammars:
             elif token >= 0:
                 self.matchers[req_id].consume_token(token)
 
-    def _allowed(self, matcher) -> torch.Tensor:
-        """[V] bool: what the matcher lets the next token be (only eos once it is done, nothing
-        once it is in error: that row fails alone)."""
-        ok = torch.zeros(self.vocab_size, dtype=torch.bool)
+    def _allowed(self, matcher) -> np.ndarray:
+        """[W] int32, bit t % 32 of word t // 32 set where the matcher lets the next token be t
+        (only eos once it is done, nothing once it is in error: that row fails alone)."""
         if matcher.is_error():
-            return ok
+            return np.zeros(self.num_words, dtype=np.int32)
         if matcher.is_stopped():
-            ok[self.eos] = True
-            return ok
-        words = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.int32)
-        bits = (words[:, None] >> torch.arange(32, dtype=torch.int32)) & 1  # [W, 32]
-        flat = bits.flatten().bool()[: self.vocab_size]
-        ok[: flat.numel()] = flat
-        return ok
+            words = np.zeros(self.num_words, dtype=np.int32)
+            words.view(np.uint32)[self.eos // 32] = np.uint32(1 << (self.eos % 32))
+            return words
+        return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: self.num_words]
+
+    def _unpack(self, words: np.ndarray, device) -> torch.Tensor:
+        """[R, W] int32 masks -> [R, V] bool on the device: one copy of the packed words, unpacked
+        there. On CUDA the copy is from pinned memory and asynchronous: a copy from pageable
+        memory would wait for the step's forward, and the host would lose its lead."""
+        host = torch.from_numpy(words)
+        if device.type == "cuda":
+            host = host.pin_memory()
+        packed = host.to(device, non_blocking=True)
+        if self._shifts is None or self._shifts.device != packed.device:
+            self._shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
+        bits = (packed[:, :, None] >> self._shifts) & 1  # [R, W, 32]
+        return bits.flatten(1)[:, : self.vocab_size].bool()
 
     def _tokenizer(self):
         if self.tokenizer is None:

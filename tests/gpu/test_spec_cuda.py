@@ -20,13 +20,14 @@ def _prompts(lengths, seed):
     return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(ckpt, k: int, cuda_graphs: bool, prompts, max_tokens):
+def _run(ckpt, k: int, cuda_graphs: bool, prompts, max_tokens, structured=None):
     """(token ids per prompt, verification bucket replays, draft bucket replays, stats), in
-    process."""
+    process; structured: every request's structured_output."""
     llm = LLM(ckpt, kv_cache_dtype="fp32", device="cuda", use_ray=False, cuda_graphs=cuda_graphs,
               speculative_num_steps=k, max_running_requests=8, max_model_len=4096)  # fmt: skip
     try:
-        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        params = [SamplingParams(max_tokens=n, ignore_eos=True, structured_output=structured)
+                  for n in max_tokens]  # fmt: skip
         outs = [o.token_ids for o in llm.generate(prompts, params)]
         pipe = llm.core.pipeline
         stage = pipe.workers[0].graphs
@@ -65,6 +66,17 @@ def test_trained_checkpoint_drafts_are_accepted_and_tokens_equal_plain_decoding(
     assert sum(verify_replays.values()) > 0 and sum(draft_replays.values()) > 0
     assert stats["num_draft_graph_passes"] == sum(draft_replays.values())
     assert stats["num_accepted_draft_tokens"] > stats["num_verify_steps"]  # > 2 tokens a step
+
+
+def test_a_grammar_verified_on_graphed_drafts_gives_the_tokens_of_plain_decoding():
+    """The masks of replayed verification steps follow drafts still on the device when the step
+    was planned (the stage reads them before masking)."""
+    prompts = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n"]
+    spec = {"regex": "([^e\\n][^t\\n])*[^e\\n]?"}  # no e at even characters, no t at odd
+    plain, _, _, _ = _run(TRAINED, 0, True, prompts, [40, 40], spec)
+    drafted, verify_replays, _, stats = _run(TRAINED, 3, True, prompts, [40, 40], spec)
+    assert drafted == plain
+    assert sum(verify_replays.values()) > 0 and stats["num_accepted_draft_tokens"] > 0
 
 
 def test_stage_and_draft_actors_replay_graphs_with_the_tokens_of_plain_decoding():
