@@ -118,8 +118,9 @@ def main() -> None:
     ceilings = {"free requests alone": {"value": alone_ms, "unit": "ms", "note": note}}
     path = write_results("structured", device, args.commit or git_commit(), ceilings, rows)
     write_benchmarks_md()
-    print(json.dumps({"alone_ms": [alone, again], "beside_ms": beside,
-                      "grammar_us_per_token": per_token_us, "wait_us_per_token": wait_us}))  # fmt: skip
+    summary = {"alone_ms": [alone, again], "beside_ms": beside,
+               "grammar_us_per_token": per_token_us, "wait_us_per_token": wait_us}  # fmt: skip
+    print(json.dumps(summary))
     print(path)
 
 

@@ -130,12 +130,6 @@ class EngineConfig:
             return
         if self.use_ray is False:
             raise ValueError("prefill_pp_size runs both pipelines as Ray actors; use_ray=False")
-        for name in ("speculative_num_steps", "enable_hicache"):
-            if getattr(self, name):
-                raise ValueError(
-                    f"prefill_pp_size with {name} is not supported: a handoff moves neither "
-                    "the draft layer's pools nor host-tier residency"
-                )
 
     def _check_combinations(self) -> None:
         if self.host_cache_tokens is not None and not self.enable_hicache:

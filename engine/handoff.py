@@ -189,7 +189,9 @@ class PrefillRequest:
 class PrefillResult:
     """A prefill engine's answer: the first token (None when none was sampled) with its logprobs
     ([logprob, [[id, logprob], ...]] when asked), every stage's SendReport, or why it failed.
-    lost: the prefill engine is gone (no later write can come from it)."""
+    lost: the prefill engine is gone (no later write can come from it). num_cached_tokens /
+    num_host_cached_tokens: the prompt tokens the prefill engine's prefix cache (and its host
+    tier) gave, which the request's metrics report."""
 
     key: str
     token: int | None = None
@@ -197,6 +199,8 @@ class PrefillResult:
     reports: tuple[SendReport, ...] = field(default_factory=tuple)
     error: str | None = None
     lost: bool = False
+    num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrefillResult:

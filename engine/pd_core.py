@@ -207,7 +207,9 @@ class DecodeCore(EngineCore):
         self.handoffs.pop(h.transfer_id, None)
 
     def _first_token(self, h: Handoff, result: PrefillResult) -> RequestUpdate:
-        finished = self.scheduler.first_token(h.req_id, result.token)
+        finished = self.scheduler.first_token(
+            h.req_id, result.token, (result.num_cached_tokens, result.num_host_cached_tokens)
+        )
         delta, stop = self.outputs.on_token(h.req_id, result.token, result.logprobs)
         self.outputs.outputs[h.req_id].metrics.kv_transfer_s = sum(
             r.write_s for r in result.reports
@@ -353,6 +355,8 @@ class PrefillCore(EngineCore):
                     self.first_logprobs.pop(key, None),
                     tuple(self.reports.pop(key, [])),
                     out.error if out.finish_reason == "abort" else None,
+                    num_cached_tokens=out.metrics.num_cached_tokens,
+                    num_host_cached_tokens=out.metrics.num_host_cached_tokens,
                 )
             )
         return done

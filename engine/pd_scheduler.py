@@ -86,11 +86,14 @@ class DecodeScheduler(Scheduler):
         req.status = Status.RUNNING
         return True
 
-    def first_token(self, req_id: str, token: int) -> FinishedRequest | None:
+    def first_token(self, req_id: str, token: int, cached: tuple[int, int] = (0, 0)):
         """Appends the prefill engine's token to a transferring request (its answer came, so
-        its ids may be released); returns the request's end if the token met a stop condition."""
+        its ids may be released); cached: the prompt tokens the prefill engine's prefix cache
+        and host tier gave. Returns the request's end (FinishedRequest) if the token met a
+        stop condition, else None."""
         transfer = self.transfers[req_id]
         transfer.answered = True
+        transfer.req.num_cached_tokens, transfer.req.num_host_cached_tokens = cached
         transfer.req.token_ids.append(token)
         reason = self._stop_reason(transfer.req)
         return None if reason is None else self._terminate(transfer.req, reason)

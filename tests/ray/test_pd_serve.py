@@ -1,6 +1,6 @@
 """Prefill/decode disaggregation behind the OpenAI API: one Serve app whose replica owns both
-engines (deploy/serve-pd.yaml's shape), answering like the colocated engine, with the handoff
-counters on Ray's Prometheus endpoint."""
+engines (deploy/serve-pd.yaml's shape), with MTP drafts and a host tier, answering like the
+colocated engine, with the handoff counters on Ray's Prometheus endpoint."""
 
 import time
 from pathlib import Path
@@ -33,7 +33,9 @@ def test_a_replica_with_both_engines_answers_like_the_colocated_engine(
         want = local.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids
     finally:
         local.shutdown()
-    url = start_server(tiny_ckpt, served_model_name=MODEL, kv_cache_dtype="fp32", prefill_pp_size=1)
+    # with MTP drafts on the decode side and a host tier behind both engines
+    url = start_server(tiny_ckpt, served_model_name=MODEL, kv_cache_dtype="fp32", prefill_pp_size=1,
+                       speculative_num_steps=2, enable_hicache=True)  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         got = client.completions.create(
@@ -48,6 +50,7 @@ def test_a_replica_with_both_engines_answers_like_the_colocated_engine(
         assert "prefill pp 1 -> decode pp 1" in startup_line(info, "127.0.0.1", 8000)
         stats = handle.stats.remote().result()
         assert stats["pd_remote_prefills"] == 1 and stats["pd_local_prefills"] == 0
+        assert stats["num_draft_tokens"] > 0 and info["speculative_num_steps"] == 2
         wait_for_metrics(ray_session, stats["pd_transfer_bytes"])
     finally:
         serve.shutdown()

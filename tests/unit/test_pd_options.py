@@ -17,8 +17,6 @@ from dsv4ray.entrypoints.cli_options import engine_options
         ({"num_gpus_per_stage": 1.5}, "num_gpus_per_stage"),
         ({"pd_test_corrupt_transfers": -2}, "pd_test_corrupt_transfers"),
         ({"prefill_pp_size": 1, "use_ray": False}, "prefill_pp_size"),
-        ({"prefill_pp_size": 1, "speculative_num_steps": 2}, "speculative_num_steps"),
-        ({"prefill_pp_size": 1, "enable_hicache": True}, "enable_hicache"),
     ],
 )
 def test_bad_pd_options_name_the_option(tiny_ckpt, options, match):
