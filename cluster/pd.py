@@ -34,6 +34,7 @@ from dsv4ray.model.sources import fetch_model
 log = logging.getLogger("dsv4ray.pd")
 
 READY_TIMEOUT_S = 600.0
+PING_TIMEOUT_S = 10.0
 
 
 def prefill_config(config: EngineConfig) -> EngineConfig:
@@ -119,6 +120,9 @@ class PrefillActor:
     async def ready(self) -> dict:
         return (await self._started()).describe()
 
+    async def ping(self) -> bool:
+        return True
+
     async def prefill(self, request: dict) -> dict:
         future = (await self._started()).submit(PrefillRequest.from_dict(request))
         return to_dict(await asyncio.wrap_future(future))
@@ -134,10 +138,13 @@ class PrefillActor:
 class RayPrefillClient:
     """A decode engine's handle on a PrefillActor (engine.pd_core.PrefillClient)."""
 
-    def __init__(self, actor) -> None:
+    def __init__(self, actor, config: EngineConfig | None = None) -> None:
         self.actor = actor
         self.alive = True
         self.info: dict = {}
+        self.config = config  # what a restart starts again
+        self._starting = None  # a restarted actor's ready() while it comes up
+        self.closed = False  # shut down: never restarted
 
     def submit(self, request: PrefillRequest):
         return self.actor.prefill.remote(to_dict(request))
@@ -160,12 +167,61 @@ class RayPrefillClient:
         keys = ("prefill_pp_size", "stage_placement_group_id")
         return {f"prefill_{k}" if k.startswith("stage") else k: self.info.get(k) for k in keys}
 
+    def answers(self) -> bool:
+        try:
+            ray.get(self.actor.ping.remote(), timeout=PING_TIMEOUT_S)
+            return True
+        except Exception as exc:  # a dead or stuck actor surfaces in several types
+            log.warning("prefill engine does not answer: %s", describe(exc))
+            return False
+
+    def restart(self) -> bool:
+        """Starts a new prefill actor (killing the old one), or polls the one starting; True
+        once it is up (then ``alive``). A start that fails is tried again at the next call."""
+        if self.closed:
+            return False
+        if self._starting is None:
+            ray.kill(self.actor, no_restart=True)
+            self._drop_placement()
+            self.actor = start_prefill(self.config).actor
+            self._starting = self.actor.ready.remote()
+            log.info("prefill engine: starting a new one")
+            return False
+        done, _ = ray.wait([self._starting], timeout=0)
+        if not done:
+            return False
+        self._starting, ref = None, self._starting
+        try:
+            self.info = ray.get(ref)
+        except Exception as exc:  # it died while starting: the next call starts another
+            log.error("prefill engine failed to start: %s", describe(exc))
+            return False
+        self.alive = True
+        return True
+
     def shutdown(self) -> None:
+        self.closed = True
         try:
             ray.get(self.actor.shutdown.remote(), timeout=60)
-        except Exception as exc:  # already gone: its stages went with it
+        except Exception as exc:  # already gone: its stages went with it, not their bundles
             log.debug("prefill actor shutdown: %s", describe(exc))
+            self._drop_placement()
         ray.kill(self.actor, no_restart=True)
+
+    def _drop_placement(self) -> None:
+        """Removes a dead engine's stage placement group: it outlives the actor that made it
+        (a placement group lives as long as its job), and its bundles hold the CPUs or GPUs a
+        new engine needs."""
+        pg_id = self.info.pop("stage_placement_group_id", None)
+        if not pg_id:
+            return
+        from ray._raylet import PlacementGroupID
+        from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+        try:
+            remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+        except Exception as exc:  # already removed
+            log.debug("prefill placement group %s: %s", pg_id, describe(exc))
 
 
 def start_prefill(config: EngineConfig) -> RayPrefillClient:
@@ -174,7 +230,7 @@ def start_prefill(config: EngineConfig) -> RayPrefillClient:
     actor = PrefillActor.options(scheduling_strategy="DEFAULT").remote(
         prefill_config(config), level
     )
-    return RayPrefillClient(actor)
+    return RayPrefillClient(actor, config)
 
 
 def build_pd_core(config: EngineConfig, model_config: ModelConfig, placement=None) -> DecodeCore:

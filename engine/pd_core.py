@@ -69,6 +69,10 @@ class PrefillClient(Protocol):
 
     def placement(self) -> dict: ...
 
+    def answers(self) -> bool: ...  # a ping, bounded: False when the engine is gone
+
+    def restart(self) -> bool: ...  # a new engine started, or one starting came up: True when up
+
     def shutdown(self) -> None: ...
 
 
@@ -292,6 +296,20 @@ class DecodeCore(EngineCore):
         # the stages that received are gone with their pools: no write can land anywhere now
         self.handoffs.clear()
         return super()._rebuild()
+
+    def check_liveness(self) -> list[RequestUpdate]:
+        """Between requests, the decode pipeline's check, then the prefill engine's: one found
+        dead while idle (or lost earlier) is restarted in the background; until it is up, this
+        engine prefills locally, and remote prefill resumes once it answers."""
+        updates = super().check_liveness()
+        if self.in_flight or self.scheduler.has_unfinished() or self.handoffs:
+            return updates
+        if self.prefill.alive and not self.prefill.answers():
+            log.error("prefill engine lost while idle: prefilling here until it is restarted")
+            self.prefill.alive = False
+        if not self.prefill.alive and self.prefill.restart():
+            log.info("prefill engine restarted: prefilling there again")
+        return updates
 
     def stats(self) -> dict:
         return {**super().stats(), **self.pd_stats}

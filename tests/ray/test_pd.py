@@ -155,6 +155,39 @@ def test_a_killed_prefill_engine_means_local_prefill_not_a_hang(pd_engine, promp
     assert core.stats()["pd_remote_prefills"] == before["pd_remote_prefills"]
     drain(llm)  # ids the dead engine's stages might still have written are held a while
     assert_nothing_held(llm)
+    # the idle engine's liveness check restarts the prefill engine, after removing the dead
+    # one's stage placement group (it outlives its actor and holds what the new one needs)
+    old_pg = llm.core.describe()["prefill_stage_placement_group_id"]
+    deadline = time.monotonic() + 120
+    while not core.prefill.alive and time.monotonic() < deadline:
+        core.check_liveness()
+        time.sleep(0.2)
+    assert core.prefill.alive
+    assert ray.util.placement_group_table()[old_pg]["state"] == "REMOVED"
+    before = core.stats()
+    outs = llm.generate(prompts[3:6], GREEDY)
+    assert [o.token_ids for o in outs] == colocated[0][3:6]
+    assert core.stats()["pd_remote_prefills"] - before["pd_remote_prefills"] == 3
+    assert_nothing_held(llm)
+
+
+def test_a_prefill_engine_killed_while_idle_is_found_and_restarted(pd_engine, prompts, colocated):
+    llm = pd_engine(1, 1)
+    core = llm.core
+    ray.kill(core.prefill.actor, no_restart=True)
+    core.check_liveness()  # found dead: local prefill until the new engine is up
+    assert not core.prefill.alive
+    out = llm.generate([prompts[2]], GREEDY)[0]
+    assert out.token_ids == colocated[0][2]
+    deadline = time.monotonic() + 120
+    while not core.prefill.alive and time.monotonic() < deadline:
+        core.check_liveness()
+        time.sleep(0.2)
+    before = core.stats()
+    outs = llm.generate(prompts[:2], GREEDY)
+    assert [o.token_ids for o in outs] == colocated[0][:2]
+    assert core.stats()["pd_remote_prefills"] - before["pd_remote_prefills"] == 2
+    assert_nothing_held(llm)
 
 
 def test_a_hisparse_decode_side_takes_handoffs_token_exact(ray_session, tiny_ckpt, prompts,
