@@ -1,6 +1,7 @@
 """Structured output's cost: requests without a grammar beside grammar-constrained ones.
 
     python bench/structured.py [--model .tiny] [--free 16] [--constrained 4] [--new 48]
+                               [--name structured]
 
 One engine (in process; CUDA when there is one), three runs of the same prompts in turn:
 ``--free`` requests decoding alone, the same beside ``--constrained`` requests whose output must
@@ -116,7 +117,7 @@ def main() -> None:
                "step's draw (device busy, not host work)"),
     ]  # fmt: skip
     ceilings = {"free requests alone": {"value": alone_ms, "unit": "ms", "note": note}}
-    path = write_results("structured", device, args.commit or git_commit(), ceilings, rows)
+    path = write_results(args.name, device, args.commit or git_commit(), ceilings, rows)
     write_benchmarks_md()
     summary = {"alone_ms": [alone, again], "beside_ms": beside,
                "grammar_us_per_token": per_token_us, "wait_us_per_token": wait_us}  # fmt: skip
@@ -131,6 +132,8 @@ def parse_args():
     p.add_argument("--constrained", type=int, default=4)
     p.add_argument("--new", type=int, default=48)
     p.add_argument("--commit", default=None)
+    p.add_argument("--name", default="structured",
+                   help="results file name: bench/results/<name>-<device>.json")  # fmt: skip
     return p.parse_args()
 
 

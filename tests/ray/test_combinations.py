@@ -14,6 +14,7 @@ from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
 from tests.oracle import reference_greedy
+from tests.ray.test_pd import assert_nothing_held
 
 GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 
@@ -61,7 +62,11 @@ def test_features_together_give_the_reference_tokens(ray_session, tiny_ckpt, tin
             prompts.insert(3, prompts[0] + [9, 10])
         outs += llm.generate(prompts[len(outs) :], GREEDY)
         stats = llm.core.stats()
+        if options.get("prefill_pp_size"):
+            assert_nothing_held(llm)
+            assert llm.core.describe()["prefill_pp_size"] == options["prefill_pp_size"]
         llm.core.check_integrity()
+        assert len(llm.core.pipeline.actors) == options["pp_size"]
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outs, strict=True):
@@ -72,5 +77,7 @@ def test_features_together_give_the_reference_tokens(ray_session, tiny_ckpt, tin
         assert stats["hisparse_misses"] > 0
     if options.get("speculative_num_steps"):
         assert stats["num_draft_tokens"] > 0 and stats["num_verify_steps"] > 0
-    if options.get("prefill_pp_size"):
+    if options.get("prefill_pp_size"):  # every prompt handed over, every handoff verified
         assert stats["pd_remote_prefills"] == len(prompts) and stats["pd_local_prefills"] == 0
+        assert stats["pd_checksum_failures"] == 0 and stats["pd_transfer_bytes"] > 0
+        assert all(o.metrics.kv_transfer_s > 0 for o in outs)
