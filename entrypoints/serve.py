@@ -151,20 +151,14 @@ def run_server(
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
     ensure_ray()
+    stop = _stop_on_signals()  # after Ray's init, which installs handlers of its own
     try:
         app = application(config, deployment)
     except ValueError as exc:
         raise SystemExit(f"dsv4ray serve: {exc}") from None
-    options = dict(serve_options or {})
-    http = {**options.pop("http_options", {}), "host": host, "port": port}
-    serve.start(http_options=http, **options)
-    handle = serve.run(app, name=APP_NAME, route_prefix="/")
-    info = handle.info.remote().result()
-    if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
-        print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    print(startup_line(info, host, port), flush=True)
-    stop = _stop_on_signals()
     try:
+        _start(app, serve_options, host, port)
+        stop.serving = True
         # short waits: a signal the OS hands to one of Ray's threads runs its Python handler
         # only when this (main) thread next runs, so it must never sleep long
         while not stop.wait(0.2):
@@ -174,7 +168,7 @@ def run_server(
     finally:
         print("dsv4ray serve: stopping", flush=True)
         if joined:  # other applications on the cluster keep running
-            serve.delete(APP_NAME)
+            _delete_app()
         else:
             serve.shutdown()
             ray.shutdown()  # the local Ray this command started, and then its leftover files
@@ -182,12 +176,42 @@ def run_server(
     return 0
 
 
-def _stop_on_signals() -> threading.Event:
-    """SIGINT and SIGTERM set the returned event (installed after Ray, which sets its own)."""
-    stop = threading.Event()
+def _start(app, serve_options, host: str, port: int) -> None:
+    """Runs the application, then prints where it listens."""
+    options = dict(serve_options or {})
+    http = {**options.pop("http_options", {}), "host": host, "port": port}
+    serve.start(http_options=http, **options)
+    handle = serve.run(app, name=APP_NAME, route_prefix="/")
+    info = handle.info.remote().result()
+    if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
+        print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
+    print(startup_line(info, host, port), flush=True)
+
+
+def _delete_app() -> None:
+    """This command's application on a cluster it joined, as far as it got."""
+    try:
+        serve.delete(APP_NAME)
+    except Exception as exc:  # interrupted before Serve ran on the cluster
+        log.warning("could not delete the %s application: %s", APP_NAME, exc)
+
+
+class _Stop(threading.Event):
+    """Set by SIGINT or SIGTERM once serving; before that (building, deploying: minutes for a
+    large checkpoint) a signal interrupts the start with KeyboardInterrupt."""
+
+    serving = False
+
+
+def _stop_on_signals() -> _Stop:
+    """SIGINT and SIGTERM stop the command (installed after Ray, which sets its own: Ray's
+    SIGTERM handler aborts the process)."""
+    stop = _Stop()
 
     def handler(signum, frame) -> None:
         stop.set()
+        if not stop.serving:
+            raise KeyboardInterrupt
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, handler)

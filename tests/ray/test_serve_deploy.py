@@ -13,7 +13,7 @@ import ray
 import yaml
 from ray import serve
 
-from dsv4ray.entrypoints.serve import ServeSettings, build_app
+from dsv4ray.entrypoints.serve import APP_NAME, ServeSettings, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -137,6 +137,42 @@ def test_cli_serves_on_the_running_ray_until_sigterm(ray_session, tiny_ckpt, fre
         if proc.poll() is None:
             proc.kill()
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
+
+
+def test_sigterm_while_the_app_deploys_stops_the_start_cleanly(ray_session, tiny_ckpt, free_port):
+    """A signal before the app is up (a large checkpoint deploys for minutes) interrupts the
+    start: exit code 0 and the half-deployed application removed, never Ray's abort."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    cmd = [sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "--port", str(free_port()),
+           "--max-total-tokens", "2048"]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while APP_NAME not in _applications() and time.monotonic() < deadline:
+            assert proc.poll() is None
+            time.sleep(0.1)
+        assert _applications()[APP_NAME] != "RUNNING"  # still deploying
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        out, err = proc.communicate()
+        assert "stopping" in out and "SIGTERM received" not in err
+        deadline = time.monotonic() + 30
+        while APP_NAME in _applications() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert APP_NAME not in _applications()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        serve.shutdown()
+
+
+def _applications() -> dict:
+    """Serve application name -> status on this session's Ray ({} without Serve)."""
+    try:
+        apps = serve.status().applications
+        return {name: str(getattr(app.status, "value", app.status)) for name, app in apps.items()}
+    except Exception:  # no Serve instance yet
+        return {}
 
 
 def test_serve_run_deploy_yaml_smoke_script(tiny_ckpt, free_port):

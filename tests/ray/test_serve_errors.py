@@ -178,8 +178,29 @@ def test_oversized_bodies_get_413(base_url, client):
     assert_still_serving(client)
 
 
+def _serve_logs() -> dict:
+    """Each Serve log file of this session -> its size now."""
+    import glob
+    import os
+
+    from ray._private.worker import global_worker
+
+    pattern = os.path.join(global_worker.node.get_session_dir_path(), "logs", "serve", "*.log")
+    return {path: os.path.getsize(path) for path in glob.glob(pattern)}
+
+
+def _written_since(sizes: dict) -> str:
+    text = ""
+    for path in _serve_logs():
+        with open(path, errors="replace") as f:
+            f.seek(sizes.get(path, 0))
+            text += f.read()
+    return text
+
+
 def test_disconnecting_mid_stream_aborts_the_request_and_frees_its_pages(base_url, client):
     wait_for_idle(base_url)
+    logs = _serve_logs()
     stream = client.completions.create(model=MODEL, prompt="go on", stream=True, **LONG)
     received = [next(stream) for _ in range(3)]
     assert all(c.choices[0].finish_reason is None for c in received)
@@ -191,6 +212,10 @@ def test_disconnecting_mid_stream_aborts_the_request_and_frees_its_pages(base_ur
     assert idle["num_free_window_pages"] == idle["num_window_pages"]
     assert idle["num_pending_http_requests"] == 0
     assert_still_serving(client)
+    # the disconnect is a line in the log, not a failure with a traceback
+    written = _written_since(logs)
+    assert "disconnected" in written
+    assert "Traceback" not in written and "CancelledError" not in written
 
 
 def test_overload_gets_503_and_the_server_recovers(base_url, client):
