@@ -52,6 +52,12 @@ class StageSampling:
         self.controls.drop(req_id)
         self.grammars.drop(req_id)
 
+    @property
+    def follows_drafts(self) -> bool:
+        """Whether a verification's rows need the step's drafts (a grammar masks each row after
+        the drafts before it)."""
+        return bool(self.grammars.matchers)
+
     def process(self, logits: torch.Tensor, req_ids: list[str], positions: list[int],
                 drafts: dict[str, list[int]] | None = None):  # fmt: skip
         """Rows' logits [R, V] through their controls and grammars (each row draws the token

@@ -117,7 +117,7 @@ def launch_verify(plan: StepPlan, logits: torch.Tensor, sampling: dict,
     positions = [p + 1 for e in entries for p in _positions(e)]
     usable = [p if isinstance(p, SamplingRow) else GREEDY for p in params]
     req_ids = [e.req_id for e in entries for _ in range(e.num_drafts + 1)]
-    drafts = step_drafts(plan)
+    drafts = step_drafts(plan) if sampler is not None and sampler.follows_drafts else None
     processed = logits if sampler is None else sampler.process(logits, req_ids, positions, drafts)
     pending = sample_batch_async(processed, usable, positions, num_top, raw=logits)
     if sampler is not None:
