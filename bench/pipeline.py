@@ -1,7 +1,8 @@
 """Pipeline benchmark: pp=N against pp=1 (decode throughput, capacity); compiled graph vs calls.
 
     python bench/pipeline.py [--model DIR] [--pp 2,4] [--batches 1,16,64] [--max-batch 256]
-                             [--weights bf16,native] [--decode 32] [--commit SHA] [--out-dir DIR]
+                             [--weights bf16,native] [--decode 32] [--micro-batches 0,4]
+                             [--commit SHA] [--out-dir DIR]
 
 On CPU (tiny preset): the per-step latency of an empty plan through the compiled graph vs a
 chain of plain ``.remote()`` calls (PERF.md: compiled >= 2x faster), and decode throughput of
@@ -10,7 +11,8 @@ pp=2 vs pp=1. On N GPUs (one per stage, NCCL between stages): a dsv4-mini checkp
 and natively quantized, FP8 linears + FP4 experts), for every pp in --pp and each weight format:
 decode throughput at each batch of --batches (>= 0.9x pp=1) and at --max-batch (running-request
 limit of both; >= 1.8x pp=1), the pools' maximum concurrent tokens (>= 1.9x at pp 2, 3.6x at 4),
-pp=N's greedy tokens against pp=1's, and the compiled graph's empty-plan round trip.
+pp=N's greedy tokens against pp=1's, and the compiled graph's empty-plan round trip. Each count
+of --micro-batches is measured at every pp > 1 (0: the engine's default, one per stage).
 Writes bench/results/pipeline-<device>.json.
 """
 
@@ -120,7 +122,8 @@ def decode_rows(llm: LLM, batches: list[int], args) -> dict[int, float]:
     return {b: decode_tok_s(llm, b, args.prompt_len, args.decode) for b in batches}
 
 
-def measure(model: str, pp: int, args) -> dict:
+def measure(model: str, pp: int, args, micro: int = 0) -> dict:
+    options = {"pp_micro_batches": micro} if micro else {}
     llm = LLM(
         model,
         pp_size=pp,
@@ -129,6 +132,7 @@ def measure(model: str, pp: int, args) -> dict:
         enable_prefix_caching=False,
         max_total_tokens=args.max_total_tokens,
         max_running_requests=args.max_batch,
+        **options,
     )
     try:
         gpus = {info["gpu"] for info in llm.core.pipeline.infos} - {None}
@@ -151,7 +155,8 @@ def measure(model: str, pp: int, args) -> dict:
     finally:
         llm.shutdown()
     gpus = out["gpus"] or "no"
-    print(f"{model} pp={pp}: {gpus} GPUs, capacity {out['capacity']}, tok/s {out['tok_s']}")
+    print(f"{model} pp={pp}, {micro_label(micro)}: {gpus} GPUs, capacity {out['capacity']}, "
+          f"tok/s {out['tok_s']}")  # fmt: skip
     return out
 
 
@@ -175,8 +180,14 @@ def checkpoints(args, gpu: bool) -> dict[str, str]:
     return out
 
 
-def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool) -> list[dict]:
-    note = f"{weights} weights, {args.prompt_len}-token prompts"
+def micro_label(micro: int) -> str:
+    return f"{micro} micro-batches" if micro else "micro-batches: default"
+
+
+def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool,
+             micro: int = 0) -> list[dict]:  # fmt: skip
+    note = f"{weights} weights, {args.prompt_len}-token prompts, {micro_label(micro)}"
+    weights = weights if not micro else f"{weights}, {micro} micro-batches"
     same = one["tokens"] == many["tokens"]
     out = [
         result(
@@ -199,7 +210,7 @@ def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool) -> l
         ">=", "pool capacity" + ("" if gpu else " (CPU: capped by max_total_tokens)"),
     ))  # fmt: skip
     out.append(result(
-        f"empty step, plain calls / compiled graph (pp={pp})",
+        f"empty step, plain calls / compiled graph (pp={pp}, {weights})",
         many["plain_ms"], "ms", many["compiled_ms"], 2.0, ">=",
         f"median of 200 steps; ratio = plain / compiled; compiled {many['compiled_ms']:.3f} ms "
         f"per step = {many['compiled_ms'] / (pp + 1):.3f} ms per hop",
@@ -222,6 +233,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode", type=int, default=None)
     parser.add_argument("--kv-cache-dtype", default="fp8")
+    parser.add_argument("--micro-batches", type=_ints, default=[0])
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument(
         "--timeline",
@@ -254,9 +266,11 @@ def main() -> None:
             "note": "",
         }
         for pp in args.pp:
-            many = measure(model, pp, args)
-            rows += rows_for(weights, pp, one, many, args, gpu)
-            profiles.append(f"{weights} weights\n{many.get('timeline', '')}")
+            for micro in args.micro_batches:
+                many = measure(model, pp, args, micro)
+                rows += rows_for(weights, pp, one, many, args, gpu, micro)
+                label = f"{weights} weights, {micro_label(micro)}"
+                profiles.append(f"{label}\n{many.get('timeline', '')}")
     kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
     path = write_results("pipeline", device, args.commit or git_commit(), ceilings, rows, **kwargs)
     if args.timeline:

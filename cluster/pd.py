@@ -38,8 +38,11 @@ PING_TIMEOUT_S = 10.0
 
 
 def prefill_config(config: EngineConfig) -> EngineConfig:
-    """The prefill engine's config: the decode engine's, with prefill_pp_size stages."""
-    return dataclasses.replace(config, pp_size=config.prefill_pp_size, prefill_pp_size=0)
+    """The prefill engine's config: the decode engine's, with prefill_pp_size stages (and no
+    micro-batch count: micro-batches split decodes, which stay on the decode side)."""
+    return dataclasses.replace(
+        config, pp_size=config.prefill_pp_size, prefill_pp_size=0, pp_micro_batches=None
+    )
 
 
 class PrefillService:

@@ -57,9 +57,11 @@ class RayPipeline:
         self.config, self.cfg = config, cfg
         self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
         self.use_gpu = config.device == "cuda"
-        # overlap scheduling: a lookahead plan behind the one in flight, results one step late
-        self.lag = config.uses_overlap
-        self.depth = max(2, config.pp_size) if self.lag else config.pp_size
+        # results one step late: the last stage launches a step and returns the one before
+        # (overlap scheduling, or micro-batches beyond one per stage)
+        self.lag = config.lags_last_stage
+        self.take = config.uses_overlap  # the last stage's samples go back to the first
+        self.depth = max(2 if self.lag else 1, config.micro_batches, config.pp_size)
         self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
         self.early: dict[int, StageResult] = {}  # results read before their step's collect
         self.own_pg = placement is None
@@ -110,7 +112,7 @@ class RayPipeline:
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
         if self.host_args is not None:
             self._attach_regions()
-        take = self.lag and len(self.actors) > 1
+        take = self.take and len(self.actors) > 1
         if take and devices[0] is not None and devices[0] == devices[-1]:
             self._share_sampled_tokens()
         try:
@@ -278,7 +280,7 @@ class RayPipeline:
     def submit(self, plan: StepPlan) -> int:
         """Runs the plan through the graph -> its step id (``collect`` takes it). With lag the
         graph's output for a plan is the previous lagged plan's result (NO_RESULT first)."""
-        plan.lag = self.lag
+        plan.lag, plan.take = self.lag, self.take and len(self.actors) > 1
         data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
         try:
             self.refs.append(self.dag.execute(data))

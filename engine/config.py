@@ -50,6 +50,9 @@ class EngineConfig:
     hisparse_hot_rows: int | None = None  # per request and C4 layer; None: 2 x index_topk
     hisparse_host_tokens: int | None = None  # C4 history the host holds; None: device capacity
     num_gpus_per_stage: float = 1.0  # below 1, pipelines share GPUs (split memory_fraction too)
+    # plans in flight on stage actors that run micro-batches (see ``micro_batches``); None:
+    # one per stage. More than pp_size hides the driver's and the hops' share of a round trip.
+    pp_micro_batches: int | None = None
     # prefill/decode disaggregation (engine/pd_core.py): > 0 runs a prefill pipeline of this many
     # stages beside this one, which decodes
     prefill_pp_size: int = 0
@@ -114,6 +117,7 @@ class EngineConfig:
         self._check_pd()
         self._check_combinations()
         self._check_hisparse()
+        self._check_micro_batches()
 
     def _check_pd(self) -> None:
         _int_at_least(self, "prefill_pp_size", 0)
@@ -181,14 +185,42 @@ class EngineConfig:
 
     @property
     def micro_batches(self) -> int:
-        """Plans of distinct requests in flight at once: one per stage on a pipeline of stage
-        actors without lookahead (its stages compute different micro-batches at once; with a
-        lookahead the next plan needs the last stage's tokens on the first, so stages take
-        turns), else 1. On separate GPUs this is the default: between two GPUs a lookahead
-        token costs a full round trip through every stage per step."""
-        if self.uses_ray and self.pp_size > 1 and not self.uses_overlap:
-            return 1 if self.speculative_num_steps else self.pp_size
+        """Plans of distinct requests in flight at once: pp_micro_batches (default one per
+        stage) on a pipeline of stage actors without lookahead (its stages compute different
+        micro-batches at once; with a lookahead the next plan needs the last stage's tokens on
+        the first, so stages take turns), else 1. On separate GPUs this is the default:
+        between two GPUs a lookahead token costs a full round trip through every stage per
+        step."""
+        if self._runs_micro_batches:
+            return self.pp_micro_batches or self.pp_size
         return 1
+
+    @property
+    def _runs_micro_batches(self) -> bool:
+        return (
+            self.uses_ray
+            and self.pp_size > 1
+            and not self.uses_overlap
+            and not self.speculative_num_steps
+        )
+
+    @property
+    def lags_last_stage(self) -> bool:
+        """Whether a pipeline's last stage launches a step and returns the previous one's
+        result, so that its device computes while the host reads back and commits: with
+        overlap scheduling, and with more micro-batches than stages (the spare plan keeps
+        every stage busy while a result waits for the next step to carry it)."""
+        return self.uses_overlap or self.micro_batches > self.pp_size
+
+    def _check_micro_batches(self) -> None:
+        if self.pp_micro_batches is None:
+            return
+        _int_at_least(self, "pp_micro_batches", 1)
+        if self.device is not None and not self._runs_micro_batches:
+            raise ValueError(
+                "pp_micro_batches applies to pipelines of stage actors (pp_size > 1) without "
+                "overlap scheduling or drafts; this configuration runs one plan of decodes"
+            )
 
     def _check_hisparse(self) -> None:
         for name, low in (("hisparse_hot_rows", 2), ("hisparse_host_tokens", PAGE_SIZE)):

@@ -128,6 +128,9 @@ class StepPlan:
     # step, then returns the previous lagged step's result, settled (a FLUSH_STEP plan returns
     # it alone; worker/stage_worker.py ``step``)
     lag: bool = False
+    # with lag, the last stage's sampled ids go back to the first stage (overlap scheduling:
+    # the next plan's lookahead entries read them there)
+    take: bool = False
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # entries whose drafts the previous plan's draft pass proposed and that have not reached the
     # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device

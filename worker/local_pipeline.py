@@ -158,6 +158,7 @@ class LocalPipeline:
         ``collect``, so the host can build the next plan while the device computes. Drafts of
         plan.draft_lookahead come from the last step's proposals on the device."""
         plan.lag = self.depth > 1  # the last stage hands its sampled ids to the first
+        plan.take = plan.lag and len(self.workers) > 1
         fill = None
         if plan.draft_lookahead:
             if self.last_drafts is None:

@@ -118,7 +118,7 @@ class StageSampling:
         elif self.peer_tokens is not None:
             self.peer_tokens.record(slots, token_ids)
             self.peer_tokens.event.record()
-        elif plan.lag:  # through the graph's edge back to the first stage (``take``)
+        elif plan.take:  # through the graph's edge back to the first stage (``take``)
             result.samples = token_ids
 
     def _prompt_logprobs(self, plan: StepPlan, x: torch.Tensor, result: StageResult) -> None:

@@ -144,13 +144,22 @@ def test_overlap_and_stage_buckets_on_both_transports_equal_the_reference(
     assert stats == [stats[0]] * pp  # every stage ran each step the same way
 
 
-def test_overlap_over_stage_actors_stops_aborts_and_preempts_like_plain_decoding(
-    ray_session, tiny_ckpt, tiny_model
+@pytest.mark.parametrize(
+    "mode",
+    [
+        dict(overlap_scheduling=True),  # lookahead entries; samples go back to the first stage
+        dict(pp_micro_batches=3),  # more micro-batches than stages: the last stage lags alone
+    ],
+    ids=["lookahead", "micro-batches"],
+)
+def test_lagged_pipelines_of_stage_actors_stop_abort_and_preempt_like_plain_decoding(
+    ray_session, tiny_ckpt, tiny_model, mode
 ):
-    # small pools: four long requests preempt each other while their lookahead steps run
+    # small pools: four long requests preempt each other while their lagged steps run
     prompts = _prompts([200, 230, 250, 180], seed=6)
-    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, overlap_scheduling=True,
-              max_total_tokens=768, max_num_batched_tokens=256)  # fmt: skip
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, max_total_tokens=768,
+              max_num_batched_tokens=256, **mode)  # fmt: skip
+    assert llm.core.pipeline.lag
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
