@@ -16,7 +16,7 @@ from torch import nn
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.block import Block
 from dsv4ray.model.layers.attention import AttnState
-from dsv4ray.model.layers.common import RMSNorm, linear
+from dsv4ray.model.layers.common import RMSNorm, linear, uninitialised_embedding
 from dsv4ray.model.layers.mhc import hc_head
 
 
@@ -83,7 +83,7 @@ class DraftModel(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.cfg, self.dtype = cfg, dtype
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed = uninitialised_embedding(cfg.vocab_size, cfg.hidden_size)
         self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.mtp = nn.ModuleList([MTPBlock(cfg)])
 

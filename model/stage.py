@@ -12,7 +12,7 @@ from torch import nn
 
 from dsv4ray.config import ModelConfig
 from dsv4ray.model.block import Block
-from dsv4ray.model.layers.common import RMSNorm
+from dsv4ray.model.layers.common import RMSNorm, uninitialised_embedding
 from dsv4ray.model.layers.mhc import hc_head
 
 
@@ -34,7 +34,7 @@ class StageModel(nn.Module):
         self.is_first, self.is_last = start == 0, end == cfg.num_hidden_layers
         hc, hidden = cfg.hc_mult, cfg.hidden_size
         if self.is_first:
-            self.embed = nn.Embedding(cfg.vocab_size, hidden)
+            self.embed = uninitialised_embedding(cfg.vocab_size, hidden)
         self.layers = nn.ModuleDict({str(i): Block(cfg, cfg.layers[i]) for i in range(start, end)})
         if self.is_last:
             self.norm = RMSNorm(hidden, cfg.rms_norm_eps)

@@ -29,3 +29,11 @@ def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
+
+
+def uninitialised_embedding(num: int, dim: int) -> nn.Embedding:
+    """An embedding table [num, dim] left empty: every model here gets its weights from a
+    checkpoint or an explicit randomise. nn.Embedding's own normal_ init would be wasted, and on
+    the meta device (where loaders build stages) it costs seconds of lazy imports in every
+    process that builds one."""
+    return nn.Embedding.from_pretrained(torch.empty(num, dim), freeze=False)
