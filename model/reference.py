@@ -73,10 +73,10 @@ class DSV4Reference(StageModel):
         """The greedy continuation of one prompt on the incremental path (the engine's oracle)."""
         state = self.new_state(1)
         logits = self.step(torch.tensor([prompt]), state)[0, -1]
-        out = []
-        for _ in range(num_tokens):
-            out.append(int(logits.argmax()))
+        out = [int(logits.argmax())] if num_tokens > 0 else []
+        while len(out) < num_tokens:
             logits = self.step(torch.tensor([[out[-1]]]), state)[0, -1]
+            out.append(int(logits.argmax()))
         return out
 
     def run_layers(

@@ -20,7 +20,13 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from tests.oracle import grammar_greedy, reference_drafts, sampled_tokens, sampling_row
+from tests.oracle import (
+    grammar_greedy,
+    reference_drafts,
+    reference_greedy,
+    sampled_tokens,
+    sampling_row,
+)
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
 CODE = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\nclass Config:\n    def __init__(se"]
@@ -100,7 +106,7 @@ def test_greedy_equals_reference_and_drafts_equal_the_mtp_chain(
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == ref.greedy(prompt, 10)
+        assert out.token_ids == reference_greedy(ref, prompt, 10)
         assert out.metrics.num_draft_tokens > 0
     assert stats["num_verify_steps"] > 0
     if kind == "dsa":  # the draft layer reused the target's top-k at its later steps
@@ -125,7 +131,7 @@ def trained_ref(trained_ckpt):
 def test_requests_that_stop_mid_draft_end_where_plain_decoding_ends(trained_llm, trained_ref):
     tok = trained_llm.tokenizer
     prompt = tok.encode(CODE[0])  # its answer opens a docstring: a newline comes early
-    ref = trained_ref.greedy(prompt, 24)
+    ref = reference_greedy(trained_ref, prompt, 24)
     eos = tok.eos_token_id
     stop_id = ref[5]
     cases = {
@@ -293,7 +299,7 @@ def test_static_buckets_give_the_tokens_and_drafts_of_eager_steps(
     finally:
         llm.shutdown()
     for prompt, out, n in zip(prompts, outs, max_tokens):
-        assert out.token_ids == ref.greedy(prompt, n)
+        assert out.token_ids == reference_greedy(ref, prompt, n)
     # the batch shrinks 3 -> 2 -> 1 requests as they finish: every bucket ran
     if verify_graphs:
         assert set(graphs.replays) == {(b, 4096) for b in (1, 2, 4)}
@@ -331,4 +337,4 @@ def test_requests_a_full_budget_skips_keep_their_pending_drafts(tiny_ckpt, tiny_
         llm.shutdown()
     assert max(skipped) > 0  # a plan left out requests whose drafts were pending
     for prompt, out in zip(prompts, outs):
-        assert out.token_ids == tiny_model.greedy(prompt, 5)
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 5)

@@ -161,9 +161,9 @@ def test_lagged_pipelines_of_stage_actors_stop_abort_and_preempt_like_plain_deco
               max_num_batched_tokens=256, **mode)  # fmt: skip
     assert llm.core.pipeline.lag
     try:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+        outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
-            assert out.token_ids == reference_greedy(tiny_model, prompt, 40)
+            assert out.token_ids == reference_greedy(tiny_model, prompt, 24)
         assert llm.core.stats()["num_preemptions"] > 0
         # a stop token in the middle of the lookahead, and an abort while two steps run
         want = reference_greedy(tiny_model, prompts[0][:20], 12)

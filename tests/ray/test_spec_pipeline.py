@@ -72,7 +72,7 @@ def test_killing_the_draft_actor_mid_run_leaves_every_request_right(ray_session)
     finally:
         llm.shutdown()
     assert [(o.finish_reason, o.error) for o in outs] == [("length", None)] * 2
-    assert outs[0].token_ids == ref.greedy(prompts[0], 24)
+    assert outs[0].token_ids == reference_greedy(ref, prompts[0], 24)
     row = sampling_row(temperature=0.8, seed=5)
     state, tokens = ref.new_state(1), []
     logits = ref.step(torch.tensor([prompts[1]]), state)[0, -1]
@@ -104,7 +104,7 @@ def test_job_with_drafts_from_the_command_line(ray_session, tmp_path, capsys):
     lines = [json.loads(line) for line in dst.read_text().splitlines()]
     for out in lines:
         prompt = tok.encode(prompts.get(out["id"], prompts["b"]))
-        want = ref.greedy(prompt, 12) if out["id"] != "c" else grammar_greedy(
+        want = reference_greedy(ref, prompt, 12) if out["id"] != "c" else grammar_greedy(
             ref, TRAINED, prompt, {"regex": regex}, 12, tok.eos_token_id)  # fmt: skip
         assert out["token_ids"] == want
         assert out["metrics"]["num_draft_tokens"] >= out["metrics"]["num_accepted_draft_tokens"] > 0
