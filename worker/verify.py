@@ -136,7 +136,7 @@ class PendingVerify:
     def settle(self, result: StageResult) -> None:
         outcomes, at = self.pending.result(), 0
         for e, first in _sampling_entries(self.plan):
-            drafts = self.plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
+            drafts = _drafts_of(self.plan, e, first)
             used = outcomes[at : at + e.num_drafts + 1]
             _accept(e, drafts, used, self.sampling[e.req_id], result)
             at += e.num_drafts + 1
@@ -166,12 +166,14 @@ def settle_handoff(plan: StepPlan, result: StageResult) -> None:
 def step_drafts(plan: StepPlan) -> dict[str, list[int]]:
     """req_id -> the drafts of every sampling entry that has some (host values: on the device
     until ``DraftFill.resolve`` writes them into plan.token_ids)."""
-    out = {}
-    for e, first in _sampling_entries(plan):
-        if e.num_drafts:
-            end = first + e.num_tokens
-            out[e.req_id] = plan.token_ids[end - e.num_drafts : end]
-    return out
+    return {e.req_id: _drafts_of(plan, e, first) for e, first in _sampling_entries(plan)
+            if e.num_drafts}  # fmt: skip
+
+
+def _drafts_of(plan: StepPlan, entry, first: int) -> list[int]:
+    """An entry's drafts: its last num_drafts tokens (first: its first token's batch row)."""
+    end = first + entry.num_tokens
+    return plan.token_ids[end - entry.num_drafts : end]
 
 
 def _scored_rows(plan: StepPlan) -> list[int]:
