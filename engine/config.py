@@ -50,8 +50,8 @@ class EngineConfig:
     hisparse_hot_rows: int | None = None  # per request and C4 layer; None: 2 x index_topk
     hisparse_host_tokens: int | None = None  # C4 history the host holds; None: device capacity
     num_gpus_per_stage: float = 1.0  # below 1, pipelines share GPUs (split memory_fraction too)
-    # plans in flight on stage actors that run micro-batches (see ``micro_batches``); None:
-    # one per stage. More than pp_size hides the driver's and the hops' share of a round trip.
+    # micro-batches in flight on stage actors without overlap scheduling (each plan takes its
+    # share of the running decodes); None: one per stage; more makes the last stage lag
     pp_micro_batches: int | None = None
     # prefill/decode disaggregation (engine/pd_core.py): > 0 runs a prefill pipeline of this many
     # stages beside this one, which decodes
