@@ -1,8 +1,9 @@
 """StageActor: the Ray actor shell over ``StageWorker`` (all logic lives in the plain class).
 
 Control calls (ready, available_bytes, allocate, open_transfer) are plain ``.remote()`` calls;
-the per-step methods ``first`` / ``next`` are bound into the pipeline's compiled graph. Plans
-arrive as msgpack bytes; results carry the residual stack and top-k tensors to the next stage.
+the per-step methods ``first``, ``prepare`` / ``receive`` / ``next`` and ``take`` are bound into
+the pipeline's compiled graph. Plans arrive as msgpack bytes; results carry the residual stack
+and top-k tensors to the next stage.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class StageActor:
         self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
                                   cuda_graphs=cuda_graphs, weight_format=weight_format)  # fmt: skip
         self.records: list | None = None  # (method, step id, entered, left) while recording
+        self.prepared = None  # the step ``prepare`` readied for ``next``
 
     def ready(self) -> dict:
         return {
@@ -103,12 +105,28 @@ class StageActor:
         out = self.worker.step(plan := decode(plan))
         return self._record("first", plan, entered, out)
 
-    def next(self, plan: bytes, prev: StageResult) -> StageResult:
+    def prepare(self, plan: bytes) -> int:
+        """A later stage's bookkeeping and staged metadata of a step, run before its ``next``
+        waits for the stage before (a receive over NCCL blocks until the sender's kernels
+        finished) -> the step id ``next`` takes."""
         entered = time.monotonic() if self.records is not None else 0.0
-        out = self.worker.step(plan := decode(plan), prev)
-        return self._record("next", plan, entered, out)
+        self.prepared = self.worker.prepare(plan := decode(plan))
+        self._record("prepare", plan, entered, None)
+        return plan.step_id
 
-    def _record(self, method: str, plan, entered: float, out: StageResult) -> StageResult:
+    def receive(self, prev: StageResult) -> StageResult:
+        """The stage before's result, as its channel delivered it."""
+        return prev
+
+    def next(self, step_id: int, prev: StageResult) -> StageResult:
+        entered = time.monotonic() if self.records is not None else 0.0
+        prepared, self.prepared = self.prepared, None
+        if prepared is None or prepared.plan.step_id != step_id:
+            raise RuntimeError(f"step {step_id} reached a stage that prepared no such step")
+        out = self.worker.step_prepared(prepared, prev)
+        return self._record("next", prepared.plan, entered, out)
+
+    def _record(self, method: str, plan, entered: float, out):
         if self.records is not None and len(self.records) < 100_000:
             self.records.append((method, plan.step_id, entered, time.monotonic()))
         return out

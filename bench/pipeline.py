@@ -59,7 +59,7 @@ def empty_step_ms(llm: LLM, steps: int = 200) -> tuple[float, float]:
         t0 = time.perf_counter()
         ref = pipe.actors[0].first.remote(plan)
         for actor in pipe.actors[1:]:
-            ref = actor.next.remote(plan, ref)
+            ref = actor.next.remote(actor.prepare.remote(plan), ref)
         ray.get(ref)
         plain.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(compiled), 1e3 * statistics.median(plain)
@@ -106,6 +106,10 @@ def timeline(llm: LLM, batch: int, args) -> str:
             lines.append(f"  stage {i - 1} left -> stage {i} entered (hop+GPU) {wait:8.3f}")
         host = med([steps[k][key][1] - steps[k][key][0] for k in full])
         lines.append(f"  stage {key[0]} {key[1]:5s} in the method (host)       {host:8.3f}")
+    for i in range(1, last + 1):  # a later stage readies its step before it receives
+        readied = [steps[k][(i, "prepare")] for k in full if (i, "prepare") in steps[k]]
+        host = med([left - entered for entered, left in readied])
+        lines.append(f"  stage {i} prepare (host, before the receive) {host:8.3f}")
     taken = [k for k in full if (0, "take") in steps[k]]
     if taken:
         back = med([steps[k][(0, "take")][0] - steps[k][chain[-1]][1] for k in taken])

@@ -55,12 +55,13 @@ class RayPipeline:
         reports its endpoint (``kv_endpoints``, renewed by every rebuild)."""
         ensure_ray()
         self.config, self.cfg = config, cfg
-        self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
         self.use_gpu = config.device == "cuda"
         # results one step late: the last stage launches a step and returns the one before
         # (overlap scheduling, or micro-batches beyond one per stage)
         self.lag = config.lags_last_stage
-        self.take = config.uses_overlap  # the last stage's samples go back to the first
+        self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
+        # the last stage's samples go back to the first (overlap over several stages)
+        self.take = config.uses_overlap and len(self.ranges) > 1
         self.depth = max(2 if self.lag else 1, config.micro_batches, config.pp_size)
         self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
         self.early: dict[int, StageResult] = {}  # results read before their step's collect
@@ -112,8 +113,7 @@ class RayPipeline:
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
         if self.host_args is not None:
             self._attach_regions()
-        take = self.take and len(self.actors) > 1
-        if take and devices[0] is not None and devices[0] == devices[-1]:
+        if self.take and devices[0] is not None and devices[0] == devices[-1]:
             self._share_sampled_tokens()
         try:
             self.dag = StageGraph(
@@ -125,7 +125,7 @@ class RayPipeline:
                 draft=self.draft,
                 local_pids=self._local_pids(infos + draft_info),
                 buffer_bytes=None if self.use_gpu else self._step_bytes(),
-                take=take,
+                take=self.take,
             )
         except Exception as exc:  # a stage died while the graph was compiled or warmed up
             raise PipelineFailure(describe(exc)) from exc
@@ -280,7 +280,7 @@ class RayPipeline:
     def submit(self, plan: StepPlan) -> int:
         """Runs the plan through the graph -> its step id (``collect`` takes it). With lag the
         graph's output for a plan is the previous lagged plan's result (NO_RESULT first)."""
-        plan.lag, plan.take = self.lag, self.take and len(self.actors) > 1
+        plan.lag, plan.take = self.lag, self.take
         data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
         try:
             self.refs.append(self.dag.execute(data))

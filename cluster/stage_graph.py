@@ -1,13 +1,14 @@
 """StageGraph: one Ray compiled graph over a chain of stage actors, and its /dev/shm files.
 
 The graph sends each input to every actor and passes each actor's result to the next:
-``actors[0].first(x)``, then ``actors[i].next(x, prev)``, then (speculative decoding) the draft
-actor's ``next(x, prev)``; the last result is the output. On CPU
-every channel is shared memory with two semaphore files in /dev/shm that Ray removes only when a
-process that used the channel exits cleanly (see channel_files.py). The graph therefore records,
-once it has run one warm-up input, every channel file that the driver or any of its actors maps,
-and ``teardown`` removes them: no process opens a torn-down graph's channels again, whether its
-actors live on, exited, or were killed.
+``actors[0].first(x)``, then ``actors[i].prepare(x)``, ``actors[i].receive(prev)`` and
+``actors[i].next(ready, rows)`` (a stage readies its step while the one before computes), then
+(speculative decoding) the draft actor's ``next(x, prev)``; the last result is the output. On
+CPU every channel is shared memory with two semaphore files in /dev/shm that Ray removes only
+when a process that used the channel exits cleanly (see channel_files.py). The graph therefore
+records, once it has run one warm-up input, every channel file that the driver or any of its
+actors maps, and ``teardown`` removes them: no process opens a torn-down graph's channels again,
+whether its actors live on, exited, or were killed.
 """
 
 from __future__ import annotations
@@ -70,9 +71,16 @@ class StageGraph:
     def _compile(self, stages: list, depth: int, devices: list, draft, buffer_bytes: int | None,
                  take: bool):  # fmt: skip
         with InputNode() as data:
+            # Every later stage readies its step (``prepare``) before it receives the stage
+            # before's rows: a receive over NCCL blocks until the sender's kernels finished.
+            # Ray places an NCCL receive in its actor's schedule as soon as the send can run
+            # and takes the rest by task order, so the prepares are bound first, and the
+            # receive is a node of its own (an NCCL read may have no other input).
+            ready = [actor.prepare.bind(data) for actor in stages[1:]]
             out = stages[0].first.bind(data)
             for i, actor in enumerate(stages[1:], 1):
-                out = actor.next.bind(data, _transport(out, devices[i - 1], devices[i]))
+                rows = actor.receive.bind(_transport(out, devices[i - 1], devices[i]))
+                out = actor.next.bind(ready[i - 1], rows)
             if draft is not None:  # on the last stage's GPU
                 out = draft.next.bind(data, _transport(out, devices[-1], devices[-1]))
             if take:

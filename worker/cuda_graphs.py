@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
-from dsv4ray.worker.batch import PAGE, HostStage, Padding, host_arrays, meta_from, pack
+from dsv4ray.worker.batch import PAGE, BatchMeta, HostStage, Padding, host_arrays, meta_from, pack
 from dsv4ray.worker.rope_tables import RopeTables
 
 log = logging.getLogger("dsv4ray.worker")
@@ -113,7 +113,7 @@ class DecodeGraphs:
             max_batch = min(max_batch, VERIFY_MAX_BATCH)
         self.batches, self.contexts = batch_buckets(max_batch), context_buckets(max_len)
         self.graphs: dict[tuple[int, int], GraphBucket] = {}
-        self.stage = HostStage()
+        self.stage_buf = HostStage()  # pinned staging of the buckets' metadata
         self.pool = None
         self.replays: dict[tuple[int, int], int] = {}  # bucket -> steps it ran
 
@@ -172,25 +172,31 @@ class DecodeGraphs:
         decode = entry.sample and entry.num_tokens - entry.num_drafts == 1
         return decode and entry.num_tokens <= self.n
 
-    def run(self, plan: StepPlan, tables, key: tuple[int, int], prepare=None):
-        """Fills the bucket's buffer and replays it -> (the forward's output, meta). The last
-        stage's output: logits [b, V] fp32 of a decode bucket; (logits [b n, V] fp32, stack
-        [b n, hc, hidden], top-k [b n, k] or None) in slotted rows of a verification bucket.
-        An earlier stage's: (stack, top-k or None) over the bucket's rows. prepare(meta) runs on
-        the device before the replay: lookahead and draft tokens into meta.token_ids, or a
-        later stage's received rows into its static inputs."""
+    def stage(self, plan: StepPlan, tables, key: tuple[int, int]) -> BatchMeta:
+        """Uploads the step's metadata into the bucket's buffer (stream-ordered: a replay of the
+        bucket launched before still reads the previous step's) -> the step's meta."""
         g = self.graphs[key]
         arrays, sample_idx = host_arrays(plan, tables, g.padding)
         flat, layout = pack(arrays, sample_idx)
-        self.stage.upload(flat, self.device, out=g.static)
+        self.stage_buf.upload(flat, self.device, out=g.static)
         name, offset, _ = layout[-1]  # fixed shapes: only sample_idx's length varies
         if name != "sample_idx" or offset != g.sample_offset:
             raise RuntimeError(f"bucket {key}: the step's layout is not the captured one")
         meta = copy.copy(g.meta)  # the captured views over g.static, this step's samples
         meta.sample_idx = g.static[offset : offset + len(sample_idx)]
         meta.sample_req_ids = [e.req_id for e in plan.batch if e.sample]
+        return meta
+
+    def replay(self, key: tuple[int, int], meta: BatchMeta, prepare=None):
+        """Replays a staged bucket -> the forward's output. The last stage's: logits [b, V] fp32
+        of a decode bucket; (logits [b n, V] fp32, stack [b n, hc, hidden], top-k [b n, k] or
+        None) in slotted rows of a verification bucket. An earlier stage's: (stack, top-k or
+        None) over the bucket's rows. prepare(meta) runs on the device before the replay:
+        lookahead and draft tokens into meta.token_ids, or a later stage's received rows into
+        its static inputs."""
+        g = self.graphs[key]
         if prepare is not None:
             prepare(meta)
         g.replay(self.forward)
         self.replays[key] = self.replays.get(key, 0) + 1
-        return g.out, meta
+        return g.out

@@ -19,6 +19,7 @@ steps' finite values and read nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -33,6 +34,15 @@ from dsv4ray.worker.sampler import to_device
 if TYPE_CHECKING:
     from dsv4ray.worker.draft_fill import DraftFill
     from dsv4ray.worker.stage_worker import StageWorker
+
+
+@dataclass
+class Staged:
+    """A step's bucket with its metadata uploaded; rows: the bucket row of each batch token."""
+
+    key: tuple[int, int]
+    meta: BatchMeta
+    rows: np.ndarray
 
 
 class StageGraphs:
@@ -68,12 +78,17 @@ class StageGraphs:
             return None
         return self.graphs.pick(plan, self.w.tables)
 
-    def run(self, plan: StepPlan, inputs: StageResult | None, key,
-            draft_fill: DraftFill | None):  # fmt: skip
-        """Replays the step's bucket -> (its output, meta, rows: the row of each batch token,
-        numpy [T])."""
+    def stage(self, plan: StepPlan, key) -> Staged:
+        """Uploads the step's metadata into its bucket (needs no rows from the stage before)."""
         counts = [e.num_tokens for e in plan.batch]
         rows = slotted_rows(counts, self.n) if self.n > 1 else np.arange(sum(counts))
+        return Staged(key, self.graphs.stage(plan, self.w.tables, key), rows)
+
+    def run(self, plan: StepPlan, inputs: StageResult | None, staged: Staged,
+            draft_fill: DraftFill | None):  # fmt: skip
+        """Replays a staged step's bucket -> (its output, meta, rows: the row of each batch
+        token, numpy [T])."""
+        rows = staged.rows
 
         def prepare(meta: BatchMeta) -> None:
             if not self.w.is_first:
@@ -82,8 +97,8 @@ class StageGraphs:
             if draft_fill is not None:  # hash-routed layers read the drafts' ids too
                 draft_fill.write_tokens(meta.token_ids, rows if self.n > 1 else None)
 
-        out, meta = self.graphs.run(plan, self.w.tables, key, prepare)
-        return out, meta, rows
+        out = self.graphs.replay(staged.key, staged.meta, prepare)
+        return out, staged.meta, rows
 
     def hand_on(self, out, rows: np.ndarray, result: StageResult) -> None:
         """An earlier stage's output rows of the batch tokens, in batch order, into result."""

@@ -30,7 +30,7 @@ from dsv4ray.worker.kv_export import KVPort, run_handoffs
 from dsv4ray.worker.overlap import SampledTokens, fill_tokens, record_samples, take_samples
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.stage_graphs import StageGraphs
+from dsv4ray.worker.stage_graphs import Staged, StageGraphs
 from dsv4ray.worker.stage_sampling import StageSampling
 from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over
 
@@ -184,22 +184,42 @@ class StageWorker:
         return to_dict(self.kv_port.endpoint)
 
     def step(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
-        """One step as a pipeline's transport runs it (a stage actor's graph methods). With
-        plan.lag the last stage launches a step that has a batch, then settles and returns the
-        one it held before (NO_RESULT when none), so the device runs this step while the driver
-        commits the previous one and schedules the next. A plan without a batch computes
-        nothing and answers for itself; a flush (FLUSH_STEP) returns the held step."""
+        """One step as a pipeline's transport runs it: ``prepare`` then ``step_prepared``."""
+        return self.step_prepared(self.prepare(plan), inputs)
+
+    def prepare(self, plan: StepPlan) -> Prepared:
+        """The part of a step that needs no rows from the stage before: its host-tier copies
+        and bookkeeping applied, a replayed step's metadata uploaded into its bucket (stream-
+        ordered after the steps launched before). A stage actor after the first runs it while
+        the stage before computes. A staging failure fails the step when it computes."""
+        events = self._host_ops(plan)
+        self._apply(plan)
+        prepared = Prepared(plan, events)
+        if plan.batch and self.graphs is not None:
+            try:
+                key = self.graphs.pick(plan)
+                prepared.staged = self.graphs.stage(plan, key) if key is not None else None
+            except Exception as exc:  # reported with the step, like a compute failure
+                prepared.error = exc
+        return prepared
+
+    def step_prepared(self, prepared: Prepared, inputs: StageResult | None = None) -> StageResult:
+        """With plan.lag the last stage launches a step that has a batch, then settles and
+        returns the one it held before (NO_RESULT when none), so the device runs this step
+        while the driver commits the previous one and schedules the next. A plan without a
+        batch computes nothing and answers for itself; a flush (FLUSH_STEP) returns the held
+        step."""
+        plan = prepared.plan
         flush = plan.step_id == FLUSH_STEP
         if not (plan.lag and self.is_last) or not (plan.batch or flush):
-            return self.execute(plan, inputs)
-        result = self.execute(plan, inputs, defer_sampling=True)
+            return self.run(prepared, inputs)
+        result = self.run(prepared, inputs, defer_sampling=True)
         held, self.held = self.held, (None if flush else result)
         out = self.finish(held) if held is not None else StageResult(NO_RESULT)
         # this step's sampled ids travel on to the first stage now (``take``)
         out.samples, result.samples = result.samples, None
         return out
 
-    @torch.no_grad()
     def execute(
         self,
         plan: StepPlan,
@@ -208,21 +228,32 @@ class StageWorker:
         handoff: bool = False,
         draft_fill: DraftFill | None = None,
     ) -> StageResult:
-        """Applies the plan's bookkeeping, then computes. A compute failure (here or on an
-        earlier stage) is returned in ``failed`` with the bookkeeping applied, so every stage
-        stays in step with the scheduler and only the step's requests are lost.
+        """``prepare`` then ``run`` (a stage in the engine's process)."""
+        return self.run(self.prepare(plan), inputs, defer_sampling, handoff, draft_fill)
+
+    @torch.no_grad()
+    def run(
+        self,
+        prepared: Prepared,
+        inputs: StageResult | None = None,
+        defer_sampling: bool = False,
+        handoff: bool = False,
+        draft_fill: DraftFill | None = None,
+    ) -> StageResult:
+        """Computes a prepared step. A compute failure (here or on an earlier stage) is returned
+        in ``failed`` with the bookkeeping applied, so every stage stays in step with the
+        scheduler and only the step's requests are lost.
         defer_sampling: return without waiting for the sampled ids (``finish`` reads them).
         handoff: a replayed verification step leaves its rows and tokens on the device for the
         draft worker of this process (``result.handoff``) and is settled by ``finish``.
         draft_fill: the plan's drafts still on the device (worker/draft_fill.py)."""
-        events = self._host_ops(plan)
-        self._apply(plan)
+        plan = prepared.plan
         result = StageResult(plan.step_id)
         if inputs is not None and inputs.failed is not None:
             result.failed = inputs.failed
             return result
         try:
-            self._compute(plan, inputs, events, result, handoff, draft_fill)
+            self._compute(prepared, inputs, result, handoff, draft_fill)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
             self._fail(plan.step_id, exc, result)
         if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
@@ -252,14 +283,16 @@ class StageWorker:
     def _range(self) -> tuple[int, int]:
         return self.model.start, self.model.end
 
-    def _compute(self, plan: StepPlan, inputs, events, result: StageResult, handoff: bool,
+    def _compute(self, prepared: Prepared, inputs, result: StageResult, handoff: bool,
                  draft_fill: DraftFill | None):  # fmt: skip
+        plan = prepared.plan
         if not plan.batch:
             self._snapshots(plan)
             return
-        key = self.graphs.pick(plan) if self.graphs is not None else None
-        if key is not None:
-            self._replay(plan, inputs, key, result, handoff, draft_fill)
+        if prepared.error is not None:
+            raise prepared.error
+        if prepared.staged is not None:
+            self._replay(plan, inputs, prepared.staged, result, handoff, draft_fill)
             return
         self.num_eager_steps += 1
         meta = build_batch(plan, self.tables, self.device, self.ropes, self.stage)
@@ -269,7 +302,7 @@ class StageWorker:
         self.fill_tokens(plan, meta.token_ids, inputs)
         if draft_fill is not None:
             draft_fill.write_tokens(meta.token_ids)
-        x, topk = self.run_layers(meta, inputs, events)
+        x, topk = self.run_layers(meta, inputs, prepared.events)
         self._snapshots(plan)
         if self.is_last:
             if draft_fill is not None:  # verifying on the host reads the drafts
@@ -281,11 +314,11 @@ class StageWorker:
             result.residual, result.topk = x.flatten(-2), topk
             result.token_ids = meta.token_ids if plan.lookahead else None
 
-    def _replay(self, plan: StepPlan, inputs, key, result: StageResult, handoff: bool,
+    def _replay(self, plan: StepPlan, inputs, staged: Staged, result: StageResult, handoff: bool,
                 draft_fill: DraftFill | None) -> None:  # fmt: skip
         """A step replayed from the stage's graphs: an earlier stage hands its rows on, the last
         samples from every row's logits (a decode bucket) or verifies drafts."""
-        out, meta, rows = self.graphs.run(plan, inputs, key, draft_fill)
+        out, meta, rows = self.graphs.run(plan, inputs, staged, draft_fill)
         self._snapshots(plan)
         if not self.is_last:
             self.graphs.hand_on(out, rows, result)
@@ -389,6 +422,17 @@ class StageWorker:
             src = [self.tables[req_id].state_slot for req_id, _ in plan.snapshots]
             dst = [self.pools.cached_row(slot) for _, slot in plan.snapshots]
             self.pools.copy_c4_rings(src, dst)
+
+
+@dataclasses.dataclass
+class Prepared:
+    """A step with its bookkeeping applied (``StageWorker.prepare``): its host-tier copies'
+    events, its staged bucket when it replays a graph, a staging failure to report."""
+
+    plan: StepPlan
+    events: LayerEvents
+    staged: Staged | None = None
+    error: Exception | None = None
 
 
 def _set(values: list[int], idx: int, value: int) -> None:

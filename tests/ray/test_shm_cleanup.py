@@ -31,6 +31,12 @@ class _Stage:
     def first(self, x: int) -> int:
         return x + 1
 
+    def prepare(self, x: int) -> int:
+        return x
+
+    def receive(self, prev: int) -> int:
+        return prev
+
     def next(self, x: int, prev: int) -> int:
         return prev + 1
 
