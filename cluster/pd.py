@@ -38,10 +38,17 @@ PING_TIMEOUT_S = 10.0
 
 
 def prefill_config(config: EngineConfig) -> EngineConfig:
-    """The prefill engine's config: the decode engine's, with prefill_pp_size stages (and no
-    micro-batch count: micro-batches split decodes, which stay on the decode side)."""
+    """The prefill engine's config: the decode engine's, with prefill_pp_size stages, no
+    micro-batch count (micro-batches split decodes, which stay on the decode side) and no
+    drafts: the decode side's draft layer starts cold on a handed-off prompt, so the prefill
+    engine only keeps the rings the decode side's drafts need."""
     return dataclasses.replace(
-        config, pp_size=config.prefill_pp_size, prefill_pp_size=0, pp_micro_batches=None
+        config,
+        pp_size=config.prefill_pp_size,
+        prefill_pp_size=0,
+        pp_micro_batches=None,
+        speculative_num_steps=0,
+        draft_rings=config.ring_scale > 1,
     )
 
 
@@ -167,8 +174,8 @@ class RayPrefillClient:
             return PrefillResult("", error=f"prefill failed: {describe(exc)}")
 
     def placement(self) -> dict:
-        keys = ("prefill_pp_size", "stage_placement_group_id")
-        return {f"prefill_{k}" if k.startswith("stage") else k: self.info.get(k) for k in keys}
+        keys = ("prefill_pp_size", "stage_placement_group_id", "draft_worker")
+        return {k if k.startswith("prefill") else f"prefill_{k}": self.info.get(k) for k in keys}
 
     def answers(self) -> bool:
         try:

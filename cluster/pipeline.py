@@ -100,7 +100,7 @@ class RayPipeline:
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         devices = [info["gpu"] for info in infos]
         self.capacity = size_pipeline(self.cfg, ec, available, devices)
-        sizes = dataclasses.asdict(pool_sizes(self.capacity, self.draft is not None))
+        sizes = dataclasses.asdict(pool_sizes(self.capacity, ec.ring_scale))
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
         graphs = graph_shapes(ec, self.cfg, self.capacity)
         if graphs is not None:  # every stage (and the draft worker) on CUDA
@@ -235,7 +235,7 @@ class RayPipeline:
     # ------------------------------------------------------------------ host tier
     def attach_host(self, num_pages: int, num_snapshots: int) -> None:
         """Maps a host-tier region per stage (on the stage's node); rebuilds map them again."""
-        ring_scale = 2 if self.config.speculative_num_steps else 1  # as the stage pools' rings
+        ring_scale = self.config.ring_scale  # as the stage pools' rings
         self.host_args = {"num_pages": num_pages, "num_snapshots": num_snapshots,
                           "ring_scale": ring_scale}  # fmt: skip
         self._attach_regions()
@@ -264,8 +264,12 @@ class RayPipeline:
             return False
 
     def placement(self) -> dict:
-        """Where the stages run: the placement group that holds their bundles."""
-        return {"stage_placement_group_id": self.pg.id.hex()}
+        """Where the stages run (the placement group that holds their bundles) and whether a
+        draft worker runs beside them."""
+        return {
+            "stage_placement_group_id": self.pg.id.hex(),
+            "draft_worker": self.draft is not None,
+        }
 
     def stage_stats(self) -> list[dict]:
         """Each stage's counters (a control call beside the compiled graph)."""

@@ -44,6 +44,9 @@ class EngineConfig:
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
+    # compressor rings sized for drafts on an engine that runs none: the prefill engine of a
+    # decode side that drafts (a handoff copies a request's rings whole)
+    draft_rings: bool = False
     # schedule a decode's next token before its last one is read back ("auto": on CUDA)
     overlap_scheduling: str | bool = "auto"
     enable_hisparse: bool = False  # C4 history in host memory, a few hot rows on the device
@@ -159,6 +162,12 @@ class EngineConfig:
                 "overlap_scheduling does not combine with speculative_num_steps or "
                 "prefill_pp_size yet"
             )
+
+    @property
+    def ring_scale(self) -> int:
+        """2 where drafts write ahead of the commit point (this engine's, or the drafts of the
+        decode side a prefill engine hands over to), else 1."""
+        return 2 if self.speculative_num_steps or self.draft_rings else 1
 
     @property
     def spec(self) -> SpecConfig:

@@ -27,7 +27,8 @@ ALIASES = {
     "prefill_pp_size": ("--prefill-pp",),
 }
 CHOICES = {"kv_cache_dtype": KV_DTYPES, "hicache_write_policy": WRITE_POLICIES}
-NOT_FLAGS = ("model",)  # a positional argument or --model, per subcommand
+# model: a positional argument or --model, per subcommand; draft_rings: set for prefill engines
+NOT_FLAGS = ("model", "draft_rings")
 
 
 def engine_fields() -> list[dataclasses.Field]:

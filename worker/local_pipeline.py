@@ -37,7 +37,7 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
     skip = [spec.skip_topk for spec in cfg.layers]
     ranges = split_layers(cfg.num_hidden_layers, ec.pp_size)
-    speculative = ec.speculative_num_steps > 0
+    speculative = ec.speculative_num_steps > 0  # the last stage's device holds the MTP layer
     hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
     if devices is not None:
         weights = [
@@ -62,7 +62,7 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
             max_total_tokens=ec.resolved_max_total_tokens,
             max_running_requests=ec.max_running_requests,
             max_num_batched_tokens=ec.max_num_batched_tokens,
-            speculative=speculative,
+            speculative=ec.ring_scale > 1,
             hosts_draft=speculative and i == len(ranges) - 1,
             hisparse_hot_rows=hot_rows,
             hisparse_host_tokens=ec.hisparse_host_tokens,
@@ -72,14 +72,14 @@ def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | No
     return dataclasses.replace(pipeline_capacity(caps), hisparse_hot_rows=hot_rows)
 
 
-def pool_sizes(cap, speculative: bool = False) -> PoolSizes:
-    """The pools every stage (and the draft worker) allocates; speculation doubles the rings."""
+def pool_sizes(cap, ring_scale: int = 1) -> PoolSizes:
+    """The pools every stage (and the draft worker) allocates; ring_scale: EngineConfig's."""
     return PoolSizes(
         cap.num_pages,
         cap.num_window_pages,
         cap.num_state_slots,
         cap.num_cached_state_slots,
-        ring_scale=2 if speculative else 1,
+        ring_scale=ring_scale,
         hisparse_hot_rows=cap.hisparse_hot_rows,
     )
 
@@ -140,7 +140,7 @@ class LocalPipeline:
         self.fills: dict[int, DraftFill] = {}  # step id -> its plan's pending drafts
         available = [w.available_bytes(ec.memory_fraction) for w in self.workers]
         self.capacity = size_pipeline(cfg, ec, available, [w.gpu_uuid() for w in self.workers])
-        sizes = pool_sizes(self.capacity, self.draft is not None)
+        sizes = pool_sizes(self.capacity, ec.ring_scale)
         for w in self.workers:
             w.allocate(sizes)
         if self.draft is not None:

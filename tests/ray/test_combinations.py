@@ -64,7 +64,11 @@ def test_features_together_give_the_reference_tokens(ray_session, tiny_ckpt, tin
         stats = llm.core.stats()
         if options.get("prefill_pp_size"):
             assert_nothing_held(llm)
-            assert llm.core.describe()["prefill_pp_size"] == options["prefill_pp_size"]
+            described = llm.core.describe()
+            assert described["prefill_pp_size"] == options["prefill_pp_size"]
+            # the decode side drafts; the prefill side keeps the rings, runs no draft layer
+            assert described["draft_worker"] == bool(options.get("speculative_num_steps"))
+            assert described["prefill_draft_worker"] is False
         llm.core.check_integrity()
         assert len(llm.core.pipeline.actors) == options["pp_size"]
     finally:

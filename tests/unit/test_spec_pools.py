@@ -1,9 +1,12 @@
 """Pools with a draft worker: every stage's rings double, the last stage (whose device the draft
 layer shares) prices it as one more layer of its own, and rejected drafts' C128 rows are reset."""
 
+import dataclasses
+
 import pytest
 
 from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cluster.pd import prefill_config
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
@@ -26,7 +29,24 @@ def test_the_draft_layer_and_longer_rings_are_priced(tiny_ckpt):
     )
     assert s0.num_full_tokens < p0.num_full_tokens  # doubled rings reserve more up front
     assert spec.num_full_tokens < plain.num_full_tokens
-    assert pool_sizes(spec, True).ring_scale == 2 and pool_sizes(plain).ring_scale == 1
+    assert pool_sizes(spec, 2).ring_scale == 2 and pool_sizes(plain).ring_scale == 1
+
+
+def test_a_prefill_engine_keeps_the_decode_sides_rings_without_the_draft_layer(tiny_ckpt):
+    decode = EngineConfig(tiny_ckpt, pp_size=2, device="cuda", speculative_num_steps=3,
+                          prefill_pp_size=2, use_ray=True)  # fmt: skip
+    prefill = prefill_config(decode)
+    assert prefill.speculative_num_steps == 0 and prefill.ring_scale == decode.ring_scale == 2
+    plain, spec = _capacity(tiny_ckpt, 0), _capacity(tiny_ckpt, 3)
+    cap = size_pipeline(ModelConfig.from_hf(tiny_ckpt), prefill, [GIB, GIB])
+    # doubled rings on both stages, no MTP layer priced on the last
+    assert [s.bytes_per_full_token for s in cap.stages] == [
+        s.bytes_per_full_token for s in plain.stages
+    ]
+    (c0, c1), (s0, s1), (p0, p1) = cap.stages, spec.stages, plain.stages
+    assert c0.num_full_tokens == s0.num_full_tokens < p0.num_full_tokens
+    assert s1.num_full_tokens < c1.num_full_tokens < p1.num_full_tokens
+    assert prefill_config(dataclasses.replace(decode, speculative_num_steps=0)).ring_scale == 1
 
 
 def test_rejected_c128_rows_are_reset_and_nothing_else(tiny_ckpt):
