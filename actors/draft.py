@@ -9,6 +9,7 @@ its proposals.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -19,26 +20,15 @@ from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.model.sources import fetch_model
 from dsv4ray.worker.draft import DraftWorker
+from dsv4ray.worker.stage_spec import DraftSpec
 
 
 @ray.remote
 class DraftActor:
-    def __init__(
-        self,
-        model: str,
-        num_steps: int,
-        kv_cache_dtype: str,
-        dtype: str | None,
-        device: str,
-        num_threads: int,
-        eagle_topk: int = 1,
-        log_level: str = "INFO",
-    ) -> None:
+    def __init__(self, spec: DraftSpec, num_threads: int, log_level: str = "INFO") -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
-        self.worker = DraftWorker(
-            fetch_model(model), num_steps, kv_cache_dtype, dtype, device, eagle_topk=eagle_topk
-        )
+        self.worker = DraftWorker(dataclasses.replace(spec, model=fetch_model(spec.model)))
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}

@@ -8,6 +8,7 @@ and top-k tensors to the next stage.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -18,29 +19,17 @@ import torch
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.model.sources import fetch_model
+from dsv4ray.worker.stage_spec import StageSpec
 from dsv4ray.worker.stage_worker import StageWorker
 
 
 @ray.remote
 class StageActor:
-    def __init__(
-        self,
-        model: str,
-        start: int,
-        end: int,
-        kv_cache_dtype: str,
-        dtype: str | None,
-        device: str,
-        num_threads: int,
-        log_level: str = "INFO",
-        weight_format: str = "auto",
-        cuda_graphs: bool = False,
-    ) -> None:
+    def __init__(self, spec: StageSpec, num_threads: int, log_level: str = "INFO") -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
-        model = fetch_model(model)  # a URI: this machine's cached copy
-        self.worker = StageWorker(model, start, end, kv_cache_dtype, dtype, device,
-                                  cuda_graphs=cuda_graphs, weight_format=weight_format)  # fmt: skip
+        local = fetch_model(spec.model)  # a URI: this machine's cached copy
+        self.worker = StageWorker(dataclasses.replace(spec, model=local))
         self.records: list | None = None  # (method, step id, entered, left) while recording
         self.prepared = None  # the step ``prepare`` readied for ``next``
 

@@ -36,6 +36,7 @@ from dsv4ray.cache.configurator import size_stage  # noqa: E402
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows  # noqa: E402
 from dsv4ray.cache.layout import KINDS, layout_for  # noqa: E402
 from dsv4ray.config import ModelConfig  # noqa: E402
+from dsv4ray.worker.stage_spec import StageSpec  # noqa: E402
 from dsv4ray.worker.stage_worker import StageWorker  # noqa: E402
 
 LONG = 65536  # tokens of one long request
@@ -74,7 +75,7 @@ def available_bytes(model: str, cfg: ModelConfig, kv: str, device: str, cpu_budg
     """Device bytes for pools after the weights, as the engine measures them (CPU: a budget)."""
     if device != "cuda":
         return cpu_budget
-    worker = StageWorker(model, 0, cfg.num_hidden_layers, kv, None, device, cfg)
+    worker = StageWorker(StageSpec(model, 0, cfg.num_hidden_layers, kv, None, device), cfg)
     free = worker.available_bytes(MEMORY_FRACTION)
     del worker
     torch.cuda.empty_cache()

@@ -37,6 +37,7 @@ from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure
 from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StageResult, StepPlan, encode
 from dsv4ray.worker.local_pipeline import graph_shapes, pool_sizes, size_pipeline
+from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 
 log = logging.getLogger("dsv4ray.pipeline")
 
@@ -173,16 +174,9 @@ class RayPipeline:
                 {"num_gpus": 0.9 * gpus, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
             )
         return StageActor.options(scheduling_strategy=strategy, **resources).remote(
-            ec.model_source or ec.model,
-            start,
-            end,
-            ec.kv_cache_dtype,
-            ec.dtype,
-            ec.device,
+            StageSpec.of(ec, start, end, model=ec.model_source),
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),
-            ec.weight_format,
-            ec.cuda_graphs,
         )
 
     def _draft_actor(self):
@@ -194,15 +188,9 @@ class RayPipeline:
         )
         gpus = 0.1 * ec.num_gpus_per_stage
         resources = {"num_gpus": gpus, "num_cpus": 0} if self.use_gpu else {"num_cpus": 0.25}
+        level = logging.getLevelName(log.getEffectiveLevel())
         return DraftActor.options(scheduling_strategy=strategy, **resources).remote(
-            ec.model_source or ec.model,
-            ec.speculative_num_steps,
-            ec.kv_cache_dtype,
-            ec.dtype,
-            ec.device,
-            1,
-            ec.speculative_eagle_topk,
-            logging.getLevelName(log.getEffectiveLevel()),
+            DraftSpec.of(ec, model=ec.model_source), 1, level
         )
 
     def stages_alive(self) -> bool:

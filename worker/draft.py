@@ -49,6 +49,7 @@ from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
 from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
+from dsv4ray.worker.stage_spec import DraftSpec
 from dsv4ray.worker.verify import DraftSpan, draft_spans, settle_handoff
 
 log = logging.getLogger("dsv4ray.draft")
@@ -57,18 +58,11 @@ log = logging.getLogger("dsv4ray.draft")
 class DraftWorker:
     """Two-phase start like StageWorker: load the weights, then ``allocate`` the pools."""
 
-    def __init__(
-        self,
-        model_path: str,
-        num_steps: int,
-        kv_cache_dtype: str = "fp8",
-        dtype: torch.dtype | str | None = None,
-        device: str | torch.device = "cpu",
-        cfg: ModelConfig | None = None,
-        eagle_topk: int = 1,
-    ) -> None:
-        self.cfg = cfg or ModelConfig.from_hf(model_path)
-        SpecConfig(num_steps, eagle_topk).check_draft_layer(self.cfg.mtp_ratio, [])
+    def __init__(self, spec: DraftSpec, cfg: ModelConfig | None = None) -> None:
+        """cfg: the checkpoint's config when the caller has it (else read from spec.model)."""
+        num_steps, kv_cache_dtype, device = spec.num_steps, spec.kv_cache_dtype, spec.device
+        self.cfg = cfg or ModelConfig.from_hf(spec.model)
+        SpecConfig(num_steps, spec.eagle_topk).check_draft_layer(self.cfg.mtp_ratio, [])
         if not num_steps:
             raise ValueError("a draft worker needs speculative_num_steps >= 1")
         self.reuses_topk = self.cfg.mtp_ratio == 4
@@ -76,7 +70,7 @@ class DraftWorker:
             raise ValueError("a DSA-style draft layer needs a C4 layer's top-k to reuse")
         self.num_steps, self.kv_cache_dtype = num_steps, kv_cache_dtype
         self.device = torch.device(device)
-        self.model = load_draft(model_path, dtype or self.cfg.torch_dtype, device, self.cfg)
+        self.model = load_draft(spec.model, spec.dtype or self.cfg.torch_dtype, device, self.cfg)
         self.block = self.model.block
         ops.bind_few_row_kernels(self.block)
         self.ropes = RopeTables([self.cfg.mtp_layer.rope], self.device)

@@ -27,6 +27,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.plan import StageResult, StepPlan
 from dsv4ray.worker.draft import DraftWorker
 from dsv4ray.worker.draft_fill import DraftFill
+from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 from dsv4ray.worker.stage_worker import StageWorker
 
 
@@ -94,15 +95,7 @@ def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | N
 
 
 def draft_worker(ec: EngineConfig, cfg: ModelConfig) -> DraftWorker:
-    return DraftWorker(
-        ec.model,
-        ec.speculative_num_steps,
-        ec.kv_cache_dtype,
-        ec.dtype,
-        ec.device,
-        cfg,
-        ec.speculative_eagle_topk,
-    )
+    return DraftWorker(DraftSpec.of(ec), cfg)
 
 
 class LocalPipeline:
@@ -120,17 +113,7 @@ class LocalPipeline:
     def _build(self) -> None:
         ec, cfg = self.config, self.cfg
         self.workers = [
-            StageWorker(
-                ec.model,
-                s,
-                e,
-                ec.kv_cache_dtype,
-                ec.dtype,
-                ec.device,
-                cfg,
-                ec.cuda_graphs,
-                ec.weight_format,
-            )  # fmt: skip
+            StageWorker(StageSpec.of(ec, s, e), cfg)
             for s, e in split_layers(cfg.num_hidden_layers, ec.pp_size)
         ]
         self.draft = draft_worker(ec, cfg) if ec.speculative_num_steps else None
@@ -196,8 +179,8 @@ class LocalPipeline:
         """No host tier is ever attached in process."""
 
     def placement(self) -> dict:
-        """Where the stages run: this process."""
-        return {"stage_placement_group_id": None}
+        """Where the stages run (this process) and whether a draft worker runs beside them."""
+        return {"stage_placement_group_id": None, "draft_worker": self.draft is not None}
 
     def stages_alive(self) -> bool:
         return True  # the stages are this process

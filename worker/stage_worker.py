@@ -32,6 +32,7 @@ from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.stage_graphs import Staged, StageGraphs
 from dsv4ray.worker.stage_sampling import StageSampling
+from dsv4ray.worker.stage_spec import StageSpec
 from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over
 
 log = logging.getLogger("dsv4ray.worker")
@@ -42,25 +43,16 @@ class StageWorker:
     the engine has sized them (the same page ids name pages in every stage, so every stage gets
     the pipeline's minimum capacity)."""
 
-    def __init__(
-        self,
-        model_path: str,
-        start: int,
-        end: int,
-        kv_cache_dtype: str = "fp8",
-        dtype: torch.dtype | str | None = None,
-        device: str | torch.device = "cpu",
-        cfg: ModelConfig | None = None,
-        cuda_graphs: bool = False,
-        weight_format: str = "auto",
-    ) -> None:
+    def __init__(self, spec: StageSpec, cfg: ModelConfig | None = None) -> None:
+        """cfg: the checkpoint's config when the caller has it (else read from spec.model)."""
+        start, end, model_path = spec.start, spec.end, spec.model
         self.cfg = cfg or ModelConfig.from_hf(model_path)
-        self.kv_cache_dtype = kv_cache_dtype
-        self.device = torch.device(device)
-        self.weight_format = ops.resolve_weight_format(weight_format, self.cfg, self.device)
+        self.kv_cache_dtype = spec.kv_cache_dtype
+        self.device = torch.device(spec.device)
+        self.weight_format = ops.resolve_weight_format(spec.weight_format, self.cfg, self.device)
         self.model_path = model_path
-        self.model = load_stage(model_path, start, end, dtype or self.cfg.torch_dtype, device,
-                                self.cfg, self.weight_format)  # fmt: skip
+        self.model = load_stage(model_path, start, end, spec.dtype or self.cfg.torch_dtype,
+                                self.device, self.cfg, self.weight_format)  # fmt: skip
         blocks = [self.model.block(i) for i in range(start, end)]
         ops.prepare(blocks, self.model.dtype)
         ops.bind_few_row_kernels(self.model)
@@ -72,7 +64,7 @@ class StageWorker:
         self.ropes = RopeTables(specs, self.device)
         self.stage = HostStage()
         # every stage captures its own layer range, on CUDA
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.use_graphs = spec.cuda_graphs and self.device.type == "cuda"
         self.graphs: StageGraphs | None = None
         # the latest sampled id of every state slot, on the first stage (lookahead entries)
         self.sampled: SampledTokens | None = None
