@@ -212,16 +212,10 @@ class StageWorker:
         out.samples, result.samples = result.samples, None
         return out
 
-    def execute(
-        self,
-        plan: StepPlan,
-        inputs: StageResult | None = None,
-        defer_sampling: bool = False,
-        handoff: bool = False,
-        draft_fill: DraftFill | None = None,
-    ) -> StageResult:
-        """``prepare`` then ``run`` (a stage in the engine's process)."""
-        return self.run(self.prepare(plan), inputs, defer_sampling, handoff, draft_fill)
+    def execute(self, plan: StepPlan, inputs: StageResult | None = None, *args, **options):
+        """``prepare`` then ``run`` (a stage in the engine's process; args, options: ``run``'s)
+        -> StageResult."""
+        return self.run(self.prepare(plan), inputs, *args, **options)
 
     @torch.no_grad()
     def run(
