@@ -168,9 +168,9 @@ def resume_points(scheduler, req_ids) -> dict[str, Resume]:
 
 # The draft worker's counters (StageResult.draft_stats per step): passes run (and of them those
 # replayed from a CUDA graph), tokens proposed, chain-step rows whose attention read step 0's
-# reused top-k.
+# reused top-k, passes that raised (their steps ran without proposals).
 DRAFT_STAT_NAMES = ("num_draft_passes", "num_draft_graph_passes", "num_drafted_tokens")
-DRAFT_STAT_NAMES += ("num_topk_reuse_rows",)
+DRAFT_STAT_NAMES += ("num_topk_reuse_rows", "num_failed_draft_passes")
 # Engine counters (EngineCore.stats): drafts verified and accepted, then the draft worker's.
 STAT_NAMES = ("num_verify_steps", "num_draft_tokens", "num_accepted_draft_tokens")
 STAT_NAMES += DRAFT_STAT_NAMES

@@ -108,9 +108,14 @@ class DraftWorker:
             return out
         try:
             self._run(plan, inputs, out, draft_fill)
-        except Exception:  # the step's tokens stand; only its proposals are lost
+        except Exception:
+            # the step's tokens stand (verification never trusts a draft); its proposals are
+            # lost, and the draft layer's cache may miss the step's rows, which can lower these
+            # requests' later acceptance
             log.exception("draft pass of step %d failed", plan.step_id)
             out.drafts, out.pending_drafts = {}, None
+            out.draft_stats = {"num_failed_draft_passes": 1}
+            self.stats["num_failed_draft_passes"] += 1
         return out
 
     # ------------------------------------------------------------------ bookkeeping

@@ -108,7 +108,7 @@ def test_greedy_equals_reference_and_drafts_equal_the_mtp_chain(
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference_greedy(ref, prompt, 10)
         assert out.metrics.num_draft_tokens > 0
-    assert stats["num_verify_steps"] > 0
+    assert stats["num_verify_steps"] > 0 and stats["num_failed_draft_passes"] == 0
     if kind == "dsa":  # the draft layer reused the target's top-k at its later steps
         assert stats["num_topk_reuse_rows"] > 0
     if kind == "trained":
@@ -154,6 +154,33 @@ def test_requests_that_stop_mid_draft_end_where_plain_decoding_ends(trained_llm,
         assert (out.token_ids, out.finish_reason) == (tokens, reason), name
     assert outs[3].text == text[: text.index(stop)]
     assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+
+
+def test_a_draft_pass_that_raises_costs_proposals_never_tokens(trained_llm, trained_ref):
+    """A draft pass that fails (device OOM, a kernel error) is counted and logged; its step's
+    tokens stand, later steps draft again, and the engine keeps serving."""
+    draft = trained_llm.core.pipeline.draft
+    real, calls = draft.exact_pass, []
+
+    def fails_once(*args):
+        calls.append(1)
+        if len(calls) == 2:  # the second pass: the request's first decode step
+            raise RuntimeError("injected draft failure")
+        return real(*args)
+
+    before = trained_llm.core.stats()
+    prompt = trained_llm.tokenizer.encode(CODE[1])
+    draft.exact_pass = fails_once
+    try:
+        out = trained_llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    finally:
+        draft.exact_pass = real
+    stats = trained_llm.core.stats()
+    assert out.token_ids == reference_greedy(trained_ref, prompt, 16)
+    assert stats["num_failed_draft_passes"] - before["num_failed_draft_passes"] == 1
+    assert out.metrics.num_accepted_draft_tokens > 0  # later steps drafted and were accepted
+    again = trained_llm.generate([prompt], SamplingParams(max_tokens=16, ignore_eos=True))[0]
+    assert again.token_ids == out.token_ids
 
 
 @pytest.mark.parametrize("buckets", [False, True], ids=["eager", "static-buckets"])

@@ -66,6 +66,7 @@ def test_trained_checkpoint_drafts_are_accepted_and_tokens_equal_plain_decoding(
     assert sum(verify_replays.values()) > 0 and sum(draft_replays.values()) > 0
     assert stats["num_draft_graph_passes"] == sum(draft_replays.values())
     assert stats["num_accepted_draft_tokens"] > stats["num_verify_steps"]  # > 2 tokens a step
+    assert stats["num_failed_draft_passes"] == 0
 
 
 def test_a_grammar_verified_on_graphed_drafts_gives_the_tokens_of_plain_decoding():
@@ -77,6 +78,7 @@ def test_a_grammar_verified_on_graphed_drafts_gives_the_tokens_of_plain_decoding
     drafted, verify_replays, _, stats = _run(TRAINED, 3, True, prompts, [40, 40], spec)
     assert drafted == plain
     assert sum(verify_replays.values()) > 0 and stats["num_accepted_draft_tokens"] > 0
+    assert stats["num_failed_draft_passes"] == 0
 
 
 def test_stage_and_draft_actors_replay_graphs_with_the_tokens_of_plain_decoding():
@@ -95,3 +97,4 @@ def test_stage_and_draft_actors_replay_graphs_with_the_tokens_of_plain_decoding(
     assert spec == plain
     assert stage["num_graph_steps"] > 0
     assert 0 < stats["num_draft_graph_passes"] <= stats["num_draft_passes"]
+    assert stats["num_failed_draft_passes"] == 0  # every pass fitted beside the stage
