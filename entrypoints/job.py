@@ -1,19 +1,21 @@
 """``dsv4ray job``: batch generation over a JSONL file on Ray Data (the ``ray job submit``
 entrypoint).
 
-The driver reads the input (local or any URI pyarrow reads), checks each line (bad ones are
-reported with their line number and skipped) and leaves out the ids whose last output line
-finished. Ray Data runs the rest through a pool of ``--replicas`` actors, each owning one engine
-(entrypoints/job_replica.py), and the driver appends each finished request to the output as its
-block comes back: ``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ ``"error"`` for
-aborted ones; + ``"content"`` and ``"tool_calls"`` for chat lines with tools). The output is
+Ray Data streams the input (local or any URI pyarrow reads) through one read task that checks
+each line (bad ones are reported with their line number and skipped) and marks the ids whose
+last output line finished; a pool of ``--replicas`` actors, each owning one engine
+(entrypoints/job_replica.py), runs the rest, and the driver appends each finished request to the
+output as its block comes back. The driver holds no input row: its memory stays flat however
+long the input (it keeps the ids of an earlier run's output, to resume). An output line is
+``{"id", "text", "token_ids", "finish_reason", "metrics"}`` (+ ``"error"`` for aborted ones;
++ ``"content"`` and ``"tool_calls"`` for chat lines with tools). The output is
 append-only and keyed by id: the last line of an id wins, and a rerun with the same output
 skips finished ids and retries the others (last line with finish_reason "abort" or an "error",
 or a line cut short).
 
 SIGINT (Ctrl-C) and SIGTERM (what ``ray job stop`` sends first) stop the job: requests whose
-lines were not written are left for a rerun, the summary says how many, and the replicas (with
-their engines) go down with the driver.
+lines were not written are left for a rerun, the summary says how many input lines were not
+done, and the replicas (with their engines) go down with the driver.
 
 Exit codes: 0 every request finished; 1 some input line was bad or some request was aborted;
 2 usage error (no input file or checkpoint, no folder for the output, an invalid option);
@@ -39,11 +41,13 @@ from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, re
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.job_input import (
+    JobLines,
     JobStats,
+    job_rows,
     last_results,
     open_output,
-    read_requests,
     report_bad,
+    scan_input,
     usage_problem,
 )
 
@@ -85,21 +89,27 @@ def run_job(
         return usage_error(problem)
     if options.get("speculative_num_steps"):
         print(f"dsv4ray job: {describe(options['speculative_num_steps'])}", file=sys.stderr)
-    stats, rows, started_ray = JobStats(), None, False
+    stats, started_ray = JobStats(), False
     start = time.perf_counter()
     _TERMINATED.clear()
     previous = _raise_on_sigterm()
     try:
-        rows = read_requests(input_path, last_results(output_path), stats, job.default_max_tokens)
-        if rows:
+        prior = last_results(output_path)
+        stats.lines, runs = scan_input(input_path, prior)
+        if runs:
             started_ray = not joined and not ray.is_initialized()
             ensure_ray()
             _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": _device(job, options)}
-            _run(rows, model, engine, job, input_path, output_path, stats)
+            source = JobLines(input_path, prior, job.default_max_tokens,
+                              _rows_per_block(stats.lines, job.replicas))  # fmt: skip
+            _run(source, model, engine, job, input_path, output_path, stats)
+        else:  # every line finished before (or is bad): nothing to run, nothing to start
+            for row in job_rows(input_path, prior, job.default_max_tokens):
+                _account(None, stats, input_path, row["line"], row["kind"], "", row["problem"], "")
     except KeyboardInterrupt:
         stats.interrupted, stats.terminated = True, _TERMINATED.is_set()
-        stats.left = len(rows) - stats.returned if rows is not None else None
+        stats.left = stats.lines - stats.seen if stats.lines else None
     finally:
         _restore_sigterm(previous)
         if started_ray:  # the local Ray this call started, and then its leftover files
@@ -109,6 +119,11 @@ def run_job(
     if stats.interrupted:
         return EXIT_TERMINATED if stats.terminated else EXIT_INTERRUPTED
     return EXIT_FAILED if stats.failed or stats.bad_lines else EXIT_OK
+
+
+def _rows_per_block(num_lines: int, replicas: int) -> int:
+    """Blocks small enough that every replica gets work from a short input."""
+    return max(1, min(MAX_BLOCK_ROWS, math.ceil(num_lines / (4 * replicas))))
 
 
 def usage_error(message: str) -> int:
@@ -122,41 +137,48 @@ def _device(job: JobOptions, options: dict) -> str:
     return options.get("device") or DEVICES[resolve_accelerator(job.accelerator)]
 
 
-def _run(rows, model, engine, job, input_path, output_path, stats) -> None:
-    """Ray Data: the rows in blocks, a pool of ``job.replicas`` JobReplica actors, and each
-    block's results appended to the output as it arrives."""
+def _run(source, model, engine, job, input_path, output_path, stats) -> None:
+    """Ray Data: the input lines in blocks from ``source`` (JobLines), a pool of
+    ``job.replicas`` JobReplica actors, and each block's results appended to the output as it
+    arrives."""
     import ray.data
     from tqdm import tqdm
 
     from dsv4ray.entrypoints.job_replica import JobReplica
 
     context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False  # the job's own bar counts requests
+    context.enable_progress_bars = False  # the job's own bar counts input lines
     context.wait_for_min_actors_s = int(engine.get("execution_timeout_s", 600))  # all replicas
-    rows_per_block = max(1, min(MAX_BLOCK_ROWS, math.ceil(len(rows) / (4 * job.replicas))))
-    dataset = ray.data.from_items(rows, override_num_blocks=math.ceil(len(rows) / rows_per_block))
-    results = dataset.map_batches(
+    results = ray.data.read_datasource(source).map_batches(
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},
-        batch_size=min(BATCH_SIZE, rows_per_block),
+        batch_size=min(BATCH_SIZE, source.rows_per_block),
         compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=2),
         num_cpus=REPLICA_CPUS,
     )
     blocks = results.iter_batches(batch_size=None, batch_format="numpy")
     with (
         open_output(output_path) as out,
-        tqdm(total=len(rows), desc="requests", unit="req", file=sys.stderr) as bar,
+        tqdm(total=stats.lines, desc="lines", unit="line", file=sys.stderr) as bar,
     ):
         for block in blocks:
-            for line_no, result, problem, replica in zip(
-                block["line"], block["result"], block["problem"], block["replica"]
-            ):
-                if problem:
-                    report_bad(stats, input_path, int(line_no), str(problem))
-                else:
-                    _write(out, str(result), str(replica), stats)
-                stats.returned += 1
+            for row in zip(block["line"], block["kind"], block["result"], block["problem"],
+                           block["replica"]):  # fmt: skip
+                _account(out, stats, input_path, *row)
                 bar.update(1)
+
+
+def _account(out, stats: JobStats, input_path: str, line_no, kind, result, problem, replica):
+    """One input line back from the pool: its output line written, or counted."""
+    stats.seen += 1
+    if kind == "done":
+        stats.skipped += 1
+        return
+    stats.retried += kind == "retry"
+    if problem:
+        report_bad(stats, input_path, int(line_no), str(problem))
+    else:
+        _write(out, str(result), str(replica), stats)
 
 
 def _write(out, line: str, replica: str, stats: JobStats) -> None:
@@ -171,7 +193,7 @@ def _write(out, line: str, replica: str, stats: JobStats) -> None:
     counts[0] += 1
     counts[1] += num_tokens
     if row["metrics"].get("ttft_s") is not None:
-        stats.ttfts.append(row["metrics"]["ttft_s"])
+        stats.add_ttft(row["metrics"]["ttft_s"])
 
 
 class Terminated(KeyboardInterrupt):
@@ -202,16 +224,13 @@ def _restore_sigterm(previous) -> None:
 
 
 def _summary(stats: JobStats, seconds: float) -> None:
-    def pct(p: float) -> float:
-        values = sorted(stats.ttfts)
-        return values[min(len(values) - 1, int(p * len(values)))] if values else float("nan")
-
+    pct = stats.ttft_percentile
     head = "dsv4ray job: "
     how = "stopped by SIGTERM" if stats.terminated else "interrupted"
     if stats.interrupted and stats.left is None:
         head += f"{how} while reading the input; "
     elif stats.interrupted:
-        head += f"{how}, {stats.left} requests left (a rerun does them); "
+        head += f"{how}, {stats.left} input lines left (a rerun does them); "
     print(
         f"{head}{stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad lines, "
         f"{stats.skipped} already done, {stats.retried} retried), "

@@ -14,9 +14,14 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from ray.data.block import BlockMetadata
+from ray.data.datasource import Datasource, ReadTask
 
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
@@ -25,20 +30,40 @@ PARAM_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))  # a line
 TOOL_KEYS = ("tools", "tool_choice", "parallel_tool_calls")  # a chat line's tools
 
 
+TTFT_BUCKETS_PER_DECADE = 100  # the summary's TTFT percentiles are within 1.2%
+
+
 @dataclass
 class JobStats:
+    lines: int = 0  # the input's non-empty lines
+    seen: int = 0  # of them, those back from the replicas (with an output line, or why not)
     done: int = 0
     failed: int = 0
     bad_lines: int = 0
     skipped: int = 0  # ids whose last output line finished
     retried: int = 0  # ids whose last output line was aborted, run again
-    returned: int = 0  # requests the replicas gave back (an output line, or why not)
-    left: int | None = None  # requests not finished when interrupted (None: input not read)
+    left: int | None = None  # input lines not done when interrupted (None: input not read)
     interrupted: bool = False
     terminated: bool = False  # the interrupt was SIGTERM
     tokens: int = 0
-    ttfts: list[float] = field(default_factory=list)
+    ttft_buckets: dict[int, int] = field(default_factory=dict)  # log-spaced bucket -> count
     by_replica: dict[str, list[int]] = field(default_factory=dict)  # name -> [requests, tokens]
+
+    def add_ttft(self, seconds: float) -> None:
+        """A histogram, not a list: the driver's memory stays flat however long the input."""
+        bucket = round(TTFT_BUCKETS_PER_DECADE * math.log10(max(seconds, 1e-9)))
+        self.ttft_buckets[bucket] = self.ttft_buckets.get(bucket, 0) + 1
+
+    def ttft_percentile(self, p: float) -> float:
+        total = sum(self.ttft_buckets.values())
+        if not total:
+            return float("nan")
+        rank, below = min(total - 1, int(p * total)), 0
+        for bucket in sorted(self.ttft_buckets):
+            below += self.ttft_buckets[bucket]
+            if below > rank:
+                return 10 ** (bucket / TTFT_BUCKETS_PER_DECADE)
+        raise AssertionError("unreachable: rank < total")
 
 
 def is_uri(path: str) -> bool:
@@ -64,29 +89,77 @@ def open_input(path: str):
     return io.TextIOWrapper(filesystem.open_input_stream(inner), encoding="utf-8")
 
 
-def read_requests(path: str, prior: dict, stats: JobStats, default_max_tokens: int) -> list[dict]:
-    """Rows ``{"line", "id", "request"}`` (request: JSON of prompt or messages and sampling
-    params) for good lines whose id has not finished; bad lines are reported and counted.
-    prior: id -> whether its last output line finished (``last_results``)."""
-    rows, seen = [], set()
+def job_rows(path: str, prior: dict, default_max_tokens: int) -> Iterator[dict]:
+    """The input's non-empty lines in order as rows ``{"line", "id", "kind", "request",
+    "problem"}``: kind "new" or "retry" (request: JSON of prompt or messages and sampling
+    params), "done" (the id's last output line finished) or "bad" (problem says why).
+    prior: id -> whether its last output line finished (``last_results``). Holds one line at a
+    time, and the ids seen (a duplicate id is a bad line)."""
+    seen: set[str] = set()
     with open_input(path) as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            row = {"line": line_no, "id": "", "kind": "bad", "request": "", "problem": ""}
             try:
                 req_id, request = parse_line(line, default_max_tokens)
                 if req_id in seen:
                     raise ValueError(f"duplicate id {req_id!r}")
             except (ValueError, TypeError) as exc:
-                report_bad(stats, path, line_no, str(exc))
+                yield {**row, "problem": str(exc)}
                 continue
             seen.add(req_id)
-            if prior.get(req_id) is True:
-                stats.skipped += 1
+            kind = "done" if prior.get(req_id) is True else "retry" if req_id in prior else "new"
+            request_json = json.dumps(request) if kind != "done" else ""
+            yield {**row, "id": req_id, "kind": kind, "request": request_json}
+
+
+def scan_input(path: str, prior: dict) -> tuple[int, bool]:
+    """(the input's non-empty lines, whether any of them may run: one whose id has no finished
+    output line). A pass that keeps nothing: the progress bar's total, and no engine starts
+    for a job whose lines all finished or are bad."""
+    num_lines, runs = 0, False
+    with open_input(path) as f:
+        for line in f:
+            if not line.strip():
                 continue
-            stats.retried += req_id in prior
-            rows.append({"line": line_no, "id": req_id, "request": json.dumps(request)})
-    return rows
+            num_lines += 1
+            if not runs:
+                try:
+                    runs = prior.get(str(json.loads(line)["id"])) is not True
+                except (ValueError, TypeError, KeyError):
+                    pass  # a bad line: reported where the lines are checked
+    return num_lines, runs
+
+
+class JobLines(Datasource):
+    """The input as a Ray Data source: one read task streams the file in order (line numbers
+    and duplicate ids need one reader) and checks each line where it runs, sending blocks of
+    ``rows_per_block`` rows on as they fill. Neither the driver nor the task holds the input."""
+
+    def __init__(self, path: str, prior: dict, default_max_tokens: int, rows_per_block: int):
+        super().__init__()
+        self.path, self.prior = path, prior
+        self.default_max_tokens, self.rows_per_block = default_max_tokens, rows_per_block
+
+    def estimate_inmemory_data_size(self) -> int | None:
+        return None
+
+    def get_read_tasks(self, parallelism: int, per_task_row_limit=None, data_context=None):
+        metadata = BlockMetadata(num_rows=None, size_bytes=None, exec_stats=None, input_files=None)
+        return [ReadTask(self._blocks, metadata)]
+
+    def _blocks(self) -> Iterator:
+        import pyarrow as pa
+
+        rows = []
+        for row in job_rows(self.path, self.prior, self.default_max_tokens):
+            rows.append(row)
+            if len(rows) == self.rows_per_block:
+                yield pa.Table.from_pylist(rows)
+                rows = []
+        if rows:
+            yield pa.Table.from_pylist(rows)
 
 
 def report_bad(stats: JobStats, path: str, line_no: int, problem: str) -> None:

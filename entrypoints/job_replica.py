@@ -1,10 +1,11 @@
 """One replica of a batch job: an actor of the job's Ray Data pool that owns one engine.
 
 ``JobReplica`` is the ``map_batches`` class: Ray Data hands it batches of input rows (``line``,
-``id``, ``request``); it tokenizes each prompt, runs them all at once through its
-``AsyncEngine`` (continuous batching across the batches in flight) and returns one row per
-request: the output line (``result``, JSON) or why the request could not run (``problem``), and
-the replica's name (``replica``) for the job's per-replica counts. A chat line with tools gets
+``id``, ``kind``, ``request``, ``problem``: entrypoints/job_input.py ``job_rows``); it tokenizes
+each prompt of a line to run, runs them all at once through its ``AsyncEngine`` (continuous
+batching across the batches in flight) and returns one row per input row: the output line
+(``result``, JSON) or why the request could not run (``problem``; a bad line's passes through),
+and the replica's name (``replica``) for the job's per-replica counts. A chat line with tools gets
 its answer's ``content`` and ``tool_calls`` (finish_reason "tool_calls" when it made calls).
 """
 
@@ -31,17 +32,26 @@ class JobReplica:
         log.info("job replica %s: engine up (%s)", self.name, self.engine.describe())
 
     async def __call__(self, batch: dict) -> dict:
-        lines, ids, requests = batch["line"], batch["id"], batch["request"]
+        lines, ids, kinds = batch["line"], batch["id"], batch["kind"]
         done = await asyncio.gather(
-            *(self._one(int(n), str(i), str(r)) for n, i, r in zip(lines, ids, requests))
-        )
+            *(self._row(int(n), str(i), str(k), str(r), str(p))
+              for n, i, k, r, p in zip(lines, ids, kinds, batch["request"], batch["problem"]))
+        )  # fmt: skip
         return {
             "line": [int(n) for n in lines],
             "id": [str(i) for i in ids],
+            "kind": [str(k) for k in kinds],
             "result": [result for result, _ in done],
             "problem": [problem for _, problem in done],
             "replica": [self.name] * len(done),
         }
+
+    async def _row(self, line_no: int, req_id: str, kind: str, request: str, problem: str):
+        """A line that runs ("new", "retry") is run; a bad or finished one passes through, so
+        the driver counts it in input order."""
+        if kind in ("new", "retry"):
+            return await self._one(line_no, req_id, request)
+        return "", problem
 
     async def _one(self, line_no: int, req_id: str, request: str) -> tuple[str, str]:
         """(the output line, "") or ("", why the request did not run)."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import tracemalloc
 
 import pytest
 import ray
@@ -58,6 +59,26 @@ def test_two_replicas_share_the_work_and_a_rerun_retries_ids_whose_last_line_abo
     assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 3 for r in new), new
 
 
+def test_the_driver_holds_no_input_line_its_memory_stays_flat(ray_session, tiny_ckpt, tmp_path):
+    """Lines go from the read task to the replicas, never through the driver: a 128 MiB input
+    (each line carries a 2 MiB stop string) moves the driver's peak Python memory by a small
+    fraction of it (the first job of a process also imports Ray Data's executor)."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    stop = "\u00e9" * (2**20 // 3)  # 2 MiB in the file, where JSON escapes each in 6 bytes
+    line = {"prompt": "Hi", "max_tokens": 1, "ignore_eos": True, "stop": [stop]}
+    src.write_text("".join(json.dumps({"id": i, **line}) + "\n" for i in range(64)))
+    size = src.stat().st_size
+    assert size > 120 * 2**20
+    tracemalloc.start()
+    try:
+        assert run_job(tiny_ckpt, str(src), str(dst), kv_cache_dtype="fp32") == 0
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < size / 4, (peak, size)
+    assert len(dst.read_text().splitlines()) == 64
+
+
 class _Stderr:
     """Collects a child's stderr as it comes (tqdm redraws with \\r, not whole lines)."""
 
@@ -99,7 +120,7 @@ def test_a_signal_ends_the_job_with_a_summary_and_its_exit_code(
     )
     err = _Stderr(proc.stderr)
     try:
-        err.wait_for("requests:", proc, timeout_s=240)  # the progress bar: decoding started
+        err.wait_for("lines:", proc, timeout_s=240)  # the progress bar: decoding started
         time.sleep(1)
         proc.send_signal(sig)
         assert proc.wait(timeout=120) == code, err.text()
@@ -107,7 +128,7 @@ def test_a_signal_ends_the_job_with_a_summary_and_its_exit_code(
         proc.kill()
     err.thread.join(timeout=10)
     text = err.text()
-    assert f"dsv4ray job: {how}, 3 requests left (a rerun does them)" in text, text
+    assert f"dsv4ray job: {how}, 3 input lines left (a rerun does them)" in text, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert dst.read_text() == ""  # interrupted requests get no line, so a rerun does them
 

@@ -1,11 +1,21 @@
 """Batch job input lines: every SamplingParams field, logit_bias with JSON's string keys, and
-the line's problem named."""
+the line's problem named; the rows the job's read task streams, in input order, and the
+summary's TTFT percentiles."""
 
 import json
+import math
+import random
 
 import pytest
 
-from dsv4ray.entrypoints.job_input import parse_line, sampling_params
+from dsv4ray.entrypoints.job_input import (
+    JobLines,
+    JobStats,
+    job_rows,
+    parse_line,
+    sampling_params,
+    scan_input,
+)
 
 
 def test_a_line_takes_every_sampling_field_and_logit_bias_by_token_id():
@@ -81,3 +91,53 @@ def test_an_output_row_carries_the_logprobs_a_line_asked_for():
     assert row["prompt_logprobs"] == [None, [[6, -2.0, 3]]]
     plain = RequestOutput("r", [5], [7], "x", finish_reason="stop")
     assert "logprobs" not in output_row("1", plain)
+
+
+def test_rows_keep_input_order_line_numbers_and_kinds(tmp_path):
+    src = tmp_path / "in.jsonl"
+    lines = [
+        json.dumps({"id": "a", "prompt": "x"}),
+        "",
+        "{broken",
+        json.dumps({"id": "b", "prompt": "y", "max_tokens": 3}),
+        json.dumps({"id": "c", "prompt": "z"}),
+        json.dumps({"id": "a", "prompt": "again"}),
+        json.dumps({"id": 7, "prompt": "w", "bogus": 1}),
+    ]
+    src.write_text("\n".join(lines) + "\n")
+    prior = {"b": True, "c": False}  # b finished, c's last line aborted
+    rows = list(job_rows(str(src), prior, 16))
+    assert [(r["line"], r["id"], r["kind"]) for r in rows] == [
+        (1, "a", "new"), (3, "", "bad"), (4, "b", "done"), (5, "c", "retry"), (6, "", "bad"),
+        (7, "", "bad"),
+    ]  # fmt: skip
+    assert "not JSON" in rows[1]["problem"] and "duplicate id 'a'" in rows[4]["problem"]
+    assert "unknown field 'bogus'" in rows[5]["problem"]
+    assert json.loads(rows[0]["request"]) == {"prompt": "x", "params": {"max_tokens": 16}}
+    assert rows[2]["request"] == ""  # a finished line carries nothing to run
+    assert scan_input(str(src), prior) == (6, True)
+    finished = dict.fromkeys(["a", "b", "c", "7"], True)
+    assert scan_input(str(src), finished) == (6, False)  # none to run
+
+
+def test_the_read_task_sends_blocks_of_rows_in_input_order(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "prompt": "p"}) + "\n" for i in range(10)))
+    (task,) = JobLines(str(src), {}, 16, rows_per_block=4).get_read_tasks(8)
+    blocks = list(task())
+    assert [b.num_rows for b in blocks] == [4, 4, 2]
+    assert [r["line"] for b in blocks for r in b.to_pylist()] == list(range(1, 11))
+
+
+def test_ttft_percentiles_come_from_a_bounded_histogram():
+    rng = random.Random(0)
+    values = [rng.lognormvariate(-3, 1) for _ in range(5000)]
+    stats = JobStats()
+    for v in values:
+        stats.add_ttft(v)
+    assert len(stats.ttft_buckets) < 1000  # whatever the number of requests
+    ordered = sorted(values)
+    for p in (0.5, 0.99):
+        exact = ordered[int(p * len(ordered))]
+        assert abs(stats.ttft_percentile(p) / exact - 1) < 0.012, p
+    assert math.isnan(JobStats().ttft_percentile(0.5))
