@@ -43,6 +43,7 @@ from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.job_input import (
     JobLines,
     JobStats,
+    is_uri,
     job_rows,
     last_results,
     open_output,
@@ -101,7 +102,8 @@ def run_job(
             ensure_ray()
             _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": _device(job, options)}
-            source = JobLines(input_path, prior, job.default_max_tokens,
+            where = input_path if is_uri(input_path) else os.path.abspath(input_path)
+            source = JobLines(where, prior, job.default_max_tokens,
                               _rows_per_block(stats.lines, job.replicas))  # fmt: skip
             _run(source, model, engine, job, input_path, output_path, stats)
         else:  # every line finished before (or is bad): nothing to run, nothing to start
@@ -149,7 +151,7 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the job's own bar counts input lines
     context.wait_for_min_actors_s = int(engine.get("execution_timeout_s", 600))  # all replicas
-    results = ray.data.read_datasource(source).map_batches(
+    results = ray.data.read_datasource(source, ray_remote_args=_read_on(source.path)).map_batches(
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},
         batch_size=min(BATCH_SIZE, source.rows_per_block),
@@ -166,6 +168,17 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
                            block["replica"]):  # fmt: skip
                 _account(out, stats, input_path, *row)
                 bar.update(1)
+
+
+def _read_on(path: str) -> dict:
+    """Where the read task runs: a local input on this node (its path means nothing on the
+    others), a URI anywhere."""
+    if is_uri(path):
+        return {}
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    return {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
 
 
 def _account(out, stats: JobStats, input_path: str, line_no, kind, result, problem, replica):

@@ -59,10 +59,14 @@ def test_two_replicas_share_the_work_and_a_rerun_retries_ids_whose_last_line_abo
     assert all(r["finish_reason"] == "length" and len(r["token_ids"]) == 3 for r in new), new
 
 
-def test_the_driver_holds_no_input_line_its_memory_stays_flat(ray_session, tiny_ckpt, tmp_path):
+def test_the_driver_holds_no_input_line_its_memory_stays_flat(
+    ray_session, tiny_ckpt, tmp_path, monkeypatch
+):
     """Lines go from the read task to the replicas, never through the driver: a 128 MiB input
     (each line carries a 2 MiB stop string) moves the driver's peak Python memory by a small
-    fraction of it (the first job of a process also imports Ray Data's executor)."""
+    fraction of it (the first job of a process also imports Ray Data's executor). The input is
+    given relative to the driver's folder, as a user types it; the read task runs elsewhere."""
+    monkeypatch.chdir(tmp_path)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     stop = "\u00e9" * (2**20 // 3)  # 2 MiB in the file, where JSON escapes each in 6 bytes
     line = {"prompt": "Hi", "max_tokens": 1, "ignore_eos": True, "stop": [stop]}
@@ -71,7 +75,7 @@ def test_the_driver_holds_no_input_line_its_memory_stays_flat(ray_session, tiny_
     assert size > 120 * 2**20
     tracemalloc.start()
     try:
-        assert run_job(tiny_ckpt, str(src), str(dst), kv_cache_dtype="fp32") == 0
+        assert run_job(tiny_ckpt, "in.jsonl", "out.jsonl", kv_cache_dtype="fp32") == 0
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
