@@ -109,9 +109,14 @@ def job_rows(path: str, prior: dict, default_max_tokens: int) -> Iterator[dict]:
                 yield {**row, "problem": str(exc)}
                 continue
             seen.add(req_id)
-            kind = "done" if prior.get(req_id) is True else "retry" if req_id in prior else "new"
+            kind = "done" if finished(prior, req_id) else "retry" if req_id in prior else "new"
             request_json = json.dumps(request) if kind != "done" else ""
             yield {**row, "id": req_id, "kind": kind, "request": request_json}
+
+
+def finished(prior: dict, req_id: str) -> bool:
+    """Whether the id's last line in an earlier run's output finished (``last_results``)."""
+    return prior.get(req_id) is True
 
 
 def scan_input(path: str, prior: dict) -> tuple[int, bool]:
@@ -126,7 +131,7 @@ def scan_input(path: str, prior: dict) -> tuple[int, bool]:
             num_lines += 1
             if not runs:
                 try:
-                    runs = prior.get(str(json.loads(line)["id"])) is not True
+                    runs = not finished(prior, str(json.loads(line)["id"]))
                 except (ValueError, TypeError, KeyError):
                     pass  # a bad line: reported where the lines are checked
     return num_lines, runs

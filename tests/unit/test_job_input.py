@@ -4,6 +4,7 @@ summary's TTFT percentiles."""
 
 import json
 import math
+import os
 import random
 
 import pytest
@@ -141,3 +142,23 @@ def test_ttft_percentiles_come_from_a_bounded_histogram():
         exact = ordered[int(p * len(ordered))]
         assert abs(stats.ttft_percentile(p) / exact - 1) < 0.012, p
     assert math.isnan(JobStats().ttft_percentile(0.5))
+
+
+def test_a_job_whose_lines_all_finished_starts_no_engine(tmp_path, monkeypatch, capsys):
+    from dsv4ray.entrypoints import job
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n{broken\n")
+    row = {"id": "a", "text": "x", "token_ids": [1], "finish_reason": "length", "metrics": {}}
+    dst.write_text(json.dumps(row) + "\n")
+
+    def no_ray():
+        raise AssertionError("a job with nothing to run started Ray")
+
+    monkeypatch.setattr(job, "ensure_ray", no_ray)
+    ckpt = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+    assert job.run_job(ckpt, str(src), str(dst)) == 1  # the bad line
+    err = capsys.readouterr().err
+    assert "line 2: not JSON" in err
+    assert "0 requests (0 failed, 1 bad lines, 1 already done, 0 retried)" in err, err
+    assert dst.read_text() == json.dumps(row) + "\n"  # nothing appended
