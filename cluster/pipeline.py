@@ -127,6 +127,7 @@ class RayPipeline:
                 local_pids=self._local_pids(infos + draft_info),
                 buffer_bytes=None if self.use_gpu else self._step_bytes(),
                 take=self.take,
+                poll=not self.use_gpu,
             )
         except Exception as exc:  # a stage died while the graph was compiled or warmed up
             raise PipelineFailure(describe(exc)) from exc
@@ -291,7 +292,7 @@ class RayPipeline:
             if not self.refs:
                 self.submit(StepPlan(step_id=FLUSH_STEP))
             try:
-                result = ray.get(self.refs.popleft(), timeout=self.config.execution_timeout_s)
+                result = self.dag.get(self.refs.popleft(), self.config.execution_timeout_s)
             except Exception as exc:
                 raise PipelineFailure(describe(exc)) from exc
             if result.step_id == step_id:
