@@ -16,6 +16,7 @@ import os
 import ray
 import torch
 
+from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.model.sources import fetch_model
@@ -28,6 +29,8 @@ class DraftActor:
     def __init__(self, spec: DraftSpec, num_threads: int, log_level: str = "INFO") -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
         torch.set_num_threads(max(1, num_threads))
+        if spec.device == "cpu":  # Ray's spinning reads would keep a core busy between steps
+            sleep_between_reads()
         self.worker = DraftWorker(dataclasses.replace(spec, model=fetch_model(spec.model)))
 
     def ready(self) -> dict:

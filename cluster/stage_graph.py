@@ -19,8 +19,8 @@ import time
 
 import ray
 from ray.dag import InputNode
-from ray.exceptions import RayChannelTimeoutError
 
+from dsv4ray.actors.channel_wait import poll
 from dsv4ray.cluster.channel_files import (
     BUILD_LOCK,
     actor_channel_files,
@@ -31,8 +31,6 @@ from dsv4ray.cluster.channel_files import (
 log = logging.getLogger("dsv4ray.pipeline")
 
 TEARDOWN_TIMEOUT_S = 20.0
-# Reading an output polls this often at first, backing off to POLL_MAX_S (CPU pipelines only)
-POLL_FIRST_S, POLL_MAX_S = 5e-5, 2e-3
 
 
 class StageGraph:
@@ -108,12 +106,10 @@ class StageGraph:
         return self.dag.execute(data)
 
     def get(self, ref, timeout_s: float):
-        """The output of an ``execute``. Ray reads a shared-memory channel by spinning on a core
-        until the writer seals it: the shortest wait beside GPU stages, but on a CPU machine the
-        spinning reader takes a core from the stages that compute the output (a pp 2 pipeline
-        on 2 cores steps ~1.6x slower). With ``poll`` the output is tried without waiting and
-        the thread sleeps between tries (POLL_FIRST_S doubling up to POLL_MAX_S), then Ray's
-        own read returns it, or raises its error or timeout."""
+        """The output of an ``execute``. With ``poll`` (CPU pipelines) the output is looked at
+        without waiting and the thread sleeps between looks (actors/channel_wait.py: Ray's own
+        read spins a core that the stages computing the output need), then Ray's read returns
+        it, or raises its error or timeout."""
         deadline = time.monotonic() + timeout_s
         if self.poll:
             _wait_polling(ref, deadline)
@@ -153,18 +149,11 @@ class StageGraph:
 def _wait_polling(ref, deadline: float) -> None:
     """Returns once ref's output is read into the graph's buffer, the deadline passed, or the
     read failed otherwise (``ray.get`` then raises that failure as it would have)."""
-    delay = POLL_FIRST_S
-    while True:
-        try:  # timeout 0: one look at the channel; a later ray.get finds the buffered output
-            ref._dag._execute_until(ref._execution_index, ref._channel_index, timeout=0)
-            return
-        except RayChannelTimeoutError:
-            if time.monotonic() >= deadline:
-                return
-        except Exception:  # a closed channel or a dead actor: ray.get reports it
-            return
-        time.sleep(delay)
-        delay = min(delay * 2, POLL_MAX_S)
+    try:  # timeout 0: one look at the channel; a later ray.get finds the buffered output
+        poll(lambda: ref._dag._execute_until(ref._execution_index, ref._channel_index, 0),
+             deadline)  # fmt: skip
+    except Exception:  # the deadline, a closed channel or a dead actor: ray.get reports it
+        return
 
 
 def _transport(node, src: str | None, dst: str | None):

@@ -1,0 +1,52 @@
+"""Waiting on a compiled graph's shared-memory channels without spinning a core.
+
+Ray reads a shared-memory channel by spinning (``sched_yield`` in a loop) until the writer seals
+the next value: the shortest wait beside GPU stages, whose hosts have cores to spare. On a CPU
+machine every waiting reader keeps a core busy: the driver while the stages compute, and each
+stage actor between steps, an idle pipeline included (two idle stages kept both cores of a
+2-core machine busy). CPU pipelines therefore look at a channel without waiting and sleep
+between looks, POLL_FIRST_S at first, doubling up to POLL_MAX_S: a value is seen at most
+POLL_MAX_S late, against CPU steps of tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from ray.exceptions import RayChannelTimeoutError
+
+POLL_FIRST_S, POLL_MAX_S = 5e-5, 2e-3
+
+
+def poll(look: Callable[[], object], deadline: float | None):
+    """look() until it returns -> its value. look reads without waiting and raises
+    RayChannelTimeoutError while nothing is there; raised again once the deadline (monotonic
+    seconds; None: none) passed. Other errors propagate at once."""
+    delay = POLL_FIRST_S
+    while True:
+        try:
+            return look()
+        except RayChannelTimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+        time.sleep(delay)
+        delay = min(delay * 2, POLL_MAX_S)
+
+
+def sleep_between_reads() -> None:
+    """From now on this process's reads of shared-memory channels poll and sleep (a stage or
+    draft actor on CPU: Ray's execution loop reads the graph's inputs with ``Channel.read``)."""
+    from ray.experimental.channel import shared_memory_channel as channels
+
+    spinning = channels.Channel.read
+    if getattr(spinning, "polls", False):
+        return
+
+    def read(self, timeout: float | None = None):
+        # timeout: None or -1 wait without end, 0 one look, else seconds
+        deadline = None if timeout is None or timeout < 0 else time.monotonic() + timeout
+        return poll(lambda: spinning(self, 0), deadline)
+
+    read.polls = True
+    channels.Channel.read = read
