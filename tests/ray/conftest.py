@@ -1,6 +1,8 @@
 """One local Ray for the whole test session (tests in tests/ray share it); the Serve app on it."""
 
+import os
 import socket
+import time
 
 import pytest
 
@@ -26,6 +28,27 @@ def free_port():
             return s.getsockname()[1]
 
     return pick
+
+
+@pytest.fixture(scope="session")
+def idle_cpu_s():
+    """idle_cpu_s(actors, seconds) -> CPU seconds each actor's process used while the caller
+    slept `seconds` (actors on this machine; a pipeline between steps)."""
+
+    def used(pid: int) -> float:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def measure(actors, seconds: float) -> list[float]:
+        import ray
+
+        pids = [ray.get(actor.ready.remote())["pid"] for actor in actors]
+        before = [used(pid) for pid in pids]
+        time.sleep(seconds)
+        return [used(pid) - b for pid, b in zip(pids, before)]
+
+    return measure
 
 
 @pytest.fixture(scope="session")

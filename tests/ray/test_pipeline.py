@@ -28,21 +28,7 @@ def _prompts(lengths, seed):
     return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
 
 
-def _idle_cpu_s(actors, seconds: float) -> list[float]:
-    """CPU seconds each actor's process used while the pipeline sat idle for `seconds`."""
-    pids = [ray.get(actor.ready.remote())["pid"] for actor in actors]
-
-    def used(pid: int) -> float:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-    before = [used(pid) for pid in pids]
-    time.sleep(seconds)
-    return [used(pid) - b for pid, b in zip(pids, before)]
-
-
-def test_pp_1_2_3_give_identical_greedy_tokens(ray_session, tiny_ckpt, tiny_model):
+def test_pp_1_2_3_give_identical_greedy_tokens(ray_session, tiny_ckpt, tiny_model, idle_cpu_s):
     prompts = _prompts([3, 130, 300], seed=0)
     expected = [reference_greedy(tiny_model, p, 5) for p in prompts]
     # the 300-token prompt's logprobs come back from the last stage actor with its prefill
@@ -56,7 +42,7 @@ def test_pp_1_2_3_give_identical_greedy_tokens(ray_session, tiny_ckpt, tiny_mode
             wall, cpu = time.monotonic(), time.process_time()
             outs = llm.generate(prompts, params)
             wall, cpu = time.monotonic() - wall, time.process_time() - cpu
-            idle = _idle_cpu_s(llm.core.pipeline.actors, 1.0)
+            idle = idle_cpu_s(llm.core.pipeline.actors, 1.0)
         finally:
             llm.shutdown()
         assert [o.token_ids for o in outs] == expected, pp

@@ -27,7 +27,7 @@ def _prompts(lengths, seed):
 
 @pytest.mark.parametrize("draft,k", [("window", 1), ("dsa", 3)])
 def test_pp2_with_drafts_gives_the_reference_greedy_tokens(
-    ray_session, tiny_ckpt, tiny_model, tmp_path, draft, k
+    ray_session, tiny_ckpt, tiny_model, tmp_path, idle_cpu_s, draft, k
 ):
     ckpt, model = tiny_ckpt, tiny_model
     if draft == "dsa":
@@ -41,10 +41,12 @@ def test_pp2_with_drafts_gives_the_reference_greedy_tokens(
         assert ray.get(pipeline.draft.ready.remote())["node"] == stage_node
         outs = llm.generate(prompts, GREEDY)
         stats = llm.core.stats()
+        idle = idle_cpu_s([*pipeline.actors, pipeline.draft], 1.0)
     finally:
         llm.shutdown()
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == reference_greedy(model, prompt, 10)
+    assert max(idle) < 0.3, idle  # stages and draft worker sleep between steps on CPU
     assert stats["num_verify_steps"] > 0 and stats["num_failed_draft_passes"] == 0
     if draft == "dsa":  # its later draft steps reused the target's top-k
         assert stats["num_topk_reuse_rows"] > 0
