@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
+from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 
 PAGE, WINDOW = 256, 128
@@ -37,15 +38,6 @@ INT_FIELDS = (
     "token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store", "c4_out",
     "c128_out", "c4_bound",
 )  # fmt: skip
-
-
-@dataclass
-class ReqTable:
-    """What a stage knows of one request: its ids in every index space."""
-
-    state_slot: int
-    page_ids: list[int]
-    window_page_ids: list[int]
 
 
 @dataclass(frozen=True)
@@ -127,8 +119,9 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
     firsts = np.repeat(np.cumsum(counts) - counts, counts)  # token index of each request's first
     pos = starts[rows] + np.arange(int(counts.sum()), dtype=np.int64) - firsts
     reqs = [tables[e.req_id] for e in entries]
-    page_table = pad_lists([r.page_ids for r in reqs], padding.page_cols if padding else None)
-    window_table = pad_lists([r.window_page_ids for r in reqs],
+    page_table = pad_lists([r.page_ids.view() for r in reqs],
+                           padding.page_cols if padding else None)  # fmt: skip
+    window_table = pad_lists([r.window_page_ids.view() for r in reqs],
                              padding.window_cols if padding else None)  # fmt: skip
     _check_windows(entries, reqs)
     visible = (pos + 1) // 128
@@ -287,8 +280,9 @@ class HostStage:
         return out
 
 
-def pad_lists(lists: list[list[int]], width: int | None) -> np.ndarray:
-    """[len(lists), width (None: the longest, at least 1)] int64, -1 past each list."""
+def pad_lists(lists: list, width: int | None) -> np.ndarray:
+    """[len(lists), width (None: the longest, at least 1)] int64, -1 past each list (lists of
+    ints or int64 arrays)."""
     longest = max((len(x) for x in lists), default=0)
     if width is not None and longest > width:
         raise ValueError(f"{longest} pages do not fit a padded page table of {width} columns")
@@ -304,8 +298,8 @@ def _check_windows(entries, reqs) -> None:
     for entry, req in zip(entries, reqs):
         first = max(0, entry.start_pos - WINDOW + 1) // WINDOW
         last = (entry.start_pos + entry.num_tokens - 1) // WINDOW
-        ids = req.window_page_ids
-        if last >= len(ids) or min(ids[first : last + 1]) < 0:
+        ids = req.window_page_ids.view()
+        if last >= len(ids) or ids[first : last + 1].min() < 0:
             raise RuntimeError(f"{entry.req_id}: a window page of its last 128 positions is gone")
 
 

@@ -43,11 +43,12 @@ from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import HostStage, ReqTable, build_batch
+from dsv4ray.worker.batch import HostStage, build_batch
 from dsv4ray.worker.draft_chain import chain_metas
 from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
 from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
+from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.stage_spec import DraftSpec
 from dsv4ray.worker.verify import DraftSpan, draft_spans, settle_handoff
@@ -125,21 +126,10 @@ class DraftWorker:
         for new in plan.new_requests:
             self._add(new)
         for diff in plan.diffs:
-            table = self.tables[diff.req_id]
-            if diff.num_pages >= 0:
-                del table.page_ids[diff.num_pages :]
-            table.page_ids.extend(diff.new_page_ids)
-            for idx, page in diff.new_window_pages:
-                if idx >= len(table.window_page_ids):
-                    table.window_page_ids.extend([-1] * (idx + 1 - len(table.window_page_ids)))
-                table.window_page_ids[idx] = page
-            for idx in diff.freed_window_idxs:
-                table.window_page_ids[idx] = -1
+            self.tables[diff.req_id].apply(diff)
 
     def _add(self, new: NewRequest) -> None:
-        self.tables[new.req_id] = ReqTable(
-            new.state_slot, list(new.page_ids), list(new.window_page_ids)
-        )
+        self.tables[new.req_id] = ReqTable(new.state_slot, new.page_ids, new.window_page_ids)
         self.pools.reset_rings([new.state_slot])
         if new.state_copy_from >= 0:
             self.pools.copy_rings([self.pools.cached_row(new.state_copy_from)], [new.state_slot])

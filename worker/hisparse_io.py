@@ -192,7 +192,7 @@ def _scratch_arrays(plan: StepPlan, tables: dict, num_k: int):
         if n > 1:
             end = entry.start_pos + n
             history = -(-entry.start_pos // PAGE_SIZE)  # pages holding entries before the chunk
-            src += tables[entry.req_id].page_ids[:history]
+            src += tables[entry.req_id].page_ids[:history].tolist()
             dst += range(page_cursor, page_cursor + history)
             region = page_cursor * C4_PER_PAGE
             page_cursor += -(-end // PAGE_SIZE)

@@ -39,7 +39,7 @@ from dsv4ray.engine.handoff_plan import (
     stage_buffers,
 )
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.batch import ReqTable
+from dsv4ray.worker.req_table import ReqTable
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -95,8 +95,8 @@ class KVPort:
         report = SendReport(send.req_id, self.pools.start, self.pools.end, self.signature)
         if table is None:
             return _failed(report, f"request {send.req_id!r} is unknown to this stage")
-        window_pages = tuple((i, p) for i, p in enumerate(table.window_page_ids) if p >= 0)
-        src_ids = DeviceIds(tuple(table.page_ids), window_pages, table.state_slot)
+        src_ids = DeviceIds(tuple(table.page_ids.tolist()), table.resident_windows(),
+                            table.state_slot)  # fmt: skip
         try:
             plan = plan_writes(self.endpoint, send.dest, send.num_tokens, src_ids)
         except HandoffError as exc:

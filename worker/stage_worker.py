@@ -22,13 +22,14 @@ from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, NewRequest, StageResult, 
 from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import BatchMeta, HostStage, ReqTable, build_batch
+from dsv4ray.worker.batch import BatchMeta, HostStage, build_batch
 from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
 from dsv4ray.worker.kv_export import KVPort, run_handoffs
 from dsv4ray.worker.overlap import SampledTokens, fill_tokens, record_samples, take_samples
 from dsv4ray.worker.paged import paged_block
+from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.stage_graphs import Staged, StageGraphs
 from dsv4ray.worker.stage_sampling import StageSampling
@@ -380,22 +381,14 @@ class StageWorker:
         resets = []  # (state slot, positions) whose C128 ring rows rejected drafts wrote
         for diff in plan.diffs:
             table = self.tables[diff.req_id]
-            if diff.num_pages >= 0:  # a rollback of rejected drafts comes first
-                del table.page_ids[diff.num_pages :]
             if diff.rejected:
                 resets.append((table.state_slot, range(*diff.rejected)))
-            table.page_ids.extend(diff.new_page_ids)
-            for idx, page in diff.new_window_pages:
-                _set(table.window_page_ids, idx, page)
-            for idx in diff.freed_window_idxs:
-                table.window_page_ids[idx] = -1
+            table.apply(diff)
         if resets:
             self.pools.reset_c128_rows(resets)
 
     def _add(self, new: NewRequest) -> None:
-        self.tables[new.req_id] = ReqTable(
-            new.state_slot, list(new.page_ids), list(new.window_page_ids)
-        )
+        self.tables[new.req_id] = ReqTable(new.state_slot, new.page_ids, new.window_page_ids)
         if new.state_copy_from != STATE_TRANSFERRED:  # else a handoff wrote the rings
             self.pools.reset_rings([new.state_slot])  # C128 ring: empty at a page boundary
         if new.state_copy_from >= 0:
@@ -420,8 +413,3 @@ class Prepared:
     staged: Staged | None = None
     error: Exception | None = None
 
-
-def _set(values: list[int], idx: int, value: int) -> None:
-    if idx >= len(values):
-        values.extend([-1] * (idx + 1 - len(values)))
-    values[idx] = value

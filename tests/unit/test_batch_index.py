@@ -13,12 +13,12 @@ import torch
 
 from dsv4ray.engine.plan import BatchEntry, StepPlan
 from dsv4ray.worker.batch import (
-    ReqTable,
     _c128_slots_t,
     _entry_slots_t,
     _window_slots_t,
     host_arrays,
 )
+from dsv4ray.worker.req_table import ReqTable
 
 PAGE, WINDOW = 256, 128
 
@@ -117,6 +117,6 @@ def test_top_k_positions_map_to_their_requests_c4_slots(seed):
 def test_a_missing_window_page_is_a_bookkeeping_error():
     plan, tables = _random_step(random.Random(7))
     e = next(e for e in plan.batch if e.start_pos + e.num_tokens > 1)
-    tables[e.req_id].window_page_ids[(e.start_pos + e.num_tokens - 1) // WINDOW] = -1
+    tables[e.req_id].window_page_ids.set((e.start_pos + e.num_tokens - 1) // WINDOW, -1)
     with pytest.raises(RuntimeError, match="window page of its last 128 positions is gone"):
         host_arrays(plan, tables)

@@ -9,13 +9,13 @@ import torch
 from dsv4ray.engine.plan import BatchEntry, StepPlan
 from dsv4ray.worker.batch import (
     Padding,
-    ReqTable,
     _c128_slots_t,
     _window_slots_t,
     host_arrays,
     slotted_rows,
 )  # fmt: skip
 from dsv4ray.worker.cuda_graphs import context_buckets
+from dsv4ray.worker.req_table import ReqTable
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",
              "c4_out", "c128_out", "c4_bound")  # fmt: skip

@@ -16,9 +16,10 @@ from dsv4ray.entrypoints.cli_options import engine_options
 from dsv4ray.kernels import dispatch
 from dsv4ray.model.loader import load_stage
 from dsv4ray.model.tiny import tiny_config
-from dsv4ray.worker.batch import ReqTable, build_batch
+from dsv4ray.worker.batch import build_batch
 from dsv4ray.worker.hisparse_io import c4_cache, scratch_step
 from dsv4ray.worker.paged import _compress
+from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 
 HOT_ROWS = 17  # the tiny preset's index_topk (16) + the reserved row
