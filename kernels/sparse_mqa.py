@@ -31,7 +31,10 @@ REF_CHUNK = 64  # tokens per step of the torch reference
 SHARED_KEYS_RATIO = 4
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
-MAX_SPLITS = 8
+MAX_SPLITS = 8  # ...for key lists up to MAX_SPLITS * LONG_KEYS_PER_SPLIT keys
+# past that a split holds at most this many keys while SMs are idle: a 1M-token context's C128
+# layer reads 8,192 entries a token, which 8 splits left to 8 SMs at batch 1
+LONG_KEYS_PER_SPLIT = 256
 MIN_KEYS_PER_SPLIT = 128  # shorter splits spend more on partials than they save...
 # ...unless under a quarter of the SMs would have a program: then splits of 32 keys pay (H200,
 # stdlib-tiny decode at 145 keys, fp32 pages: batch 1 1.33x, batch 16 1.20x tok/s; at batch 64,
@@ -60,11 +63,13 @@ def _config(num_heads: int, bf16_mma: bool) -> tuple:
 
 def num_splits_for(num_tokens: int, num_head_blocks: int, num_keys: int, device) -> int:
     """Key splits per token: enough programs for every SM, each split >= MIN_KEYS_PER_SPLIT keys
-    (LOW_FILL_KEYS_PER_SPLIT when fewer programs than a quarter of the SMs would run)."""
+    (LOW_FILL_KEYS_PER_SPLIT when fewer programs than a quarter of the SMs would run), at most
+    MAX_SPLITS unless that leaves splits of over LONG_KEYS_PER_SPLIT keys."""
     programs = max(1, num_tokens * num_head_blocks)
     want = max(1, num_sms(device) // programs)
     min_keys = LOW_FILL_KEYS_PER_SPLIT if want >= 4 else MIN_KEYS_PER_SPLIT
-    return max(1, min(want, MAX_SPLITS, num_keys // min_keys))
+    cap = max(MAX_SPLITS, num_keys // LONG_KEYS_PER_SPLIT)
+    return max(1, min(want, cap, num_keys // min_keys))
 
 
 @triton.jit

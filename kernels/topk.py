@@ -9,11 +9,20 @@ The Triton kernel runs one program per row. A radix select finds the exact k-th 
 compaction pass then keeps every score > u* and the first (in position order) of the scores == u*,
 which is exactly the tie rule, and a sort of those k keys (score << 32 | ~position) orders them.
 Each pass reads the row (4 bytes an entry) from L2; only k keys are sorted.
+
+A long row with few rows beside it (a 1M-token decode: 262,144 entries a row on one SM) is cut
+into segments: the same kernel first selects each segment's top k candidates with the same rule,
+kept in position order, then selects the row's top k among the candidates. The row's top k is
+among its segments' (the order score, then lower position, is total), and the candidates of
+equal score stay in position order, so the tie rule holds. Both passes are one compiled kernel:
+the mode is a runtime argument, so a context that first needs segments compiles nothing.
 """
 
 import torch
 import triton
 import triton.language as tl
+
+from dsv4ray.kernels.bits import num_sms
 
 MASKED_SCORE = -(2**31)
 MASKED_SCORE_C = tl.constexpr(MASKED_SCORE)
@@ -74,40 +83,72 @@ def _radix_select(row_ptr, num_cols, need, CHUNK: tl.constexpr, RADIX_BITS: tl.c
     return prefix, need
 
 
-@triton.jit(do_not_specialize=["num_cols", "topk"])
-def _topk_rows_kernel(scores_ptr, out_ptr, buf_ptr, num_cols, topk, K_POW2: tl.constexpr,
-                      CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    # program = one row; buf [rows, K_POW2] int64 scratch for the selected keys
+MODE_ROW, MODE_SEGMENT, MODE_CANDIDATES = 0, 1, 2  # the kernel's `mode` argument
+SEGMENT_C, CANDIDATES_C = tl.constexpr(MODE_SEGMENT), tl.constexpr(MODE_CANDIDATES)
+
+
+@triton.jit
+def _keys(u, pos):
+    """Sort keys score << 32 | ~position: descending key order is the selection order."""
+    score = (u.to(tl.int32, bitcast=True) ^ SIGN).to(tl.int64)
+    return (score << 32) | ((pos.to(tl.int64) & LOW32) ^ LOW32)
+
+
+@triton.jit(do_not_specialize=["num_cols", "topk", "row_stride", "seg_len", "mode"])
+def _topk_rows_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cand_pos_ptr, buf_ptr, num_cols,
+                      topk, row_stride, seg_len, mode, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                      RADIX_BITS: tl.constexpr):
+    # program (row t, segment g) over entries [g * seg_len, + seg_len) of row t (num_cols in all).
+    # mode MODE_ROW: one segment; out [rows, topk] int64 <- positions = entry indexes.
+    # MODE_SEGMENT: cand / cand_pos [rows, segments * topk] int32 <- the segment's top-k scores
+    #   and positions in position order, MASKED_SCORE past them.
+    # MODE_CANDIDATES: the row is those candidates, positions read from pos_ptr; out as MODE_ROW.
+    # buf [rows, K_POW2] int64 scratch for the selected keys.
     t = tl.program_id(0).to(tl.int64)
-    row_ptr = scores_ptr + t * num_cols
+    base = tl.program_id(1).to(tl.int64) * seg_len
+    row_ptr = scores_ptr + t * row_stride + base
+    n = tl.minimum(num_cols - base, seg_len).to(tl.int32)
+    need = tl.minimum(topk, n)
+    threshold, need_eq = _radix_select(row_ptr, n, need, CHUNK, RADIX_BITS)
     buf_row = buf_ptr + t * K_POW2
-    need = tl.minimum(topk, num_cols)
-    threshold, need_eq = _radix_select(row_ptr, num_cols, need, CHUNK, RADIX_BITS)
+    cand_row = (t * tl.cdiv(num_cols, seg_len) + tl.program_id(1)) * topk  # MODE_SEGMENT's slots
     count = tl.zeros((), tl.int32)
     taken_eq = tl.zeros((), tl.int32)
-    for c0 in range(0, num_cols, CHUNK):
+    for c0 in range(0, n, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
-        ok = idx < num_cols
+        ok = idx < n
         u = _load_unsigned(row_ptr, idx, ok)
         eq = ok & (u == threshold)
         eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
         keep = (ok & (u > threshold)) | (eq & (eq_rank < need_eq))
         slot = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        score = (u.to(tl.int32, bitcast=True) ^ SIGN).to(tl.int64)
-        tl.store(buf_row + slot, (score << 32) | (idx.to(tl.int64) ^ LOW32), mask=keep)
+        from_pos = (idx * 0 + mode) == CANDIDATES_C  # [CHUNK]: a block under the interpreter too
+        stored = tl.load(pos_ptr + t * row_stride + base + idx, mask=ok & from_pos, other=0)
+        pos = tl.where(from_pos, stored, base + idx)
+        if mode == SEGMENT_C:
+            tl.store(cand_ptr + cand_row + slot, u.to(tl.int32, bitcast=True) ^ SIGN, mask=keep)
+            tl.store(cand_pos_ptr + cand_row + slot, pos.to(tl.int32), mask=keep)
+        else:
+            tl.store(buf_row + slot, _keys(u, pos), mask=keep)
         taken_eq += tl.sum(eq.to(tl.int32), axis=0)
         count += tl.sum(keep.to(tl.int32), axis=0)
-    tl.debug_barrier()  # the stores above come from every thread of the program
     k = tl.arange(0, K_POW2)
-    keys = tl.sort(tl.load(buf_row + k, mask=k < count, other=MASKED_SCORE_C * 2**32),
-                   descending=True)
-    pos = tl.where((keys >> 32) == MASKED_SCORE_C, -1, (keys & LOW32) ^ LOW32)
-    tl.store(out_ptr + t * topk + k, pos, mask=k < topk)
+    if mode == SEGMENT_C:  # a short last segment: the rest of its k slots pick nothing
+        pad = (k >= count) & (k < topk)
+        tl.store(cand_ptr + cand_row + k, tl.full((K_POW2,), MASKED_SCORE_C, tl.int32), mask=pad)
+        tl.store(cand_pos_ptr + cand_row + k, tl.zeros((K_POW2,), tl.int32), mask=pad)
+    else:
+        tl.debug_barrier()  # the stores above come from every thread of the program
+        keys = tl.sort(tl.load(buf_row + k, mask=k < count, other=MASKED_SCORE_C * 2**32),
+                       descending=True)
+        pos = tl.where((keys >> 32) == MASKED_SCORE_C, -1, (keys & LOW32) ^ LOW32)
+        tl.store(out_ptr + t * topk + k, pos, mask=k < topk)
 
 
-def topk_rows(scores: torch.Tensor, topk: int) -> torch.Tensor:
+def topk_rows(scores: torch.Tensor, topk: int, segments: int | None = None) -> torch.Tensor:
     """scores int32 [T, L] (order-preserving, MASKED_SCORE = never) -> positions int64 [T, topk]:
-    descending score, ties to the lower position, -1 padded (also for picked MASKED entries)."""
+    descending score, ties to the lower position, -1 padded (also for picked MASKED entries).
+    segments: programs per row in the first pass (None: `num_segments`)."""
     assert scores.dtype == torch.int32 and scores.dim() == 2 and scores.is_contiguous()
     num_rows, num_cols = scores.shape
     out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=scores.device)
@@ -117,9 +158,42 @@ def topk_rows(scores: torch.Tensor, topk: int) -> torch.Tensor:
     k_pow2 = max(16, triton.next_power_of_2(topk))
     buf = torch.empty(num_rows, k_pow2, dtype=torch.int64, device=scores.device)
     chunk, num_warps = _config()
-    _topk_rows_kernel[(num_rows,)](scores, out, buf, num_cols, topk, K_POW2=k_pow2, CHUNK=chunk,
-                                   RADIX_BITS=RADIX_BITS, num_warps=num_warps)
+    if segments is None:
+        segments = num_segments(num_rows, num_cols, topk, scores.device)
+    seg_len = triton.cdiv(num_cols, max(1, segments))
+    segments = triton.cdiv(num_cols, seg_len)  # none empty
+    consts = dict(K_POW2=k_pow2, CHUNK=chunk, RADIX_BITS=RADIX_BITS, num_warps=num_warps)
+    if segments == 1:
+        _topk_rows_kernel[(num_rows, 1)](scores, scores, out, scores, scores, buf, num_cols, topk,
+                                         num_cols, num_cols, MODE_ROW, **consts)  # fmt: skip
+        return out
+    cand = torch.empty(num_rows, segments * topk, dtype=torch.int32, device=scores.device)
+    cand_pos = torch.empty_like(cand)
+    _topk_rows_kernel[(num_rows, segments)](scores, scores, out, cand, cand_pos, buf, num_cols,
+                                            topk, num_cols, seg_len, MODE_SEGMENT, **consts)
+    width = segments * topk
+    _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, cand, cand_pos, buf, width, topk, width,
+                                     width, MODE_CANDIDATES, **consts)  # fmt: skip
     return out
+
+
+def num_segments(num_rows: int, num_cols: int, topk: int, device) -> int:
+    """First-pass programs per row. A pass costs about the same for any part of a chunk, so
+    segments pay when they cut the chunks one program reads: chunks(L / S) + chunks(S * k)
+    below chunks(L). Only while rows are too few to fill the SMs; at most two programs per SM."""
+    chunk = _config()[0]
+    whole = triton.cdiv(num_cols, chunk)
+    if whole <= 2 or 2 * num_rows > num_sms(device):
+        return 1
+    best, best_cost = 1, whole
+    segments = 2
+    while segments * num_rows <= 2 * num_sms(device) and segments <= num_cols // topk:
+        cost = triton.cdiv(triton.cdiv(num_cols, segments), chunk) + triton.cdiv(
+            segments * topk, chunk)
+        if cost < best_cost:
+            best, best_cost = segments, cost
+        segments *= 2
+    return best
 
 
 def _config() -> tuple:

@@ -138,3 +138,5 @@ def test_split_count_fills_the_gpu_without_tiny_splits():
     assert num_splits_for(4096, 1, 640, cpu) == 1  # prefill fills the GPU by itself
     assert num_splits_for(1, 1, 100, cpu) == 3
     assert num_splits_for(1, 1, 31, cpu) == 1
+    assert num_splits_for(1, 1, 8320, cpu) == 32  # 1M context's C128 layer: splits of <= 256 keys
+    assert num_splits_for(8, 1, 8320, cpu) == 16  # ... as many as the SMs take

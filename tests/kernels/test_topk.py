@@ -1,10 +1,18 @@
 """topk_rows: the radix-select top-k against its torch reference (exact positions, ties to the lower
-position) on rows with ties, masked entries, short rows and k above the row length."""
+position) on rows with ties, masked entries, short rows and k above the row length, in one pass
+and with rows cut into segments (ties across segment boundaries, a short last segment, segments
+shorter than k)."""
 
 import pytest
 import torch
 
-from dsv4ray.kernels.topk import MASKED_SCORE, ordered_int32_ref, topk_rows, topk_rows_ref
+from dsv4ray.kernels.topk import (
+    MASKED_SCORE,
+    num_segments,
+    ordered_int32_ref,
+    topk_rows,
+    topk_rows_ref,
+)
 
 
 def _scores(num_rows, num_cols, device):
@@ -30,6 +38,26 @@ def test_kernel_matches_reference(num_cols, topk, device):
     valid = min(topk, num_cols)
     assert got[0, :valid].tolist() == list(range(valid))  # ties go to the lower position
     assert (got[4] < num_cols // 2).all() and (got[:, valid:] == -1).all()
+
+
+@pytest.mark.parametrize("num_cols,topk,segments", [(5000, 64, 3), (130, 200, 2), (2049, 16, 7)])
+def test_segmented_rows_match_the_reference(num_cols, topk, segments, device):
+    scores = _scores(6, num_cols, device)
+    scores[5] = ordered_int32_ref(torch.randint(0, 3, (num_cols,)).float())  # ties everywhere
+    got = topk_rows(scores, topk, segments=segments).cpu()
+    ref = topk_rows_ref(scores, topk).cpu()
+    assert torch.equal(got, ref), (got != ref).nonzero()[:5].tolist()
+
+
+def test_long_rows_of_a_small_batch_take_segments(device):
+    """A decode batch over a long context: the row is cut without being asked."""
+    num_cols, topk = 3 * 8192 + 5, 16
+    assert num_segments(2, num_cols, topk, torch.device(device)) > 1
+    assert num_segments(2, 8192, topk, torch.device(device)) == 1  # one chunk: one pass
+    assert num_segments(100, num_cols, topk, torch.device(device)) == 1  # rows fill the SMs
+    scores = _scores(6, num_cols, device)[[1, 4]].contiguous()
+    got, ref = topk_rows(scores, topk).cpu(), topk_rows_ref(scores, topk).cpu()
+    assert torch.equal(got, ref), (got != ref).nonzero()[:5].tolist()
 
 
 def test_ordered_int32_keeps_the_float_order():
