@@ -1,12 +1,14 @@
 """Where a step's GPU time goes: kernels by name for eager decode steps and for one prefill.
 
     python bench/profile_step.py [--model DIR] [--batch 64] [--steps 4] [--prefill-len 8192]
-                                 [--out DIR] [--weight-format auto|native]
+                                 [--context 512] [--out DIR] [--weight-format auto|native]
 
 Makes dsv4-mini when --model does not exist, runs the engine eagerly (no CUDA graphs, so every
 launch shows), and writes two tables to --out: decode (kernels per step and GPU time by kernel
-name, over `steps` pure-decode steps at `batch`) and prefill (one `prefill-len` prompt). The
-tables say what to fuse next; numbers that claim speed come from bench/decode.py.
+name, over `steps` pure-decode steps at `batch` requests of `context` tokens) and prefill (one
+`prefill-len` prompt). Contexts past 8k are seeded into the prefix cache as bench/paths.py's
+context part does (no long prefill; a step reads the same bytes). The tables say what to fuse
+next; numbers that claim speed come from bench/decode.py and bench/paths.py.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from paths import seed_context  # noqa: E402
 from report import random_prompts  # noqa: E402
 
 from dsv4ray import LLM, SamplingParams  # noqa: E402
@@ -43,12 +46,29 @@ def kernel_table(prof, steps: int, title: str) -> str:
     return "\n".join(lines)
 
 
+def cached_prompts(llm: LLM, batch: int, context: int) -> list:
+    """batch prompts whose pages the prefix cache holds: `context` tokens generated from when
+    short; past 8k, `context` - 256 tokens seeded and one more token."""
+    if context <= 8192:
+        prompts = random_prompts(batch, context, 1)
+        llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
+        return prompts
+    if context % 256:
+        raise SystemExit(f"--context {context}: past 8192 it must be a multiple of 256")
+    prompts = random_prompts(batch, context - 256, 1)
+    for ids in prompts:
+        seed_context(llm, ids)
+    return [ids + [5] for ids in prompts]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="/tmp/dsv4-mini")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prefill-len", type=int, default=8192)
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens of each decoding request's context (past 8192: a multiple of 256)")
     p.add_argument("--out", default=".")
     p.add_argument("--weight-format", default="auto", help="native: FP8/FP4 weights as stored")
     args = p.parse_args()
@@ -58,9 +78,9 @@ def main() -> None:
         make_tiny(args.model, "dsv4-mini", seed=0, device="cuda")
     llm = LLM(args.model, device="cuda", max_running_requests=args.batch, cuda_graphs=False,
               max_num_batched_tokens=max(8192, args.prefill_len),
+              max_model_len=max(8192, args.prefill_len, args.context),
               weight_format=args.weight_format)  # fmt: skip
-    prompts = random_prompts(args.batch, 512, 1)
-    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))  # warm, cache prompts
+    prompts = cached_prompts(llm, args.batch, args.context)
     core = llm.core
     for r, ids in enumerate(prompts):
         core.add_request(f"p{r}", ids, SamplingParams(max_tokens=64, ignore_eos=True))
@@ -71,7 +91,8 @@ def main() -> None:
         for _ in range(args.steps):
             core.step()
         torch.cuda.synchronize()
-    text = kernel_table(prof, args.steps, f"decode, batch {args.batch}, eager")
+    text = kernel_table(prof, args.steps,
+                        f"decode, batch {args.batch}, {args.context}-token contexts, eager")
     while core.has_unfinished():
         core.step()
     if args.prefill_len:
