@@ -17,6 +17,7 @@ import ray
 import torch
 
 from dsv4ray.actors.channel_wait import sleep_between_reads
+from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.model.sources import fetch_model
@@ -32,6 +33,7 @@ class DraftActor:
         if spec.device == "cpu":  # Ray's spinning reads would keep a core busy between steps
             sleep_between_reads()
         self.worker = DraftWorker(dataclasses.replace(spec, model=fetch_model(spec.model)))
+        self.timeline_records = MethodTimeline()
 
     def ready(self) -> dict:
         return {"pid": os.getpid(), "node": ray.get_runtime_context().get_node_id()}
@@ -45,5 +47,12 @@ class DraftActor:
     def stats(self) -> dict:
         return dict(self.worker.stats)
 
+    def timeline(self, record: bool) -> list:
+        """As StageActor.timeline: [("draft", step id, entered, left)]."""
+        return self.timeline_records.swap(record)
+
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
-        return self.worker.execute(decode(plan), prev)
+        entered = self.timeline_records.enter()
+        out = self.worker.execute(plan := decode(plan), prev)
+        self.timeline_records.left("draft", plan.step_id, entered)
+        return out

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 
 import ray
 import torch
 
 from dsv4ray.actors.channel_wait import sleep_between_reads
+from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.model.sources import fetch_model
@@ -33,7 +33,7 @@ class StageActor:
             sleep_between_reads()
         local = fetch_model(spec.model)  # a URI: this machine's cached copy
         self.worker = StageWorker(dataclasses.replace(spec, model=local))
-        self.records: list | None = None  # (method, step id, entered, left) while recording
+        self.timeline_records = MethodTimeline()
         self.prepared = None  # the step ``prepare`` readied for ``next``
 
     def ready(self) -> dict:
@@ -84,16 +84,15 @@ class StageActor:
         """Starts (record) or stops recording when each graph method was entered and left
         (time.monotonic, one clock for every process of a machine); returns what was recorded
         since the last call: [(method, step id, entered, left)] (bench/pipeline.py --timeline)."""
-        records, self.records = self.records or [], ([] if record else None)
-        return records
+        return self.timeline_records.swap(record)
 
     def take(self, plan: bytes, result: StageResult) -> StageResult:
-        entered = time.monotonic() if self.records is not None else 0.0
+        entered = self.timeline_records.enter()
         out = self.worker.take(plan := decode(plan), result)
         return self._record("take", plan, entered, out)
 
     def first(self, plan: bytes) -> StageResult:
-        entered = time.monotonic() if self.records is not None else 0.0
+        entered = self.timeline_records.enter()
         out = self.worker.step(plan := decode(plan))
         return self._record("first", plan, entered, out)
 
@@ -101,7 +100,7 @@ class StageActor:
         """A later stage's bookkeeping and staged metadata of a step, run before its ``next``
         waits for the stage before (a receive over NCCL blocks until the sender's kernels
         finished) -> the step id ``next`` takes."""
-        entered = time.monotonic() if self.records is not None else 0.0
+        entered = self.timeline_records.enter()
         self.prepared = self.worker.prepare(plan := decode(plan))
         self._record("prepare", plan, entered, None)
         return plan.step_id
@@ -111,7 +110,7 @@ class StageActor:
         return prev
 
     def next(self, step_id: int, prev: StageResult) -> StageResult:
-        entered = time.monotonic() if self.records is not None else 0.0
+        entered = self.timeline_records.enter()
         prepared, self.prepared = self.prepared, None
         if prepared is None or prepared.plan.step_id != step_id:
             raise RuntimeError(f"step {step_id} reached a stage that prepared no such step")
@@ -119,6 +118,5 @@ class StageActor:
         return self._record("next", prepared.plan, entered, out)
 
     def _record(self, method: str, plan, entered: float, out):
-        if self.records is not None and len(self.records) < 100_000:
-            self.records.append((method, plan.step_id, entered, time.monotonic()))
+        self.timeline_records.left(method, plan.step_id, entered)
         return out
