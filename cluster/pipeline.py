@@ -72,7 +72,7 @@ class RayPipeline:
         self.pg = placement or placement_group(bundles, strategy="PACK")
         try:
             wait_for_placement(self.pg, bundles if self.own_pg else self.pg.bundle_specs,
-                               config.execution_timeout_s, f"pipeline of {len(self.ranges)} "
+                               config.startup_timeout_s, f"pipeline of {len(self.ranges)} "
                                "stages")  # fmt: skip
         except ValueError:
             if self.own_pg:
@@ -158,8 +158,11 @@ class RayPipeline:
         need = tokens * (c.hc_mult * c.hidden_size * 4 + c.index_topk * 8) + (1 << 16)
         return min(max(need, 1 << 20), 64 << 20)
 
-    def _get(self, refs):
-        return ray.get(refs, timeout=self.config.execution_timeout_s)
+    def _get(self, refs, startup: bool = True):
+        """ray.get bounded by the startup timeout (a build's actor starts, weight loads and graph
+        captures), or by the step timeout for calls while serving."""
+        ec = self.config
+        return ray.get(refs, timeout=ec.startup_timeout_s if startup else ec.execution_timeout_s)
 
     @property
     def _all_actors(self) -> list:
@@ -262,7 +265,7 @@ class RayPipeline:
 
     def stage_stats(self) -> list[dict]:
         """Each stage's counters (a control call beside the compiled graph)."""
-        return self._get([actor.stats.remote() for actor in self.actors])
+        return self._get([actor.stats.remote() for actor in self.actors], startup=False)
 
     def drop_host(self) -> None:
         """The host tier is gone: stop using it and remove its files on this node."""

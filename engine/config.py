@@ -41,6 +41,8 @@ class EngineConfig:
     memory_fraction: float = 0.85  # share of free device memory the pools may take
     use_ray: str | bool = "auto"  # stages as Ray actors: auto, true or false
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
+    # stage actors are placed, start, load weights, allocate and capture graphs within it
+    startup_timeout_s: float = 1800.0
     cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
@@ -127,7 +129,8 @@ class EngineConfig:
         _int_at_least(self, "pd_test_corrupt_transfers", 0)
         if self.pd_protocol not in PD_PROTOCOLS:
             raise ValueError(f"pd_protocol must be one of {PD_PROTOCOLS}, got {self.pd_protocol!r}")
-        for name in ("pd_timeout_s", "num_gpus_per_stage"):
+        for name in ("pd_timeout_s", "num_gpus_per_stage", "execution_timeout_s",
+                     "startup_timeout_s"):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"{name} must be a number > 0, got {value!r}")

@@ -150,7 +150,9 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
 
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False  # the job's own bar counts input lines
-    context.wait_for_min_actors_s = int(engine.get("execution_timeout_s", 600))  # all replicas
+    # every replica builds its engine (stage actors, weights, graphs) before the first block
+    context.wait_for_min_actors_s = int(engine.get("startup_timeout_s",
+                                                   EngineConfig.startup_timeout_s))  # fmt: skip
     results = ray.data.read_datasource(source, ray_remote_args=_read_on(source.path)).map_batches(
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},

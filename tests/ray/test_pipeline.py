@@ -4,8 +4,10 @@ stage back to the first, fixed-shape buckets on every stage; and a pipeline that
 placed says why."""
 
 import asyncio
+import contextlib
 import dataclasses
 import os
+import signal
 import time
 
 import pytest
@@ -99,6 +101,34 @@ def test_killed_stage_aborts_requests_and_the_pipeline_recovers(ray_session, tin
         assert again.token_ids == reference_greedy(tiny_model, prompt, 5)
     finally:
         engine.shutdown()
+
+
+def test_a_stuck_stage_ends_its_request_after_the_step_timeout_and_is_replaced(
+    ray_session, tiny_ckpt, tiny_model, monkeypatch
+):
+    """A stage that stops answering (SIGSTOP) fails the step after execution_timeout_s; the
+    next request rebuilds the pipeline, whose fresh actors take longer to start than that step
+    timeout (startup has its own bound), and gets the reference tokens."""
+    from dsv4ray.cluster import pipeline
+
+    monkeypatch.setattr(pipeline, "EXIT_TIMEOUT_S", 2.0)  # the stuck actor is killed sooner
+    timeout_s = 3.0
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, execution_timeout_s=timeout_s)
+    stuck = llm.core.pipeline.dag.local_pids[-1]
+    prompt = _prompts([30], seed=8)[0]
+    try:
+        os.kill(stuck, signal.SIGSTOP)
+        t0 = time.monotonic()
+        out = llm.generate([prompt], GREEDY)[0]
+        assert out.finish_reason == "abort" and "stage" in out.error
+        assert timeout_s <= time.monotonic() - t0 < timeout_s + 15
+        again = llm.generate([prompt], GREEDY)[0]
+        assert again.error is None and again.token_ids == reference_greedy(tiny_model, prompt, 5)
+        assert llm.core.num_rebuilds == 1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(stuck, signal.SIGCONT)
+        llm.shutdown()
 
 
 def test_pp_larger_than_layers_is_a_clear_error(ray_session, tiny_ckpt):
