@@ -302,8 +302,16 @@ def _read_num_hash_layers(raw: dict) -> int:
 
 
 def _validate(c: ModelConfig) -> None:
-    _positive(c, *_REQUIRED, "o_groups", "index_head_dim", "hc_mult", "hc_sinkhorn_iters",
-              "head_dim", "index_topk_freq")
+    _positive(
+        c,
+        *_REQUIRED,
+        "o_groups",
+        "index_head_dim",
+        "hc_mult",
+        "hc_sinkhorn_iters",
+        "head_dim",
+        "index_topk_freq",
+    )
     n = c.num_hidden_layers
     if len(c.compress_ratios) != n + c.num_nextn_predict_layers:
         raise ConfigError(

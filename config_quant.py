@@ -38,9 +38,8 @@ class QuantConfig:
 
     def __post_init__(self) -> None:
         block = self.weight_block_size
-        if (
-            len(block) != 2
-            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
+        if len(block) != 2 or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block
         ):
             raise ConfigError(
                 f"quantization_config.weight_block_size must be two positive integers, got {block}"

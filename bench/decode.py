@@ -309,8 +309,12 @@ def parse_args():
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="engine without overlap scheduling")
     p.add_argument("--profile", default=None, help="write a decode profile table here")
-    p.add_argument("--quantize", default=None, choices=["fp8", "fp8+fp4-experts"],
-                   help="native FP8/FP4 weights vs dequantised bf16 (bench/quantized.py)")
+    p.add_argument(
+        "--quantize",
+        default=None,
+        choices=["fp8", "fp8+fp4-experts"],
+        help="native FP8/FP4 weights vs dequantised bf16 (bench/quantized.py)",
+    )
     p.add_argument("--preset", default="dsv4-mini", help="make_tiny preset for --quantize")
     p.add_argument("--commit", default=None)
     p.add_argument("--out-dir", default=None)

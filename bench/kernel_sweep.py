@@ -41,11 +41,16 @@ def _sweep_sparse(s, timer, device, rows):
     variants.append(((64, 64, 8), 2, q.to(torch.bfloat16)))
     for config, splits, q_in in variants:
         sparse_mqa._config = lambda heads, bf16, config=config: (
-            (*config, False) if bf16 else (16, 16, 4, False))
-        ms = timer.ms(lambda splits=splits, q_in=q_in: sparse_mqa.sparse_mqa_split(
-            q_in, w_pages, w_slots, c_pages, c_slots, sink, 512**-0.5, w_lay, c_lay, splits))
-        rows.append(("sparse", f"H,N,warps={config} splits={splits} q={q_in.dtype}", ms,
-                     gbps(moved, ms)))
+            (*config, False) if bf16 else (16, 16, 4, False)
+        )
+        ms = timer.ms(
+            lambda splits=splits, q_in=q_in: sparse_mqa.sparse_mqa_split(
+                q_in, w_pages, w_slots, c_pages, c_slots, sink, 512**-0.5, w_lay, c_lay, splits
+            )
+        )
+        rows.append(
+            ("sparse", f"H,N,warps={config} splits={splits} q={q_in.dtype}", ms, gbps(moved, ms))
+        )
     sparse_mqa._config = default
 
 

@@ -57,13 +57,38 @@ class Sizes:
     iters: int
 
 
-FULL = Sizes(copy_bytes=(2 << 30, 4 << 30), pinned_bytes=(16 * MIB, 64 * MIB, 256 * MIB),
-             transfer_bytes=64 * MIB, layers=4, decode_requests=1024, prefill_requests=16,
-             prefill_tokens=16384, index_requests=64, index_entries=16384, heads=64, topk=512,
-             attn_requests=64, warmup=3, iters=20)
-DRY = Sizes(copy_bytes=(4 * MIB,), pinned_bytes=(MIB,), transfer_bytes=MIB, layers=2,
-            decode_requests=8, prefill_requests=2, prefill_tokens=64, index_requests=2,
-            index_entries=128, heads=4, topk=16, attn_requests=2, warmup=1, iters=2)
+FULL = Sizes(
+    copy_bytes=(2 << 30, 4 << 30),
+    pinned_bytes=(16 * MIB, 64 * MIB, 256 * MIB),
+    transfer_bytes=64 * MIB,
+    layers=4,
+    decode_requests=1024,
+    prefill_requests=16,
+    prefill_tokens=16384,
+    index_requests=64,
+    index_entries=16384,
+    heads=64,
+    topk=512,
+    attn_requests=64,
+    warmup=3,
+    iters=20,
+)
+DRY = Sizes(
+    copy_bytes=(4 * MIB,),
+    pinned_bytes=(MIB,),
+    transfer_bytes=MIB,
+    layers=2,
+    decode_requests=8,
+    prefill_requests=2,
+    prefill_tokens=64,
+    index_requests=2,
+    index_entries=128,
+    heads=4,
+    topk=16,
+    attn_requests=2,
+    warmup=1,
+    iters=2,
+)
 
 
 class Timer:
@@ -93,8 +118,10 @@ class Timer:
                 times.append((time.perf_counter() - start) * 1e3)
             return statistics.median(times)
         run = self._graphed(fn)
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.iters)
+        ]
         for start, end in events:
             start.record()
             run()
@@ -103,8 +130,10 @@ class Timer:
         return statistics.median(start.elapsed_time(end) for start, end in events)
 
     def _eager_cuda(self, fn) -> float:
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(self.iters)]
+        events = [
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            for _ in range(self.iters)
+        ]
         for start, end in events:
             start.record()
             fn()
@@ -143,20 +172,27 @@ def measure_ceilings(sizes: Sizes, timer: Timer, device) -> dict:
         for graph in (True, False):
             ms = timer.ms(lambda a=a, b=b: b.copy_(a), graph=graph)
             ceilings[f"device_copy_{n // MIB}MiB_{'graph' if graph else 'eager'}"] = {
-                "value": gbps(2 * n, ms), "unit": "GB/s",
-                "note": f"b.copy_(a), {n // MIB} MiB, read + written; {timer.mode}"}
+                "value": gbps(2 * n, ms),
+                "unit": "GB/s",
+                "note": f"b.copy_(a), {n // MIB} MiB, read + written; {timer.mode}",
+            }
         del a, b
     best = max((k for k in ceilings), key=lambda k: ceilings[k]["value"])
-    ceilings["device_copy"] = {"value": ceilings[best]["value"], "unit": "GB/s",
-                               "note": f"best of the device_copy_* rows ({best})"}
+    ceilings["device_copy"] = {
+        "value": ceilings[best]["value"],
+        "unit": "GB/s",
+        "note": f"best of the device_copy_* rows ({best})",
+    }
     for n in sizes.pinned_bytes:
         host, dev = _host(n, device), torch.empty(n, dtype=torch.uint8, device=device)
         for name, dst, src in (("h2d", dev, host), ("d2h", host, dev)):
             ms = timer.ms(lambda dst=dst, src=src: dst.copy_(src, non_blocking=True))
             kind = "pinned" if device.type == "cuda" else "host (no CUDA)"
-            ceilings[f"{name}_{n // MIB}MiB"] = {"value": gbps(n, ms), "unit": "GB/s",
-                                                 "note": f"{kind} copy_, {n // MIB} MiB; "
-                                                         f"{timer.mode}"}
+            ceilings[f"{name}_{n // MIB}MiB"] = {
+                "value": gbps(n, ms),
+                "unit": "GB/s",
+                "note": f"{kind} copy_, {n // MIB} MiB; {timer.mode}",
+            }
     return ceilings
 
 
@@ -171,20 +207,32 @@ def bench_page_rows(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     lay = layout_for("c4", "fp8")
     pages = max(2, s.transfer_bytes // (s.layers * lay.page_bytes))
     num_bytes = pages * lay.page_bytes * s.layers
-    dev = [torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, device=device)
-           for _ in range(s.layers)]
+    dev = [
+        torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, device=device)
+        for _ in range(s.layers)
+    ]
     host = [_host((pages, lay.page_bytes), device) for _ in range(s.layers)]
     src_pages = torch.randperm(pages, device=device)
     dst_pages = torch.randperm(pages, device=device)
     note = f"{s.layers} layers x {pages} c4 fp8 pages ({num_bytes / MIB:.0f} MiB)"
     rows = []
-    for name, src, dst, direction in (("device -> pinned host", dev, host, "d2h"),
-                                      ("pinned host -> device", host, dev, "h2d")):
-        ms = timer.ms(lambda src=src, dst=dst: transfer.transfer_page_rows(src, dst, src_pages,
-                                                                          dst_pages))
-        rows.append(result(f"page-row transfer, {name}", gbps(num_bytes, ms), "GB/s",
-                           pinned_ceiling(ceilings, direction, num_bytes), 0.9,
-                           note=f"{note}; vs pinned {direction} ceiling; {timer.mode}"))
+    for name, src, dst, direction in (
+        ("device -> pinned host", dev, host, "d2h"),
+        ("pinned host -> device", host, dev, "h2d"),
+    ):
+        ms = timer.ms(
+            lambda src=src, dst=dst: transfer.transfer_page_rows(src, dst, src_pages, dst_pages)
+        )
+        rows.append(
+            result(
+                f"page-row transfer, {name}",
+                gbps(num_bytes, ms),
+                "GB/s",
+                pinned_ceiling(ceilings, direction, num_bytes),
+                0.9,
+                note=f"{note}; vs pinned {direction} ceiling; {timer.mode}",
+            )
+        )
     return rows
 
 
@@ -192,8 +240,10 @@ def bench_token_transfer(s: Sizes, timer: Timer, device, ceilings: dict) -> list
     lay = layout_for("c4", "fp8")
     num = max(8, s.transfer_bytes // (s.layers * ENTRY_BYTES))
     pages = -(-2 * num // lay.entries_per_page)  # the entries are a random half of the pool
-    src = [torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, device=device)
-           for _ in range(s.layers)]
+    src = [
+        torch.randint(0, 256, (pages, lay.page_bytes), dtype=torch.uint8, device=device)
+        for _ in range(s.layers)
+    ]
     host = [_host((pages, lay.page_bytes), device) for _ in range(s.layers)]
     dev = [torch.empty_like(t) for t in src]
     src_idx = torch.randperm(pages * lay.entries_per_page, device=device)[:num]
@@ -201,13 +251,23 @@ def bench_token_transfer(s: Sizes, timer: Timer, device, ceilings: dict) -> list
     moved = num * s.layers * ENTRY_BYTES
     note = f"{s.layers} layers x {num} random c4 fp8 entries (584 B, value/scale split)"
     d2h_ms = timer.ms(lambda: transfer.transfer_cache_dsv4_mla(src, host, src_idx, dst_idx, lay))
-    d2h = result("token transfer, device -> pinned host", gbps(moved, d2h_ms), "GB/s",
-                 pinned_ceiling(ceilings, "d2h", moved), 0.6,
-                 note=f"{note}; vs pinned d2h ceiling; {timer.mode}")
+    d2h = result(
+        "token transfer, device -> pinned host",
+        gbps(moved, d2h_ms),
+        "GB/s",
+        pinned_ceiling(ceilings, "d2h", moved),
+        0.6,
+        note=f"{note}; vs pinned d2h ceiling; {timer.mode}",
+    )
     d2d_ms = timer.ms(lambda: transfer.transfer_cache_dsv4_mla(src, dev, src_idx, dst_idx, lay))
-    d2d = result("token transfer, device -> device", gbps(2 * moved, d2d_ms), "GB/s",
-                 ceilings["device_copy"]["value"], 0.4,
-                 note=f"{note}; read + written; {timer.mode}")
+    d2d = result(
+        "token transfer, device -> device",
+        gbps(2 * moved, d2d_ms),
+        "GB/s",
+        ceilings["device_copy"]["value"],
+        0.4,
+        note=f"{note}; read + written; {timer.mode}",
+    )
     return [d2h, d2d]
 
 
@@ -218,14 +278,28 @@ def _compress_case(ratio: int, positions, seq_start, state_slots, num_slots: int
     done = (positions + 1) % ratio == 0
     out_loc = torch.full((num,), -1, dtype=torch.int64, device=device)
     out_loc[done] = torch.randperm(int(done.sum()), device=device)
-    pages = torch.zeros(-(-num // lay.entries_per_page), lay.page_bytes, dtype=torch.uint8,
-                        device=device)
+    pages = torch.zeros(
+        -(-num // lay.entries_per_page), lay.page_bytes, dtype=torch.uint8, device=device
+    )
     cos, sin = torch.rand(2, int(positions.max()) + 1, 32, device=device).unbind(0)
-    return (torch.randn(num, cd, device=device), torch.randn(num, cd, device=device), positions,
-            state_slots, seq_start, torch.randn(num_slots, ring, cd, device=device),
-            torch.randn(num_slots, ring, cd, device=device), torch.randn(ratio, cd, device=device),
-            torch.rand(512, device=device), 1e-6, cos.contiguous(), sin.contiguous(), out_loc,
-            pages, lay, ratio)
+    return (
+        torch.randn(num, cd, device=device),
+        torch.randn(num, cd, device=device),
+        positions,
+        state_slots,
+        seq_start,
+        torch.randn(num_slots, ring, cd, device=device),
+        torch.randn(num_slots, ring, cd, device=device),
+        torch.randn(ratio, cd, device=device),
+        torch.rand(512, device=device),
+        1e-6,
+        cos.contiguous(),
+        sin.contiguous(),
+        out_loc,
+        pages,
+        lay,
+        ratio,
+    )
 
 
 def bench_compress(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
@@ -235,9 +309,17 @@ def bench_compress(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     args = _compress_case(4, pos, pos, torch.arange(n, device=device), n, device)
     row = 2 * 1024 * 4  # kv + score, fp32
     ms = timer.ms(lambda: compress.compress_norm_rope_store(*args))
-    rows.append(result("compress c4 decode", gbps(n * (8 * row + ENTRY_BYTES + row), ms), "GB/s",
-                       copy, 0.5, note=f"{n} requests, all completing; 8 rows read, entry + "
-                                       f"ring row written; {timer.mode}"))
+    rows.append(
+        result(
+            "compress c4 decode",
+            gbps(n * (8 * row + ENTRY_BYTES + row), ms),
+            "GB/s",
+            copy,
+            0.5,
+            note=f"{n} requests, all completing; 8 rows read, entry + "
+            f"ring row written; {timer.mode}",
+        )
+    )
     for ratio in (4, 128):
         per_req = s.prefill_tokens // s.prefill_requests
         pos = torch.arange(per_req, device=device).repeat(s.prefill_requests)
@@ -249,9 +331,17 @@ def bench_compress(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
         moved = pos.numel() * row + pos.numel() // ratio * ENTRY_BYTES
         moved += s.prefill_requests * ring * row
         ms = timer.ms(lambda args=args: compress.compress_norm_rope_store(*args))
-        rows.append(result(f"compress c{ratio} prefill", gbps(moved, ms), "GB/s", copy, 0.5,
-                           note=f"{s.prefill_requests} x {per_req} tokens; rows read once; "
-                                f"{1e3 * ms:.1f} us; {timer.mode}"))
+        rows.append(
+            result(
+                f"compress c{ratio} prefill",
+                gbps(moved, ms),
+                "GB/s",
+                copy,
+                0.5,
+                note=f"{s.prefill_requests} x {per_req} tokens; rows read once; "
+                f"{1e3 * ms:.1f} us; {timer.mode}",
+            )
+        )
     return rows
 
 
@@ -275,25 +365,35 @@ def indexer_case(s: Sizes, device) -> tuple:
 def bench_indexer(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     q, weights, pages, page_table, req_idx, bound, lay = indexer_case(s, device)
     num_pages = pages.shape[0]
-    ms = timer.ms(lambda: indexer.indexer_topk(q, weights, pages, page_table, req_idx, bound,
-                                               s.topk, lay))
+    ms = timer.ms(
+        lambda: indexer.indexer_topk(q, weights, pages, page_table, req_idx, bound, s.topk, lay)
+    )
     scores = indexer.indexer_scores(q, weights, pages, page_table, req_idx, bound, lay)
-    scores_ms = timer.ms(lambda: indexer.indexer_scores(q, weights, pages, page_table, req_idx,
-                                                        bound, lay))
+    scores_ms = timer.ms(
+        lambda: indexer.indexer_scores(q, weights, pages, page_table, req_idx, bound, lay)
+    )
     topk_ms = timer.ms(lambda: topk.topk_rows(scores, s.topk))
     moved = num_pages * lay.page_bytes
-    return [result("indexer logits + top-k, decode", gbps(moved, ms), "GB/s",
-                   ceilings["device_copy"]["value"], 0.5,
-                   note=f"{s.index_requests} requests x {s.index_entries} C4 entries (context "
-                        f"{4 * s.index_entries}), {s.heads} heads, top-{s.topk}; K bytes read; "
-                        f"{1e3 * ms:.1f} us = scores {1e3 * scores_ms:.1f} us + top-k "
-                        f"{1e3 * topk_ms:.1f} us (each alone); {timer.mode}")]
+    return [
+        result(
+            "indexer logits + top-k, decode",
+            gbps(moved, ms),
+            "GB/s",
+            ceilings["device_copy"]["value"],
+            0.5,
+            note=f"{s.index_requests} requests x {s.index_entries} C4 entries (context "
+            f"{4 * s.index_entries}), {s.heads} heads, top-{s.topk}; K bytes read; "
+            f"{1e3 * ms:.1f} us = scores {1e3 * scores_ms:.1f} us + top-k "
+            f"{1e3 * topk_ms:.1f} us (each alone); {timer.mode}",
+        )
+    ]
 
 
 def _kv_pool(kind: str, num_entries: int, device):
     lay = layout_for(kind, "fp8")
-    pages = torch.empty(-(-num_entries // lay.entries_per_page), lay.page_bytes, dtype=torch.uint8,
-                        device=device)
+    pages = torch.empty(
+        -(-num_entries // lay.entries_per_page), lay.page_bytes, dtype=torch.uint8, device=device
+    )
     slots = torch.arange(pages.shape[0] * lay.entries_per_page, device=device)
     write_entries(pages, slots, torch.randn(slots.numel(), 512, device=device), lay)
     return lay, pages
@@ -309,15 +409,25 @@ def bench_sparse_mqa(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
         c_lay, c_pages = _kv_pool(kind, n * history, device)
         picks = torch.rand(n, history, device=device).argsort(1)[:, : s.topk]
         c_slots = (picks + history * torch.arange(n, device=device)[:, None]).contiguous()
-        ms = timer.ms(lambda c_lay=c_lay, c_pages=c_pages, c_slots=c_slots: sparse_mqa.sparse_mqa(
-            q, w_pages, w_slots, c_pages, c_slots, sink, 512**-0.5, w_lay, c_lay))
+        ms = timer.ms(
+            lambda c_lay=c_lay, c_pages=c_pages, c_slots=c_slots: sparse_mqa.sparse_mqa(
+                q, w_pages, w_slots, c_pages, c_slots, sink, 512**-0.5, w_lay, c_lay
+            )
+        )
         moved = n * (window + s.topk) * ENTRY_BYTES
         splits = sparse_mqa.num_splits_for(n, 1, window + s.topk, device)
-        rows.append(result(f"sparse decode attention, window + {kind}", gbps(moved, ms), "GB/s",
-                           ceilings["device_copy"]["value"], 0.5,
-                           note=f"{n} requests, {s.heads} heads, {window} + {s.topk} fp8 "
-                                f"entries each; KV bytes read; {1e3 * ms:.1f} us, {splits} key "
-                                f"splits; {timer.mode}"))
+        rows.append(
+            result(
+                f"sparse decode attention, window + {kind}",
+                gbps(moved, ms),
+                "GB/s",
+                ceilings["device_copy"]["value"],
+                0.5,
+                note=f"{n} requests, {s.heads} heads, {window} + {s.topk} fp8 "
+                f"entries each; KV bytes read; {1e3 * ms:.1f} us, {splits} key "
+                f"splits; {timer.mode}",
+            )
+        )
     return rows
 
 
@@ -334,15 +444,22 @@ def main() -> None:
     timer = Timer(device, sizes)
     ceilings = measure_ceilings(sizes, timer, device)
     results = []
-    for bench in (bench_page_rows, bench_token_transfer, bench_compress, bench_indexer,
-                  bench_sparse_mqa):
+    for bench in (
+        bench_page_rows,
+        bench_token_transfer,
+        bench_compress,
+        bench_indexer,
+        bench_sparse_mqa,
+    ):
         results += bench(sizes, timer, device, ceilings)
     path = write_results("kernels", name, args.commit, ceilings, results, out_dir)
     report = BENCHMARKS_MD if out_dir == RESULTS_DIR else out_dir / "BENCHMARKS.md"
     write_benchmarks_md(out_dir, report)
     for r in results:
-        print(f"{r['name']:45s} {r['value']:9.1f} {r['unit']}  ratio {r['ratio']:.2f} "
-              f"(target {r['op']} {r['target']})")
+        print(
+            f"{r['name']:45s} {r['value']:9.1f} {r['unit']}  ratio {r['ratio']:.2f} "
+            f"(target {r['op']} {r['target']})"
+        )
     print(f"wrote {path} and {report}")
 
 

@@ -151,16 +151,22 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--use-ray", action="store_true", help="stage and draft actors")
     parser.add_argument("--commit", default=None)
-    parser.add_argument("--profile", default=None, metavar="FILE",
-                        help="write each engine's GPU kernel table of one generation to FILE")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE",
+        help="write each engine's GPU kernel table of one generation to FILE",
+    )
     args = parser.parse_args()
     if args.profile and args.device != "cuda":
         parser.error("--profile times GPU kernels: it needs --device cuda")
     if args.profile:
         with open(args.profile, "w") as f:
-            f.write(f"bench/mtp.py --profile: {os.path.basename(os.path.normpath(args.model))}, "
-                    f"{args.kv_cache_dtype} pages, batch 1, one {args.max_tokens}-token "
-                    "generation per engine; GPU kernels by total time (count, ms, name)\n")
+            f.write(
+                f"bench/mtp.py --profile: {os.path.basename(os.path.normpath(args.model))}, "
+                f"{args.kv_cache_dtype} pages, batch 1, one {args.max_tokens}-token "
+                "generation per engine; GPU kernels by total time (count, ms, name)\n"
+            )
     args.prompts_ids = held_out_prompts(args.prompts, args.prompt_len, args.max_tokens)
     tok_s, outputs, stats = measure(args)
     plain_tok_s, spec_tok_s = tok_s[0], tok_s[args.k]

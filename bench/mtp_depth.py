@@ -91,15 +91,23 @@ def main() -> None:
             models.append((depth, path, f"random weights, ratios {shape['compress_ratios'][:-1]}"))
         for depth, path, what in models:
             plain, spec = step_us(path, args.k, prompts, args.max_tokens, args.device)
-            note = (f"{depth} layers ({what}), k={args.k}, batch 1, {args.prompts} prompts of "
-                    f"128 tokens, fp32 pages; steps of {plain:.0f} us plain, {spec:.0f} us "
-                    f"with drafts; {tokens:.2f} tokens per verification step (bench/mtp.py)")
+            note = (
+                f"{depth} layers ({what}), k={args.k}, batch 1, {args.prompts} prompts of "
+                f"128 tokens, fp32 pages; steps of {plain:.0f} us plain, {spec:.0f} us "
+                f"with drafts; {tokens:.2f} tokens per verification step (bench/mtp.py)"
+            )
             name = f"{depth}-layer target: projected batch-1 decode with drafts"
             ceilings[f"{depth}-layer target: batch-1 decode without drafts"] = {
-                "value": 1e6 / plain, "unit": "tok/s", "note": note}
+                "value": 1e6 / plain,
+                "unit": "tok/s",
+                "note": note,
+            }
             rows.append(result(name, tokens * 1e6 / spec, "tok/s", 1e6 / plain, 1.5, ">=", note))
-            print(f"L={depth}: plain {plain:.0f} us/step, with drafts {spec:.0f} us/step; at "
-                  f"{tokens:.2f} tokens a step {tokens * plain / spec:.2f}x", flush=True)
+            print(
+                f"L={depth}: plain {plain:.0f} us/step, with drafts {spec:.0f} us/step; at "
+                f"{tokens:.2f} tokens a step {tokens * plain / spec:.2f}x",
+                flush=True,
+            )
     path = write_results("mtp-depth", device, args.commit or git_commit(), ceilings, rows)
     write_benchmarks_md()
     print(f"wrote {path}")

@@ -67,8 +67,12 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prefill-len", type=int, default=8192)
-    p.add_argument("--context", type=int, default=512,
-                   help="tokens of each decoding request's context (past 8192: a multiple of 256)")
+    p.add_argument(
+        "--context",
+        type=int,
+        default=512,
+        help="tokens of each decoding request's context (past 8192: a multiple of 256)",
+    )
     p.add_argument("--out", default=".")
     p.add_argument("--weight-format", default="auto", help="native: FP8/FP4 weights as stored")
     args = p.parse_args()
@@ -91,8 +95,9 @@ def main() -> None:
         for _ in range(args.steps):
             core.step()
         torch.cuda.synchronize()
-    text = kernel_table(prof, args.steps,
-                        f"decode, batch {args.batch}, {args.context}-token contexts, eager")
+    text = kernel_table(
+        prof, args.steps, f"decode, batch {args.batch}, {args.context}-token contexts, eager"
+    )
     while core.has_unfinished():
         core.step()
     if args.prefill_len:

@@ -30,8 +30,13 @@ from dsv4ray.kernels.quant_tiles import dequantize_ref, kernel_bytes, load_scale
 from dsv4ray.model.quant import quantize_fp4, quantize_fp8
 
 # (name, N per group, K, groups) of the dsv4-mini FP8 linears
-LINEARS = [("q_b", 32768, 1024, 1), ("o_a", 1024, 4096, 8), ("o_b", 4096, 8192, 1),
-           ("q_a", 1024, 4096, 1), ("idx_q_b", 8192, 1024, 1)]
+LINEARS = [
+    ("q_b", 32768, 1024, 1),
+    ("o_a", 1024, 4096, 8),
+    ("o_b", 4096, 8192, 1),
+    ("q_a", 1024, 4096, 1),
+    ("idx_q_b", 8192, 1024, 1),
+]
 HIDDEN, INTER, EXPERTS, TOPK = 4096, 2048, 8, 2
 
 
@@ -57,9 +62,25 @@ def graph_ms(fn, reps: int = 20, iters: int = 10) -> float:
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "num_splits"])
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, part_ptr, M, N, K, stride_xm, stride_sn, block_n, block_k,
-                 k_per_split, num_splits, SCALE_BYTES: tl.constexpr, ROWS: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_sn,
+    block_n,
+    block_k,
+    k_per_split,
+    num_splits,
+    SCALE_BYTES: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # program (n tile * num_splits + split, group g): part[split, m, g N + n], m < ROWS
     n = (tl.program_id(0) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
     split = tl.program_id(0) % num_splits
@@ -73,18 +94,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, part_ptr, M, N, K, stride_xm, stride_sn, b
     for k0 in range(k_start, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        w = tl.load(w_ptr + w_rows[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                    other=0)
+        w = tl.load(
+            w_ptr + w_rows[:, None] * K + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0
+        )
         w = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)  # [BLOCK_N, BLOCK_K]
-        x = tl.load(x_ptr + m[:, None] * stride_xm + g * K + k[None, :],
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        s = load_scale(s_ptr + (w_rows // block_n) * stride_sn + k0 // block_k, n_ok,
-                       SCALE_BYTES)
+        x = tl.load(
+            x_ptr + m[:, None] * stride_xm + g * K + k[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        s = load_scale(s_ptr + (w_rows // block_n) * stride_sn + k0 // block_k, n_ok, SCALE_BYTES)
         acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2) * s[None, :]
     width = tl.num_programs(1) * N
     offs = m.to(tl.int64)[:, None] * width + w_rows[None, :]
-    tl.store(part_ptr + split.to(tl.int64) * M * width + offs, acc,
-             mask=m_ok[:, None] & n_ok[None, :])
+    tl.store(
+        part_ptr + split.to(tl.int64) * M * width + offs, acc, mask=m_ok[:, None] & n_ok[None, :]
+    )
 
 
 def gemv(x, weight, scale, groups, rows, block_n, block_k, warps, stages, sm_mult):
@@ -98,9 +123,26 @@ def gemv(x, weight, scale, groups, rows, block_n, block_k, warps, stages, sm_mul
     splits = triton.cdiv(k_steps, per)
     part = torch.empty(splits, m, groups * n, dtype=torch.float32, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n) * splits, groups)](
-        x, kernel_bytes(weight), kernel_bytes(scale), part, m, n, k, x.stride(0), scale.shape[1],
-        128, 128, per * block_k, splits, SCALE_BYTES=scale.element_size() == 1, ROWS=rows,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        x,
+        kernel_bytes(weight),
+        kernel_bytes(scale),
+        part,
+        m,
+        n,
+        k,
+        x.stride(0),
+        scale.shape[1],
+        128,
+        128,
+        per * block_k,
+        splits,
+        SCALE_BYTES=scale.element_size() == 1,
+        ROWS=rows,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+    )
     return part.sum(0).to(x.dtype) if splits > 1 else part[0].to(x.dtype)
 
 
@@ -121,8 +163,16 @@ def sweep_linear(name, n, k, groups, m, copy_gbps, rows_out):
         out = fn()
         ok = _close(out, ref) if variant != "cuBLAS bf16" else True
         ms = graph_ms(fn)
-        r = dict(kernel="fp8_linear", shape=name, m=m, variant=variant, ms=ms, ok=ok,
-                 gbps=moved / ms / 1e6, of_ceiling=moved / ms / 1e6 / copy_gbps)
+        r = dict(
+            kernel="fp8_linear",
+            shape=name,
+            m=m,
+            variant=variant,
+            ms=ms,
+            ok=ok,
+            gbps=moved / ms / 1e6,
+            of_ceiling=moved / ms / 1e6 / copy_gbps,
+        )
         rows_out.append(r)
         print(json.dumps(r), flush=True)
 
@@ -139,27 +189,35 @@ def sweep_linear(name, n, k, groups, m, copy_gbps, rows_out):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         fp8.tiles = lambda _m, cfg=cfg: dict(cfg)
         try:
-            row(f"dot {bn}x{bk} w{warps} s{stages}",
-                lambda: fp8.fp8_linear(x, codes, scale, (128, 128), groups), wbytes)
+            row(
+                f"dot {bn}x{bk} w{warps} s{stages}",
+                lambda: fp8.fp8_linear(x, codes, scale, (128, 128), groups),
+                wbytes,
+            )
         except Exception as e:  # noqa: BLE001 - a config that does not compile is skipped
             print("skip", cfg, type(e).__name__, str(e)[:100])
         finally:
             fp8.tiles = orig
     if m <= 4:
         rows = triton.next_power_of_2(m)
-        for bn, bk, warps, stages, mult in itertools.product((16, 32, 64), (128,), (2, 4, 8),
-                                                             (2, 4), (1, 2, 4)):
-            row(f"gemv {bn}x{bk} w{warps} s{stages} x{mult}",
+        for bn, bk, warps, stages, mult in itertools.product(
+            (16, 32, 64), (128,), (2, 4, 8), (2, 4), (1, 2, 4)
+        ):
+            row(
+                f"gemv {bn}x{bk} w{warps} s{stages} x{mult}",
                 lambda c=(bn, bk, warps, stages, mult): gemv(x, codes, scale, groups, rows, *c),
-                wbytes)
+                wbytes,
+            )
 
 
 def sweep_moe(fmt, m, copy_gbps, rows_out):
     g = torch.Generator().manual_seed(0)
-    quantize = quantize_fp4 if fmt == "fp4" else partial(quantize_fp8, block=(128, 128),
-                                                         scale_fmt="ue8m0")
-    q13 = [quantize(torch.randn(2 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5)
-           for _ in range(EXPERTS)]
+    quantize = (
+        quantize_fp4 if fmt == "fp4" else partial(quantize_fp8, block=(128, 128), scale_fmt="ue8m0")
+    )
+    q13 = [
+        quantize(torch.randn(2 * INTER, HIDDEN, generator=g) * HIDDEN**-0.5) for _ in range(EXPERTS)
+    ]
     q2 = [quantize(torch.randn(HIDDEN, INTER, generator=g) * INTER**-0.5) for _ in range(EXPERTS)]
     w13 = torch.stack([a for a, _ in q13]).cuda()
     s13 = torch.stack([b for _, b in q13]).cuda()
@@ -178,26 +236,42 @@ def sweep_moe(fmt, m, copy_gbps, rows_out):
         out = fn()
         ok = _close(out, ref) if check else True
         ms = graph_ms(fn)
-        r = dict(kernel=f"moe {fmt}", m=m, variant=variant, ms=ms, ok=ok,
-                 gbps=nbytes / ms / 1e6, of_ceiling=nbytes / ms / 1e6 / copy_gbps)
+        r = dict(
+            kernel=f"moe {fmt}",
+            m=m,
+            variant=variant,
+            ms=ms,
+            ok=ok,
+            gbps=nbytes / ms / 1e6,
+            of_ceiling=nbytes / ms / 1e6 / copy_gbps,
+        )
         rows_out.append(r)
         print(json.dumps(r), flush=True)
 
     dense_bytes = 2 * active * (d13[0].numel() + d2[0].numel())
-    row("dense bf16 (current tiles)", lambda: moe.fused_moe(x, ids, wts, d13, d2, 10.0),
-        dense_bytes, False)
+    row(
+        "dense bf16 (current tiles)",
+        lambda: moe.fused_moe(x, ids, wts, d13, d2, 10.0),
+        dense_bytes,
+        False,
+    )
     row("current", lambda: moe.fused_moe(x, ids, wts, w13, w2, 10.0, (s13, s2), fmt), moved)
     orig = moe._tiles
-    for bm, bn, bk, warps, stages in itertools.product((16, 64), (32, 64, 128), (64, 128, 256),
-                                                       (4,), (2, 3)):
+    for bm, bn, bk, warps, stages in itertools.product(
+        (16, 64), (32, 64, 128), (64, 128, 256), (4,), (2, 3)
+    ):
         if fmt == "fp8" and bk > 128:
             continue
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
         moe._tiles = lambda listed, fmt, pairs, cfg=cfg: (
-            dict(cfg) if listed else orig(listed, fmt, pairs))
+            dict(cfg) if listed else orig(listed, fmt, pairs)
+        )
         try:
-            row(f"{bm}x{bn}x{bk} w{warps} s{stages}",
-                lambda: moe.fused_moe(x, ids, wts, w13, w2, 10.0, (s13, s2), fmt), moved)
+            row(
+                f"{bm}x{bn}x{bk} w{warps} s{stages}",
+                lambda: moe.fused_moe(x, ids, wts, w13, w2, 10.0, (s13, s2), fmt),
+                moved,
+            )
         except Exception as e:  # noqa: BLE001
             print("skip", cfg, type(e).__name__, str(e)[:100])
         finally:
@@ -211,8 +285,7 @@ def tiles_name(kernel: str, m: int) -> str:
         return f"dot {t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']}"
     fmt = kernel.split()[1]
     t = moe._tiles(True, fmt, m * TOPK)
-    return (f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} "
-            f"s{t['num_stages']}")
+    return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']}"
 
 
 def summary_rows(rows: list, copy_gbps: float) -> list:
@@ -221,30 +294,42 @@ def summary_rows(rows: list, copy_gbps: float) -> list:
     out = []
     keys = dict.fromkeys((r["kernel"], r.get("shape"), r["m"]) for r in rows)
     for kernel, shape, m in keys:
-        group = {r["variant"]: r for r in rows
-                 if (r["kernel"], r.get("shape"), r["m"]) == (kernel, shape, m)}
+        group = {
+            r["variant"]: r
+            for r in rows
+            if (r["kernel"], r.get("shape"), r["m"]) == (kernel, shape, m)
+        }
         shipped = group.get(tiles_name(kernel, m))
         if shipped is None or not shipped["ok"]:
             continue
         peer = next(r for v, r in group.items() if v == "cuBLAS bf16" or v.startswith("dense"))
-        best = min((r for v, r in group.items() if r["ok"] and r is not peer),
-                   key=lambda r: r["ms"])
+        best = min(
+            (r for v, r in group.items() if r["ok"] and r is not peer), key=lambda r: r["ms"]
+        )
         moved = shipped["gbps"] * shipped["ms"] * 1e6  # bytes
         ceiling_us = moved / copy_gbps / 1e3
         name = f"{kernel} {shape or ''} M={m}".replace("  ", " ")
         before = group["current"]["ms"] * 1e3
-        note = (f"tiles {shipped['variant']}; the run's commit's tiles {before:.1f} us; best of "
-                f"the sweep {best['variant']} {best['ms'] * 1e3:.1f} us; bf16 peer "
-                f"({peer['variant']}, twice the weight bytes) {peer['ms'] * 1e3:.1f} us; "
-                f"{moved / 2**20:.1f} MiB read")
+        note = (
+            f"tiles {shipped['variant']}; the run's commit's tiles {before:.1f} us; best of "
+            f"the sweep {best['variant']} {best['ms'] * 1e3:.1f} us; bf16 peer "
+            f"({peer['variant']}, twice the weight bytes) {peer['ms'] * 1e3:.1f} us; "
+            f"{moved / 2**20:.1f} MiB read"
+        )
         out.append(result(name, shipped["ms"] * 1e3, "us", ceiling_us, None, "<=", note))
     return out
 
 
 def write_summary(raw: dict, out_dir) -> str:
     ceil = {"device copy": {"value": raw["copy_gbps"], "unit": "GB/s", "note": "read + write"}}
-    path = write_results("quant-sweep", raw["device"], raw["commit"], ceil,
-                         summary_rows(raw["rows"], raw["copy_gbps"]), out_dir)
+    path = write_results(
+        "quant-sweep",
+        raw["device"],
+        raw["commit"],
+        ceil,
+        summary_rows(raw["rows"], raw["copy_gbps"]),
+        out_dir,
+    )
     return str(path)
 
 
@@ -270,13 +355,19 @@ def main() -> None:
         for fmt in ("fp4", "fp8"):
             for m in (1, 64):
                 sweep_moe(fmt, m, copy_gbps, rows)
-    raw = dict(device=torch.cuda.get_device_name(), commit=args.commit or git_commit(),
-               copy_gbps=copy_gbps, rows=rows)
+    raw = dict(
+        device=torch.cuda.get_device_name(),
+        commit=args.commit or git_commit(),
+        copy_gbps=copy_gbps,
+        rows=rows,
+    )
     with open(os.path.join(args.out_dir or ".", "sweep.json"), "w") as f:
         json.dump(raw, f)
     for row in summary_rows(rows, copy_gbps):
-        print(f"{row['name']}: {row['value']:.1f} us ({1 / row['ratio']:.0%} of the ceiling); "
-              f"{row['note']}")
+        print(
+            f"{row['name']}: {row['value']:.1f} us ({1 / row['ratio']:.0%} of the ceiling); "
+            f"{row['note']}"
+        )
     print(write_summary(raw, args.out_dir or RESULTS_DIR))
 
 

@@ -48,7 +48,8 @@ class PageLayout:
             raise ValueError(f"PageLayout.kind must be one of {KINDS}, got {self.kind!r}")
         if self.dtype not in DTYPES:
             raise ValueError(
-                f"PageLayout.dtype (kv_cache_dtype) must be one of {DTYPES}, got {self.dtype!r}")
+                f"PageLayout.dtype (kv_cache_dtype) must be one of {DTYPES}, got {self.dtype!r}"
+            )
 
     @property
     def entries_per_page(self) -> int:
@@ -189,8 +190,9 @@ def quantize_entries(x: torch.Tensor, layout: PageLayout):
     return values, torch.empty(x.shape[0], 0, dtype=torch.uint8, device=x.device)
 
 
-def dequantize_entries(values: torch.Tensor, scales: torch.Tensor,
-                       layout: PageLayout) -> torch.Tensor:
+def dequantize_entries(
+    values: torch.Tensor, scales: torch.Tensor, layout: PageLayout
+) -> torch.Tensor:
     """(values [N, value_bytes], scales [N, scale_bytes]) uint8 -> fp32 [N, dim].
 
     For the fp8 indexer format this is the rotated key times its scale (see the module docstring).
@@ -245,8 +247,9 @@ def page_regions(pages: torch.Tensor, layout: PageLayout):
     return values, scales
 
 
-def write_entries(pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                  layout: PageLayout) -> None:
+def write_entries(
+    pages: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, layout: PageLayout
+) -> None:
     """Quantise x [N, dim] fp32 and store entry i at slots[i] (int64 [N]); slots < 0 are skipped."""
     check_pages(pages, layout)
     keep = slots >= 0

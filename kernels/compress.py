@@ -27,9 +27,23 @@ RING_MIN = {4: 8, 128: 128}
 
 
 @triton.jit
-def _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p, seq_start,
-               ring_base, ring, RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
-               CD: tl.constexpr, D: tl.constexpr):
+def _pool_rows(
+    kv_ptr,
+    score_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    t,
+    p,
+    seq_start,
+    ring_base,
+    ring,
+    RATIO: tl.constexpr,
+    NSLOT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CD: tl.constexpr,
+    D: tl.constexpr,
+):
     """Per-channel softmax-weighted sum over the NSLOT rows of token t's block -> [D] fp32."""
     cols = tl.arange(0, D)
     m = tl.full((D,), float("-inf"), tl.float32)
@@ -44,12 +58,19 @@ def _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p, 
         batch_offs = (t - (p - q))[:, None] * CD + offs
         ring_offs = (ring_base + q % ring)[:, None] * CD + offs
         ape_offs = (q % RATIO)[:, None] * CD + offs
-        kv = tl.where(from_batch, tl.load(kv_ptr + batch_offs, mask=from_batch, other=0.0),
-                      tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0))
+        kv = tl.where(
+            from_batch,
+            tl.load(kv_ptr + batch_offs, mask=from_batch, other=0.0),
+            tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0),
+        )
         score = tl.load(score_ptr + batch_offs, mask=from_batch, other=0.0) + tl.load(
-            ape_ptr + ape_offs, mask=from_batch, other=0.0)
-        score = tl.where(from_batch, score, tl.load(state_score_ptr + ring_offs, mask=from_ring,
-                                                    other=float("-inf")))
+            ape_ptr + ape_offs, mask=from_batch, other=0.0
+        )
+        score = tl.where(
+            from_batch,
+            score,
+            tl.load(state_score_ptr + ring_offs, mask=from_ring, other=float("-inf")),
+        )
         m_new = tl.maximum(m, tl.max(score, axis=0))
         alpha = tl.exp(m - m_new)
         e = tl.exp(score - m_new[None, :])
@@ -75,8 +96,9 @@ def _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, rope_pos, eps, D: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _completions_kernel(pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens,
-                        RATIO: tl.constexpr, BLOCK: tl.constexpr):
+def _completions_kernel(
+    pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens, RATIO: tl.constexpr, BLOCK: tl.constexpr
+):
     # program = BLOCK tokens: appends the block-completing ones with out_loc >= 0 to list (in any
     # order across programs: each entry is independent) and adds them to count
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -88,13 +110,39 @@ def _completions_kernel(pos_ptr, out_loc_ptr, list_ptr, count_ptr, num_tokens,
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, state_kv_ptr,
-                     state_score_ptr, ape_ptr, norm_w_ptr, cos_ptr, sin_ptr, out_loc_ptr, pages_ptr,
-                     list_ptr, count_ptr, eps, ring, num_tokens, COMPACT: tl.constexpr,
-                     RATIO: tl.constexpr, NSLOT: tl.constexpr, BLOCK_R: tl.constexpr,
-                     CD: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
-                     PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-                     SCALE_BYTES: tl.constexpr, INDEXER: tl.constexpr):
+def _compress_kernel(
+    kv_ptr,
+    score_ptr,
+    pos_ptr,
+    state_slot_ptr,
+    seq_start_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_loc_ptr,
+    pages_ptr,
+    list_ptr,
+    count_ptr,
+    eps,
+    ring,
+    num_tokens,
+    COMPACT: tl.constexpr,
+    RATIO: tl.constexpr,
+    NSLOT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CD: tl.constexpr,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    INDEXER: tl.constexpr,
+):
     # programs walk the tokens: COMPACT: list[i] for i < count (strided over the grid), else token
     # i itself, skipped unless it completes a block with out_loc >= 0
     if COMPACT:
@@ -109,18 +157,54 @@ def _compress_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, seq_start_ptr, 
         p = tl.load(pos_ptr + t)
         out_loc = tl.load(out_loc_ptr + t)
         if ((p + 1) % RATIO == 0) & (out_loc >= 0):
-            x = _pool_rows(kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p,
-                           tl.load(seq_start_ptr + t), tl.load(state_slot_ptr + t) * ring, ring,
-                           RATIO, NSLOT, BLOCK_R, CD, D)
+            x = _pool_rows(
+                kv_ptr,
+                score_ptr,
+                state_kv_ptr,
+                state_score_ptr,
+                ape_ptr,
+                t,
+                p,
+                tl.load(seq_start_ptr + t),
+                tl.load(state_slot_ptr + t) * ring,
+                ring,
+                RATIO,
+                NSLOT,
+                BLOCK_R,
+                CD,
+                D,
+            )
             x = _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
-            store_entry(pages_ptr, out_loc, x, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
-                        SCALE_BYTES, INDEXER)
+            store_entry(
+                pages_ptr,
+                out_loc,
+                x,
+                FMT,
+                D,
+                EPP,
+                PAGE_BYTES,
+                VALUE_BYTES,
+                SCALE_OFF,
+                SCALE_BYTES,
+                INDEXER,
+            )
 
 
 @triton.jit(do_not_specialize=["num_tokens"])
-def _state_write_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr,
-                        ape_ptr, num_tokens, ring, RATIO: tl.constexpr, CD: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+def _state_write_kernel(
+    kv_ptr,
+    score_ptr,
+    pos_ptr,
+    state_slot_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    num_tokens,
+    ring,
+    RATIO: tl.constexpr,
+    CD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
     # program = BLOCK_T tokens; token t writes its ring row unless token t + ring (same request,
     # position p + ring) does
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -132,9 +216,11 @@ def _state_write_kernel(kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr
     cols = tl.arange(0, CD)[None, :]
     row = ((state_slot * ring + p % ring) * CD)[:, None]
     score = tl.load(score_ptr + t[:, None] * CD + cols, mask=write, other=0.0) + tl.load(
-        ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=write, other=0.0)
-    tl.store(state_kv_ptr + row + cols, tl.load(kv_ptr + t[:, None] * CD + cols, mask=write),
-             mask=write)
+        ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=write, other=0.0
+    )
+    tl.store(
+        state_kv_ptr + row + cols, tl.load(kv_ptr + t[:, None] * CD + cols, mask=write), mask=write
+    )
     tl.store(state_score_ptr + row + cols, score, mask=write)
 
 
@@ -143,21 +229,46 @@ def _config(ratio: int, dim: int) -> tuple:
     return 8, 8 if dim == 512 else 4
 
 
-def _check_args(kv, score, positions, state_slots, seq_start, state_kv, state_score, ape,
-                norm_weight, cos, sin, out_loc, pages, layout, ratio, rotate):
+def _check_args(
+    kv,
+    score,
+    positions,
+    state_slots,
+    seq_start,
+    state_kv,
+    state_score,
+    ape,
+    norm_weight,
+    cos,
+    sin,
+    out_loc,
+    pages,
+    layout,
+    ratio,
+    rotate,
+):
     if ratio not in RING_MIN:
         raise ValueError(f"ratio must be 4 or 128, got {ratio}")
     if layout.kind not in (("c4", "indexer") if ratio == 4 else ("c128",)):
         raise ValueError(f"a ratio-{ratio} compressor cannot store into the {layout.kind} pool")
     is_rotated = layout.kind == "indexer" and layout.dtype == "fp8"
     if rotate is not None and rotate != is_rotated:
-        raise ValueError(f"rotate={rotate} but the {layout.kind}/{layout.dtype} format is "
-                         f"{'always' if is_rotated else 'never'} Hadamard-rotated")
+        raise ValueError(
+            f"rotate={rotate} but the {layout.kind}/{layout.dtype} format is "
+            f"{'always' if is_rotated else 'never'} Hadamard-rotated"
+        )
     check_pages(pages, layout)
     num_tokens, cd = kv.shape[0], (2 if ratio == 4 else 1) * layout.dim
-    for name, t in (("kv", kv), ("score", score), ("ape", ape), ("state_kv", state_kv),
-                    ("state_score", state_score), ("norm_weight", norm_weight), ("cos", cos),
-                    ("sin", sin)):
+    for name, t in (
+        ("kv", kv),
+        ("score", score),
+        ("ape", ape),
+        ("state_kv", state_kv),
+        ("state_score", state_score),
+        ("norm_weight", norm_weight),
+        ("cos", cos),
+        ("sin", sin),
+    ):
         assert t.dtype == torch.float32 and t.is_contiguous(), f"{name} must be contiguous fp32"
     assert kv.shape == score.shape == (num_tokens, cd), (kv.shape, score.shape, cd)
     assert ape.shape == (ratio, cd), ape.shape
@@ -166,15 +277,36 @@ def _check_args(kv, score, positions, state_slots, seq_start, state_kv, state_sc
     ring = state_kv.shape[1]
     assert ring >= RING_MIN[ratio], f"ring of {ring} rows < {RING_MIN[ratio]}"
     assert cos.shape == sin.shape and cos.shape[1] == 32, (cos.shape, sin.shape)
-    for name, t in (("positions", positions), ("state_slots", state_slots),
-                    ("seq_start", seq_start), ("out_loc", out_loc)):
+    for name, t in (
+        ("positions", positions),
+        ("state_slots", state_slots),
+        ("seq_start", seq_start),
+        ("out_loc", out_loc),
+    ):
         assert t.dtype == torch.int64 and t.shape == (num_tokens,) and t.is_contiguous(), (
-            f"{name} must be contiguous int64 [T]")
+            f"{name} must be contiguous int64 [T]"
+        )
 
 
-def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state_kv, state_score,
-                             ape, norm_weight, eps, cos, sin, out_loc, pages, layout: PageLayout,
-                             ratio: int, rotate: bool | None = None) -> None:
+def compress_norm_rope_store(
+    kv,
+    score,
+    positions,
+    state_slots,
+    seq_start,
+    state_kv,
+    state_score,
+    ape,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    out_loc,
+    pages,
+    layout: PageLayout,
+    ratio: int,
+    rotate: bool | None = None,
+) -> None:
     """Pool, normalise, rotate and store compressed entries; then add the tokens' rows to the rings.
 
     kv, score [T, c*d] fp32 (c = 2 for ratio 4, 1 for ratio 128; d = layout.dim): the wkv / wgate
@@ -186,8 +318,24 @@ def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state
     layout.page_bytes] in layout's format; `rotate` (optional) must match the format: only fp8
     indexer entries are Hadamard-rotated before quantisation.
     """
-    args = (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight,
-            cos, sin, out_loc, pages, layout, ratio, rotate)
+    args = (
+        kv,
+        score,
+        positions,
+        state_slots,
+        seq_start,
+        state_kv,
+        state_score,
+        ape,
+        norm_weight,
+        cos,
+        sin,
+        out_loc,
+        pages,
+        layout,
+        ratio,
+        rotate,
+    )
     _check_args(*args)
     num_tokens, ring = kv.shape[0], state_kv.shape[1]
     if num_tokens == 0:
@@ -204,15 +352,51 @@ def compress_norm_rope_store(kv, score, positions, state_slots, seq_start, state
         entries = torch.empty(num_tokens, dtype=torch.int64, device=kv.device)
         count = torch.zeros(1, dtype=torch.int32, device=kv.device)
         _completions_kernel[(triton.cdiv(num_tokens, 1024),)](
-            positions, out_loc, entries, count, num_tokens, RATIO=ratio, BLOCK=1024, num_warps=4)
+            positions, out_loc, entries, count, num_tokens, RATIO=ratio, BLOCK=1024, num_warps=4
+        )
     _compress_kernel[(min(bound, num_tokens),)](
-        kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, cos,
-        sin, out_loc, pages, entries, count, eps, ring, num_tokens, COMPACT=compact, RATIO=ratio,
-        NSLOT=nslot, BLOCK_R=block_r, CD=kv.shape[1], num_warps=num_warps, **layout_args(layout))
+        kv,
+        score,
+        positions,
+        state_slots,
+        seq_start,
+        state_kv,
+        state_score,
+        ape,
+        norm_weight,
+        cos,
+        sin,
+        out_loc,
+        pages,
+        entries,
+        count,
+        eps,
+        ring,
+        num_tokens,
+        COMPACT=compact,
+        RATIO=ratio,
+        NSLOT=nslot,
+        BLOCK_R=block_r,
+        CD=kv.shape[1],
+        num_warps=num_warps,
+        **layout_args(layout),
+    )
     block_t = max(1, 4096 // kv.shape[1])
     _state_write_kernel[(triton.cdiv(num_tokens, block_t),)](
-        kv, score, positions, state_slots, state_kv, state_score, ape, num_tokens, ring,
-        RATIO=ratio, CD=kv.shape[1], BLOCK_T=block_t, num_warps=4)
+        kv,
+        score,
+        positions,
+        state_slots,
+        state_kv,
+        state_score,
+        ape,
+        num_tokens,
+        ring,
+        RATIO=ratio,
+        CD=kv.shape[1],
+        BLOCK_T=block_t,
+        num_warps=4,
+    )
 
 
 def reset_state(state_kv: torch.Tensor, state_score: torch.Tensor, slots: torch.Tensor) -> None:
@@ -230,8 +414,21 @@ def _rms_norm_rope(x, norm_weight, eps, cos, sin):
     return torch.cat((x[:, :-64], rotated), 1)
 
 
-def compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv, state_score, ape,
-                         norm_weight, eps, cos, sin, ratio):
+def compress_entries_ref(
+    kv,
+    score,
+    positions,
+    state_slots,
+    seq_start,
+    state_kv,
+    state_score,
+    ape,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    ratio,
+):
     """The entries this batch completes: (token indices [C] int64, fp32 entries [C, d])."""
     d = kv.shape[1] // (2 if ratio == 4 else 1)
     nslot, ring = (2 * ratio if ratio == 4 else ratio), state_kv.shape[1]
@@ -245,8 +442,11 @@ def compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv,
     batch_rows = (done[:, None] - (p - q)).clamp(0, max(kv.shape[0] - 1, 0))[..., None]
     ring_rows = state_slots[done][:, None, None], (q % ring)[..., None]
     kv_rows = torch.where(in_batch, kv[batch_rows, cols], state_kv[ring_rows + (cols,)])
-    score_rows = torch.where(in_batch, score[batch_rows, cols] + ape[(q % ratio)[..., None], cols],
-                             state_score[ring_rows + (cols,)])
+    score_rows = torch.where(
+        in_batch,
+        score[batch_rows, cols] + ape[(q % ratio)[..., None], cols],
+        state_score[ring_rows + (cols,)],
+    )
     kv_rows = torch.where(valid, kv_rows, 0.0)
     weights = torch.softmax(torch.where(valid, score_rows, float("-inf")), dim=1)
     pooled = (weights * kv_rows).sum(1)
@@ -254,16 +454,60 @@ def compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv,
     return done, _rms_norm_rope(pooled, norm_weight, eps, cos[rope_pos], sin[rope_pos])
 
 
-def compress_norm_rope_store_ref(kv, score, positions, state_slots, seq_start, state_kv,
-                                 state_score, ape, norm_weight, eps, cos, sin, out_loc, pages,
-                                 layout: PageLayout, ratio: int,
-                                 rotate: bool | None = None) -> None:
+def compress_norm_rope_store_ref(
+    kv,
+    score,
+    positions,
+    state_slots,
+    seq_start,
+    state_kv,
+    state_score,
+    ape,
+    norm_weight,
+    eps,
+    cos,
+    sin,
+    out_loc,
+    pages,
+    layout: PageLayout,
+    ratio: int,
+    rotate: bool | None = None,
+) -> None:
     """Torch reference of compress_norm_rope_store (same arguments, same effects)."""
-    args = (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight,
-            cos, sin, out_loc, pages, layout, ratio, rotate)
+    args = (
+        kv,
+        score,
+        positions,
+        state_slots,
+        seq_start,
+        state_kv,
+        state_score,
+        ape,
+        norm_weight,
+        cos,
+        sin,
+        out_loc,
+        pages,
+        layout,
+        ratio,
+        rotate,
+    )
     _check_args(*args)
-    done, entries = compress_entries_ref(kv, score, positions, state_slots, seq_start, state_kv,
-                                         state_score, ape, norm_weight, eps, cos, sin, ratio)
+    done, entries = compress_entries_ref(
+        kv,
+        score,
+        positions,
+        state_slots,
+        seq_start,
+        state_kv,
+        state_score,
+        ape,
+        norm_weight,
+        eps,
+        cos,
+        sin,
+        ratio,
+    )
     write_entries(pages, out_loc[done], entries, layout)
     num_tokens, ring = kv.shape[0], state_kv.shape[1]
     later = torch.arange(ring, num_tokens + ring, device=kv.device)

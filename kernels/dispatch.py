@@ -85,11 +85,13 @@ def transfer_cache_dsv4_mla(src_layers, dst_layers, src_indices, dst_indices, la
 def transfer_page_rows(src_layers, dst_layers, src_pages, dst_pages) -> None:
     """See kernels/transfer.py."""
     _pick(transfer.transfer_page_rows, transfer.transfer_page_rows_ref)(
-        src_layers, dst_layers, src_pages, dst_pages)
+        src_layers, dst_layers, src_pages, dst_pages
+    )
 
 
-def hisparse_swap_in(topk, req_slots, new_pos, page_table, req_rows, row_pos, row_age, clock,
-                     counters):
+def hisparse_swap_in(
+    topk, req_slots, new_pos, page_table, req_rows, row_pos, row_age, clock, counters
+):
     """See kernels/hisparse_swap.py."""
     fn = _pick(hisparse_swap.hisparse_swap_in, hisparse_swap.hisparse_swap_in_ref)
     return fn(topk, req_slots, new_pos, page_table, req_rows, row_pos, row_age, clock, counters)
@@ -98,12 +100,30 @@ def hisparse_swap_in(topk, req_slots, new_pos, page_table, req_rows, row_pos, ro
 def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk, layout) -> torch.Tensor:
     """See kernels/indexer.py."""
     return _pick(indexer.indexer_topk, indexer.indexer_topk_ref)(
-        q, weights, k_pages, page_table, req_idx, bound, topk, layout)
+        q, weights, k_pages, page_table, req_idx, bound, topk, layout
+    )
 
 
-def sparse_mqa(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale, window_layout,
-               comp_layout=None) -> torch.Tensor:
+def sparse_mqa(
+    q,
+    window_pages,
+    window_slots,
+    comp_pages,
+    comp_slots,
+    sink,
+    scale,
+    window_layout,
+    comp_layout=None,
+) -> torch.Tensor:
     """See kernels/sparse_mqa.py."""
     return _pick(_sparse_mqa.sparse_mqa, _sparse_mqa.sparse_mqa_ref)(
-        q, window_pages, window_slots, comp_pages, comp_slots, sink, scale, window_layout,
-        comp_layout)
+        q,
+        window_pages,
+        window_slots,
+        comp_pages,
+        comp_slots,
+        sink,
+        scale,
+        window_layout,
+        comp_layout,
+    )

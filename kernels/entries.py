@@ -48,8 +48,14 @@ def layout_args(layout: PageLayout, prefix: str = "") -> dict:
 
 
 @triton.jit
-def entry_offsets(slot, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                  SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr):
+def entry_offsets(
+    slot,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """slot (int64, scalar or tensor) -> (value byte offset, scale byte offset), int64."""
     page = slot // EPP
     offset = slot % EPP
@@ -111,9 +117,19 @@ def _store_fp8_indexer(pages_ptr, value_off, scale_off, x, D: tl.constexpr):
 
 
 @triton.jit
-def store_entry(pages_ptr, slot, x, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
-                PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-                SCALE_BYTES: tl.constexpr, INDEXER: tl.constexpr):
+def store_entry(
+    pages_ptr,
+    slot,
+    x,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    INDEXER: tl.constexpr,
+):
     """Quantise x [D] fp32 (fp8 indexer format: rotate first) and store it at slot (int64 >= 0)."""
     value_off, scale_off = entry_offsets(slot, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES)
     cols = tl.arange(0, D)
@@ -128,8 +144,7 @@ def store_entry(pages_ptr, slot, x, FMT: tl.constexpr, D: tl.constexpr, EPP: tl.
 
 
 @triton.jit
-def load_values(pages_ptr, value_off, valid, TC: tl.constexpr, FMT: tl.constexpr,
-                D: tl.constexpr):
+def load_values(pages_ptr, value_off, valid, TC: tl.constexpr, FMT: tl.constexpr, D: tl.constexpr):
     """Raw values of N entries (value_off [N] int64, valid [N]) -> [N, D], 0 where not valid.
 
     fp8: the unscaled fp8 numbers of all D dims (only the indexer format stores D fp8 values). TC:
@@ -155,17 +170,26 @@ def load_values(pages_ptr, value_off, valid, TC: tl.constexpr, FMT: tl.constexpr
 
 
 @triton.jit
-def kv_scale_words(pages_ptr, slots, FMT: tl.constexpr, EPP: tl.constexpr,
-                   PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-                   SCALE_BYTES: tl.constexpr):
+def kv_scale_words(
+    pages_ptr,
+    slots,
+    FMT: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """(value byte offsets [N] int64, low and high scale words [N] int32) of kv entries at slots
     [N] (>= 0 valid). fp8: the 8 scale bytes of an entry read as one little-endian int64 (they are
     8-byte aligned), split in two: byte g % 4 of the low / high word is group g's exponent byte."""
-    value_off, scale_off = entry_offsets(slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
-                                         SCALE_BYTES)
+    value_off, scale_off = entry_offsets(
+        slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
+    )
     if FMT == FMT_FP8:
-        word = tl.load(pages_ptr.to(tl.pointer_type(tl.int64)) + scale_off // 8, mask=slots >= 0,
-                       other=0)
+        word = tl.load(
+            pages_ptr.to(tl.pointer_type(tl.int64)) + scale_off // 8, mask=slots >= 0, other=0
+        )
         lo, hi = word.to(tl.int32), (word >> 32).to(tl.int32)
     else:
         lo = tl.zeros(slots.shape, tl.int32)
@@ -174,8 +198,17 @@ def kv_scale_words(pages_ptr, slots, FMT: tl.constexpr, EPP: tl.constexpr,
 
 
 @triton.jit
-def load_kv_dims(pages_ptr, value_off, scale_lo, scale_hi, valid, C0: tl.constexpr,
-                 W: tl.constexpr, BF16: tl.constexpr, FMT: tl.constexpr):
+def load_kv_dims(
+    pages_ptr,
+    value_off,
+    scale_lo,
+    scale_hi,
+    valid,
+    C0: tl.constexpr,
+    W: tl.constexpr,
+    BF16: tl.constexpr,
+    FMT: tl.constexpr,
+):
     """Dims [C0, C0 + W) of N dequantised kv entries (d = 512) -> [N, W], 0 where not valid.
 
     (value_off, scale_lo, scale_hi) come from kv_scale_words. fp8: a chunk lies inside the e4m3
@@ -190,8 +223,9 @@ def load_kv_dims(pages_ptr, value_off, scale_lo, scale_hi, valid, C0: tl.constex
         out = tl.load(ptrs, mask=mask, other=0.0)
     elif (FMT == FMT_BF16) or (C0 >= NOPE):  # bf16 values (bf16 pages, fp8 rope dims)
         start = value_off // 2 if FMT == FMT_BF16 else (value_off + NOPE) // 2 - NOPE
-        bits = tl.load(pages_ptr.to(tl.pointer_type(tl.uint16)) + start[:, None] + c, mask=mask,
-                       other=0)
+        bits = tl.load(
+            pages_ptr.to(tl.pointer_type(tl.uint16)) + start[:, None] + c, mask=mask, other=0
+        )
         out = bits.to(tl.bfloat16, bitcast=True) if BF16 else bf16_bits_to_f32(bits)
     else:
         fp8 = tl.load(pages_ptr + value_off[:, None] + c, mask=mask, other=0)
@@ -203,17 +237,27 @@ def load_kv_dims(pages_ptr, value_off, scale_lo, scale_hi, valid, C0: tl.constex
 
 
 @triton.jit
-def load_indexer_keys(pages_ptr, slots, valid, TC: tl.constexpr, FMT: tl.constexpr,
-                      D: tl.constexpr, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                      VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-                      SCALE_BYTES: tl.constexpr):
+def load_indexer_keys(
+    pages_ptr,
+    slots,
+    valid,
+    TC: tl.constexpr,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """Indexer keys at slots [N] -> (values [N, D] unscaled, scale [N] fp32): key = values * scale.
 
     Keeping the scale apart lets the dot run on the fp8 numbers, which fp16 holds exactly (TC: see
     load_values).
     """
-    value_off, scale_off = entry_offsets(slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
-                                         SCALE_BYTES)
+    value_off, scale_off = entry_offsets(
+        slots, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
+    )
     values = load_values(pages_ptr, value_off, valid, TC, FMT, D)
     if FMT == FMT_FP8:
         scale_ptrs = pages_ptr.to(tl.pointer_type(tl.float32)) + scale_off // 4

@@ -46,10 +46,28 @@ BUCKET_M = (16, 64)  # the largest M of each decode bucket; larger M takes the p
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "num_splits"])
-def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, K, stride_xm, stride_sn,
-                       block_n, block_k, k_per_split, num_splits, SCALE_BYTES: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       IEEE: tl.constexpr, OUT_BF16: tl.constexpr):
+def _fp8_linear_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    part_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_sn,
+    block_n,
+    block_k,
+    k_per_split,
+    num_splits,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     # program (m tile, n tile * num_splits + split, group g): out[m, g N + n] over one K range
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -63,8 +81,24 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, part_ptr, M, N, K, stride_x
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         xa, xb = load_x(x_rows, m_ok[:, None], k0, K, FMT_FP8, BLOCK_K)
-        acc += weight_dot(xa, xb, k0, K, w_ptr, w_rows, n_ok, K, s_ptr, w_rows // block_n,
-                          stride_sn, block_k, FMT_FP8, SCALE_BYTES, BLOCK_K, IEEE)
+        acc += weight_dot(
+            xa,
+            xb,
+            k0,
+            K,
+            w_ptr,
+            w_rows,
+            n_ok,
+            K,
+            s_ptr,
+            w_rows // block_n,
+            stride_sn,
+            block_k,
+            FMT_FP8,
+            SCALE_BYTES,
+            BLOCK_K,
+            IEEE,
+        )
     width = tl.num_programs(2) * N  # G N: the output's row length
     offs = m.to(tl.int64)[:, None] * width + w_rows[None, :]
     mask = m_ok[:, None] & n_ok[None, :]
@@ -96,16 +130,24 @@ def _check(x, weight, scale, block, groups) -> tuple[int, int]:
     assert x.dtype in DTYPES, x.dtype
     assert weight.dim() == 2 and weight.is_contiguous() and weight.element_size() == 1
     assert weight.dtype in (torch.float8_e4m3fn, torch.uint8), weight.dtype
-    assert scale.is_contiguous() and scale.dtype in (torch.float32, torch.float8_e8m0fnu,
-                                                     torch.uint8), scale.dtype
+    assert scale.is_contiguous() and scale.dtype in (
+        torch.float32,
+        torch.float8_e8m0fnu,
+        torch.uint8,
+    ), scale.dtype
     rows, k = weight.shape
     assert rows % groups == 0 and x.shape[1] == groups * k, (x.shape, weight.shape, groups)
     assert tuple(scale.shape) == scale_shape("fp8", rows, k, block), (scale.shape, weight.shape)
     return rows // groups, k
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] = (128, 128), groups: int = 1) -> torch.Tensor:
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    groups: int = 1,
+) -> torch.Tensor:
     """See the module docstring."""
     n, k = _check(x, weight, scale, block, groups)
     num_rows = x.shape[0]
@@ -119,21 +161,44 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     splits = num_splits(grid_mn * groups, k_steps, x.device)
     steps_per_split = triton.cdiv(k_steps, splits)
     splits = triton.cdiv(k_steps, steps_per_split)  # no empty split
-    part = torch.empty((splits if splits > 1 else 1, num_rows if splits > 1 else 1, groups * n),
-                       dtype=torch.float32, device=x.device)
+    part = torch.empty(
+        (splits if splits > 1 else 1, num_rows if splits > 1 else 1, groups * n),
+        dtype=torch.float32,
+        device=x.device,
+    )
     grid = (triton.cdiv(num_rows, t["BLOCK_M"]), triton.cdiv(n, t["BLOCK_N"]) * splits, groups)
     _fp8_linear_kernel[grid](
-        x, kernel_bytes(weight), kernel_bytes(scale), out, part, num_rows, n, k, x.stride(0),
-        scale.shape[1], block[0], block[1], steps_per_split * t["BLOCK_K"], splits,
-        SCALE_BYTES=scale.element_size() == 1, IEEE=x.dtype == torch.float32 or interpreting(),
-        OUT_BF16=x.dtype == torch.bfloat16, **t)
+        x,
+        kernel_bytes(weight),
+        kernel_bytes(scale),
+        out,
+        part,
+        num_rows,
+        n,
+        k,
+        x.stride(0),
+        scale.shape[1],
+        block[0],
+        block[1],
+        steps_per_split * t["BLOCK_K"],
+        splits,
+        SCALE_BYTES=scale.element_size() == 1,
+        IEEE=x.dtype == torch.float32 or interpreting(),
+        OUT_BF16=x.dtype == torch.bfloat16,
+        **t,
+    )
     if splits > 1:
         out.copy_(part.sum(0))
     return out
 
 
-def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-                   block: tuple[int, int] = (128, 128), groups: int = 1) -> torch.Tensor:
+def fp8_linear_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int] = (128, 128),
+    groups: int = 1,
+) -> torch.Tensor:
     """The torch reference: dequantise to fp32, multiply each group in fp32, cast to x's dtype."""
     n, k = _check(x, weight, scale, block, groups)
     w = dequantize_ref(weight, scale, "fp8", block).view(groups, n, k)
@@ -142,8 +207,13 @@ def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     return y.transpose(0, 1).reshape(x.shape[0], groups * n).to(x.dtype)
 
 
-def compile_variants(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                     groups: int, dtype: torch.dtype) -> None:
+def compile_variants(
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    groups: int,
+    dtype: torch.dtype,
+) -> None:
     """Runs the kernel once per M bucket (and once split, once not) so that serving compiles
     nothing (M and the split count are not specialised, so one call per tile shape suffices)."""
     k = weight.shape[1]

@@ -30,13 +30,26 @@ REF_CHUNK = 64  # tokens scored at once by the torch reference
 
 
 @triton.jit
-def _score_page(q_t, w, pages_ptr, page, valid, TC: tl.constexpr, FMT: tl.constexpr,
-                D: tl.constexpr, EPP: tl.constexpr, PAGE_BYTES: tl.constexpr,
-                VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr):
+def _score_page(
+    q_t,
+    w,
+    pages_ptr,
+    page,
+    valid,
+    TC: tl.constexpr,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """Ordered int32 scores [EPP] of one page's keys (MASKED_SCORE where not valid)."""
     slots = page * EPP + tl.arange(0, EPP)
-    k, k_scale = load_indexer_keys(pages_ptr, slots, valid, TC, FMT, D, EPP, PAGE_BYTES,
-                                   VALUE_BYTES, SCALE_OFF, SCALE_BYTES)  # [EPP, D], [EPP]
+    k, k_scale = load_indexer_keys(
+        pages_ptr, slots, valid, TC, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
+    )  # [EPP, D], [EPP]
     if TC:
         dots = tl.dot(k, q_t)  # [EPP, BLOCK_H]: keys on the wgmma M side, heads along N
     else:
@@ -46,13 +59,32 @@ def _score_page(q_t, w, pages_ptr, page, valid, TC: tl.constexpr, FMT: tl.conste
 
 
 @triton.jit(do_not_specialize=["stride_pt", "num_page_cols"])
-def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bound_ptr, out_ptr,
-                           num_heads, stride_qt, stride_qh, stride_wt, stride_pt, num_page_cols,
-                           BLOCK_H: tl.constexpr, PAGES_PER_PROG: tl.constexpr, TC: tl.constexpr,
-                           FMT: tl.constexpr, D: tl.constexpr, EPP: tl.constexpr,
-                           PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                           SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                           INDEXER: tl.constexpr):
+def _indexer_scores_kernel(
+    q_ptr,
+    w_ptr,
+    pages_ptr,
+    page_table_ptr,
+    req_ptr,
+    bound_ptr,
+    out_ptr,
+    num_heads,
+    stride_qt,
+    stride_qh,
+    stride_wt,
+    stride_pt,
+    num_page_cols,
+    BLOCK_H: tl.constexpr,
+    PAGES_PER_PROG: tl.constexpr,
+    TC: tl.constexpr,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    INDEXER: tl.constexpr,
+):
     # program (token t, PAGES_PER_PROG page-table columns from j0): visible pages are scored, the
     # rest of the range is written MASKED_SCORE without reading keys
     t = tl.program_id(0).to(tl.int64)
@@ -60,8 +92,11 @@ def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bou
     table_row = page_table_ptr + tl.load(req_ptr + t) * stride_pt
     out_row = out_ptr + t * num_page_cols * EPP
     h = tl.arange(0, BLOCK_H)
-    q = tl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + tl.arange(0, D)[None, :],
-                mask=(h < num_heads)[:, None], other=0.0)  # [BLOCK_H, D] fp32
+    q = tl.load(
+        q_ptr + t * stride_qt + h[:, None] * stride_qh + tl.arange(0, D)[None, :],
+        mask=(h < num_heads)[:, None],
+        other=0.0,
+    )  # [BLOCK_H, D] fp32
     if FMT == FMT_FP8:
         q = hadamard_rotate_rows(q, BLOCK_H)  # keys are stored rotated; q . k is unchanged
     if TC:
@@ -73,8 +108,21 @@ def _indexer_scores_kernel(q_ptr, w_ptr, pages_ptr, page_table_ptr, req_ptr, bou
     j_seen = tl.maximum(tl.minimum(j_end, tl.cdiv(bound, EPP)), j0)
     for j in range(j0, j_seen):
         s = j * EPP + tl.arange(0, EPP)
-        scores = _score_page(q_t, w, pages_ptr, tl.load(table_row + j), s < bound, TC, FMT, D,
-                             EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES)
+        scores = _score_page(
+            q_t,
+            w,
+            pages_ptr,
+            tl.load(table_row + j),
+            s < bound,
+            TC,
+            FMT,
+            D,
+            EPP,
+            PAGE_BYTES,
+            VALUE_BYTES,
+            SCALE_OFF,
+            SCALE_BYTES,
+        )
         tl.store(out_row + s, scores)
     for j in range(j_seen, j_end):
         tl.store(out_row + j * EPP + tl.arange(0, EPP), tl.full((EPP,), MASKED_SCORE_C, tl.int32))
@@ -90,7 +138,8 @@ def _check(q, weights, k_pages, page_table, req_idx, bound, layout) -> None:
     assert page_table.dtype == torch.int64 and page_table.dim() == 2 and page_table.stride(1) == 1
     for name, t in (("req_idx", req_idx), ("bound", bound)):
         assert t.dtype == torch.int64 and t.shape == (num_tokens,) and t.is_contiguous(), (
-            f"{name} must be contiguous int64 [T]")
+            f"{name} must be contiguous int64 [T]"
+        )
 
 
 def _rotated_queries(q: torch.Tensor, layout: PageLayout) -> torch.Tensor:
@@ -105,30 +154,47 @@ def _config(num_tokens: int, num_page_cols: int, dtype: str, device) -> tuple:
     return min(32, max(4, triton.next_power_of_2(per_sm))), 8 if dtype == "fp32" else 4
 
 
-def indexer_scores(q, weights, k_pages, page_table, req_idx, bound,
-                   layout: PageLayout) -> torch.Tensor:
+def indexer_scores(
+    q, weights, k_pages, page_table, req_idx, bound, layout: PageLayout
+) -> torch.Tensor:
     """Ordered int32 scores [T, max_pages * 64] (topk.MASKED_SCORE where s >= bound); arguments as
     in indexer_topk."""
     _check(q, weights, k_pages, page_table, req_idx, bound, layout)
     assert q.stride(2) == 1, "q rows must be contiguous"
     num_tokens, num_heads = weights.shape
     num_page_cols = page_table.shape[1]
-    scores = torch.empty(num_tokens, num_page_cols * layout.entries_per_page, dtype=torch.int32,
-                         device=q.device)
+    scores = torch.empty(
+        num_tokens, num_page_cols * layout.entries_per_page, dtype=torch.int32, device=q.device
+    )
     if num_tokens and num_page_cols:
         pages_per_prog, num_warps = _config(num_tokens, num_page_cols, layout.dtype, q.device)
         grid = (num_tokens, triton.cdiv(num_page_cols, pages_per_prog))
         _indexer_scores_kernel[grid](
-            q, weights, k_pages, page_table, req_idx, bound, scores, num_heads, q.stride(0),
-            q.stride(1), weights.stride(0), page_table.stride(0), num_page_cols,
-            BLOCK_H=max(16, triton.next_power_of_2(num_heads)), PAGES_PER_PROG=pages_per_prog,
-            TC=use_bf16_mma(layout.dtype), num_warps=num_warps,
-            **layout_args(layout))
+            q,
+            weights,
+            k_pages,
+            page_table,
+            req_idx,
+            bound,
+            scores,
+            num_heads,
+            q.stride(0),
+            q.stride(1),
+            weights.stride(0),
+            page_table.stride(0),
+            num_page_cols,
+            BLOCK_H=max(16, triton.next_power_of_2(num_heads)),
+            PAGES_PER_PROG=pages_per_prog,
+            TC=use_bf16_mma(layout.dtype),
+            num_warps=num_warps,
+            **layout_args(layout),
+        )
     return scores
 
 
-def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk: int,
-                 layout: PageLayout) -> torch.Tensor:
+def indexer_topk(
+    q, weights, k_pages, page_table, req_idx, bound, topk: int, layout: PageLayout
+) -> torch.Tensor:
     """Top-k C4 positions per token -> int64 [T, topk]: descending score, ties to the lower s.
 
     Rows are padded with -1 when fewer than topk entries are visible.
@@ -165,8 +231,9 @@ def indexer_scores_ref(q, weights, k_pages, page_table, req_idx, bound, layout) 
     return torch.where(s[None, :] < bound[:, None], scores, float("-inf"))
 
 
-def indexer_topk_ref(q, weights, k_pages, page_table, req_idx, bound, topk: int,
-                     layout: PageLayout) -> torch.Tensor:
+def indexer_topk_ref(
+    q, weights, k_pages, page_table, req_idx, bound, topk: int, layout: PageLayout
+) -> torch.Tensor:
     """Torch reference of indexer_topk: a stable descending sort keeps equal scores in s order."""
     scores = indexer_scores_ref(q, weights, k_pages, page_table, req_idx, bound, layout)
     order = torch.sort(scores, dim=1, descending=True, stable=True)

@@ -40,9 +40,21 @@ BLOCK_D = 256  # hidden columns per program of the collapse and the post-mix
 
 
 @triton.jit(do_not_specialize=["n"])
-def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
-                MIX_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                FMA: tl.constexpr, PRECISION: tl.constexpr):
+def _mix_kernel(
+    x_ptr,
+    fn_ptr,
+    part_ptr,
+    sq_ptr,
+    n,
+    width,
+    num_mix,
+    split_len,
+    MIX_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     # program (row block, split s): part[s, rows, :] = x[rows, K_s] @ fn[:, K_s]^T and
     # sq[s, rows] = sum x[rows, K_s]^2, with K_s = [s * split_len, (s + 1) * split_len); a row's
     # sums are in K order whatever else its block holds. FMA: fp32 products on CUDA cores;
@@ -57,10 +69,16 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
     for k0 in range(k_lo, tl.minimum(k_lo + split_len, width), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < width
-        xk = tl.load(x_ptr + rows[:, None].to(tl.int64) * width + k[None, :],
-                     mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        fk = tl.load(fn_ptr + mix[:, None] * width + k[None, :],
-                     mask=mix_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        xk = tl.load(
+            x_ptr + rows[:, None].to(tl.int64) * width + k[None, :],
+            mask=row_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        fk = tl.load(
+            fn_ptr + mix[:, None] * width + k[None, :],
+            mask=mix_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
         sq += tl.sum(xk * xk, axis=1)
         if FMA:
             acc += tl.sum(xk[:, None, :] * fk[None, :, :], axis=2)
@@ -72,10 +90,28 @@ def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, n, width, num_mix, split_len,
 
 
 @triton.jit(do_not_specialize=["n"])
-def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr, n,
-                hidden, num_splits, hc_eps, norm_eps, ITERS: tl.constexpr, HC: tl.constexpr,
-                MIX_PAD: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                OUT_BF16: tl.constexpr, HEAD: tl.constexpr):
+def _pre_kernel(
+    x_ptr,
+    part_ptr,
+    sq_ptr,
+    base_ptr,
+    scale_ptr,
+    post_ptr,
+    comb_ptr,
+    out_ptr,
+    n,
+    hidden,
+    num_splits,
+    hc_eps,
+    norm_eps,
+    ITERS: tl.constexpr,
+    HC: tl.constexpr,
+    MIX_PAD: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    HEAD: tl.constexpr,
+):
     # HEAD: the mixes are the hc pre weights alone (base [hc], scale [1]); only the collapse
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < n
@@ -111,20 +147,40 @@ def _pre_kernel(x_ptr, part_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr
             comb = comb / (tl.sum(comb, axis=1)[:, None, :] + hc_eps)
         if tl.program_id(1) == 0:  # every column block derives the weights; one stores them
             tl.store(post_ptr + rows[:, None] * HC + i[None, :], post, mask=ok2)
-            tl.store(comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC
-                     + i[None, None, :], comb, mask=ok3)
+            tl.store(
+                comb_ptr + rows[:, None, None] * HC * HC + i[None, :, None] * HC + i[None, None, :],
+                comb,
+                mask=ok3,
+            )
     x_rows = rows[:, None, None].to(tl.int64) * HC * hidden + i[None, :, None] * hidden
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    xt = tl.load(x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :],
-                 other=0.0).to(tl.float32)
+    xt = tl.load(
+        x_ptr + x_rows + d[None, None, :], mask=ok3 & (d < hidden)[None, None, :], other=0.0
+    ).to(tl.float32)
     collapsed = tl.sum(pre[:, :, None] * xt, axis=1)  # [ROWS, BLOCK_D]
-    store_rounded(out_ptr, rows[:, None].to(tl.int64) * hidden + d[None, :], collapsed,
-           ok2 & (d < hidden)[None, :], OUT_BF16)
+    store_rounded(
+        out_ptr,
+        rows[:, None].to(tl.int64) * hidden + d[None, :],
+        collapsed,
+        ok2 & (d < hidden)[None, :],
+        OUT_BF16,
+    )
 
 
 @triton.jit(do_not_specialize=["n"])
-def _post_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, n, hidden, HC: tl.constexpr,
-                 ROWS: tl.constexpr, BLOCK_D: tl.constexpr, OUT_BF16: tl.constexpr):
+def _post_kernel(
+    x_ptr,
+    out_ptr,
+    post_ptr,
+    comb_ptr,
+    y_ptr,
+    n,
+    hidden,
+    HC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     # program (rows, column block):
     # y[m, j, d] = post[m, j] out[m, d] + sum_i comb[m, i, j] x[m, i, d]
     m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -133,13 +189,19 @@ def _post_kernel(x_ptr, out_ptr, post_ptr, comb_ptr, y_ptr, n, hidden, HC: tl.co
     m_ok = m < n
     m64 = m.to(tl.int64)
     post = tl.load(post_ptr + m64[:, None] * HC + i[None, :], mask=m_ok[:, None], other=0.0)
-    comb = tl.load(comb_ptr + m64[:, None, None] * HC * HC + i[None, :, None] * HC
-                   + i[None, None, :], mask=m_ok[:, None, None], other=0.0)  # [ROWS, i, j]
+    comb = tl.load(
+        comb_ptr + m64[:, None, None] * HC * HC + i[None, :, None] * HC + i[None, None, :],
+        mask=m_ok[:, None, None],
+        other=0.0,
+    )  # [ROWS, i, j]
     ok = m_ok[:, None, None] & (d < hidden)[None, None, :]
     streams = m64[:, None, None] * HC * hidden + i[None, :, None] * hidden + d[None, None, :]
     x = tl.load(x_ptr + streams, mask=ok, other=0.0).to(tl.float32)  # [ROWS, HC (i), BLOCK_D]
-    out = tl.load(out_ptr + m64[:, None] * hidden + d[None, :],
-                  mask=m_ok[:, None] & (d < hidden)[None, :], other=0.0).to(tl.float32)
+    out = tl.load(
+        out_ptr + m64[:, None] * hidden + d[None, :],
+        mask=m_ok[:, None] & (d < hidden)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     mixed = tl.sum(comb[:, :, :, None] * x[:, :, None, :], axis=1)  # [ROWS, HC (j), BLOCK_D]
     y = post[:, :, None] * out[:, None, :] + mixed
     store_rounded(y_ptr, streams, y, ok, OUT_BF16)
@@ -192,16 +254,45 @@ def _collapse(x, fn, base, scale, hc_eps, norm_eps, iters, post, comb) -> torch.
     fma = width <= FMA_MAX_WIDTH
     block_m = MIX_ROWS if fma and not interpreting() else BLOCK_M
     _mix_kernel[(triton.cdiv(n, block_m), splits)](
-        x, fn, part, sq, n, width, num_mix, SPLIT_K, MIX_PAD=mix_pad, BLOCK_M=block_m,
-        BLOCK_K=BLOCK_K, FMA=fma, PRECISION="ieee" if interpreting() else "tf32x3")
+        x,
+        fn,
+        part,
+        sq,
+        n,
+        width,
+        num_mix,
+        SPLIT_K,
+        MIX_PAD=mix_pad,
+        BLOCK_M=block_m,
+        BLOCK_K=BLOCK_K,
+        FMA=fma,
+        PRECISION="ieee" if interpreting() else "tf32x3",
+    )
     rows = 16 if interpreting() else PRE_ROWS
     block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
     head = post is None  # then the kernel stores no post/comb: the partials stand in as pointers
     _pre_kernel[(triton.cdiv(n, rows), triton.cdiv(hidden, block_d))](
-        x, part, sq, base.float().contiguous(), scale.float().contiguous(),
-        part if head else post, part if head else comb, collapsed, n, hidden, splits, hc_eps,
-        norm_eps, ITERS=iters, HC=hc, MIX_PAD=mix_pad, ROWS=rows, BLOCK_D=block_d,
-        OUT_BF16=x.dtype == torch.bfloat16, HEAD=head)
+        x,
+        part,
+        sq,
+        base.float().contiguous(),
+        scale.float().contiguous(),
+        part if head else post,
+        part if head else comb,
+        collapsed,
+        n,
+        hidden,
+        splits,
+        hc_eps,
+        norm_eps,
+        ITERS=iters,
+        HC=hc,
+        MIX_PAD=mix_pad,
+        ROWS=rows,
+        BLOCK_D=block_d,
+        OUT_BF16=x.dtype == torch.bfloat16,
+        HEAD=head,
+    )
     return collapsed
 
 
@@ -218,6 +309,16 @@ def mhc_post(x, out, post, comb):
     block_d = min(BLOCK_D, triton.next_power_of_2(hidden))
     rows = 16 if interpreting() else 1
     _post_kernel[(triton.cdiv(n, rows), triton.cdiv(hidden, block_d))](
-        x, out, post.contiguous(), comb.contiguous(), y, n, hidden, HC=hc, ROWS=rows,
-        BLOCK_D=block_d, OUT_BF16=x.dtype == torch.bfloat16)
+        x,
+        out,
+        post.contiguous(),
+        comb.contiguous(),
+        y,
+        n,
+        hidden,
+        HC=hc,
+        ROWS=rows,
+        BLOCK_D=block_d,
+        OUT_BF16=x.dtype == torch.bfloat16,
+    )
     return y

@@ -53,8 +53,9 @@ LIST_MAX_PAIRS = 1024
 
 
 @triton.jit
-def _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED: tl.constexpr,
-           BLOCK_M: tl.constexpr):
+def _pairs(
+    list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED: tl.constexpr, BLOCK_M: tl.constexpr
+):
     """(expert, pair ids [BLOCK_M], their mask, whether the program has any) of program_id(0)."""
     pid = tl.program_id(0)
     if LISTED:  # program (expert, m): row `expert` of the [E, P] list table
@@ -89,14 +90,35 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, list_ptr, blocks_ptr, counts_ptr, h_ptr, num_pairs,
-                    hidden, inter, num_slots, limit, stride_w, stride_s, s_per_expert, s_up,
-                    block_n, block_k, LISTED: tl.constexpr, FMT: tl.constexpr,
-                    SCALE_BYTES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _gate_up_kernel(
+    x_ptr,
+    w13_ptr,
+    s13_ptr,
+    list_ptr,
+    blocks_ptr,
+    counts_ptr,
+    h_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    num_slots,
+    limit,
+    stride_w,
+    stride_s,
+    s_per_expert,
+    s_up,
+    block_n,
+    block_k,
+    LISTED: tl.constexpr,
+    FMT: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     # program (pair block, column block n): h[pairs, n] for the pairs' expert
-    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED,
-                                      BLOCK_M)
+    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED, BLOCK_M)
     if active:
         token = pair // num_slots
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -108,27 +130,80 @@ def _gate_up_kernel(x_ptr, w13_ptr, s13_ptr, list_ptr, blocks_ptr, counts_ptr, h
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, hidden, BLOCK_K):
             xa, xb = load_x(x_rows, ok[:, None], k0, hidden, FMT, BLOCK_K)
-            acc_g += weight_dot(xa, xb, k0, hidden, w13_ptr, w_rows, n_ok, stride_w, s13_ptr,
-                                s_rows, stride_s, block_k, FMT, SCALE_BYTES, BLOCK_K, IEEE)
-            acc_u += weight_dot(xa, xb, k0, hidden, w13_ptr, w_rows + inter, n_ok, stride_w,
-                                s13_ptr, s_rows + s_up, stride_s, block_k, FMT, SCALE_BYTES,
-                                BLOCK_K, IEEE)
+            acc_g += weight_dot(
+                xa,
+                xb,
+                k0,
+                hidden,
+                w13_ptr,
+                w_rows,
+                n_ok,
+                stride_w,
+                s13_ptr,
+                s_rows,
+                stride_s,
+                block_k,
+                FMT,
+                SCALE_BYTES,
+                BLOCK_K,
+                IEEE,
+            )
+            acc_u += weight_dot(
+                xa,
+                xb,
+                k0,
+                hidden,
+                w13_ptr,
+                w_rows + inter,
+                n_ok,
+                stride_w,
+                s13_ptr,
+                s_rows + s_up,
+                stride_s,
+                block_k,
+                FMT,
+                SCALE_BYTES,
+                BLOCK_K,
+                IEEE,
+            )
         gate = tl.minimum(acc_g, limit)
         up = tl.minimum(tl.maximum(acc_u, -limit), limit)
         h = gate * tl.sigmoid(gate) * up
-        tl.store(h_ptr + pair[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty),
-                 mask=ok[:, None] & n_ok[None, :])
+        tl.store(
+            h_ptr + pair[:, None] * inter + n[None, :],
+            h.to(h_ptr.dtype.element_ty),
+            mask=ok[:, None] & n_ok[None, :],
+        )
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
-def _down_kernel(h_ptr, w2_ptr, s2_ptr, list_ptr, blocks_ptr, counts_ptr, weight_ptr, out_ptr,
-                 num_pairs, hidden, inter, stride_w, stride_s, s_per_expert, block_n, block_k,
-                 LISTED: tl.constexpr, FMT: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 IEEE: tl.constexpr):
+def _down_kernel(
+    h_ptr,
+    w2_ptr,
+    s2_ptr,
+    list_ptr,
+    blocks_ptr,
+    counts_ptr,
+    weight_ptr,
+    out_ptr,
+    num_pairs,
+    hidden,
+    inter,
+    stride_w,
+    stride_s,
+    s_per_expert,
+    block_n,
+    block_k,
+    LISTED: tl.constexpr,
+    FMT: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     # program (pair block, column block n): out[pair, n] = weight[pair] * h[pair] w2[e, n]^T
-    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED,
-                                      BLOCK_M)
+    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED, BLOCK_M)
     if active:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
@@ -138,11 +213,30 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, list_ptr, blocks_ptr, counts_ptr, weight
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k0 in range(0, inter, BLOCK_K):
             xa, xb = load_x(h_rows, ok[:, None], k0, inter, FMT, BLOCK_K)
-            acc += weight_dot(xa, xb, k0, inter, w2_ptr, w_rows, n_ok, stride_w, s2_ptr, s_rows,
-                              stride_s, block_k, FMT, SCALE_BYTES, BLOCK_K, IEEE)
+            acc += weight_dot(
+                xa,
+                xb,
+                k0,
+                inter,
+                w2_ptr,
+                w_rows,
+                n_ok,
+                stride_w,
+                s2_ptr,
+                s_rows,
+                stride_s,
+                block_k,
+                FMT,
+                SCALE_BYTES,
+                BLOCK_K,
+                IEEE,
+            )
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
-        tl.store(out_ptr + pair[:, None] * hidden + n[None, :], acc * w[:, None],
-                 mask=ok[:, None] & n_ok[None, :])
+        tl.store(
+            out_ptr + pair[:, None] * hidden + n[None, :],
+            acc * w[:, None],
+            mask=ok[:, None] & n_ok[None, :],
+        )
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -182,8 +276,10 @@ def list_pairs(ids: torch.Tensor, num_experts: int):
 
 
 SMALL_PAIRS = 16  # quantized experts over at most this many pairs take SMALL_TILES
-SMALL_TILES = {"fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-               "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)}
+SMALL_TILES = {
+    "fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
+    "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+}
 
 
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
@@ -241,8 +337,17 @@ def _check(x, w13, w2, scales, fmt, block) -> int:
     return inter
 
 
-def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "dense",
-              block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def fused_moe(
+    x,
+    ids,
+    weights,
+    w13,
+    w2,
+    limit: float,
+    scales=None,
+    fmt: str = "dense",
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
     """See the module docstring."""
     num_tokens, hidden = x.shape
     inter = _check(x, w13, w2, scales, fmt, block)
@@ -270,20 +375,57 @@ def fused_moe(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "d
     s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
-    flags = dict(LISTED=listed, FMT=FORMATS[fmt], SCALE_BYTES=s13.element_size() == 1,
-                 IEEE=x.dtype == torch.float32 or interpreting(), **tiles)
+    flags = dict(
+        LISTED=listed,
+        FMT=FORMATS[fmt],
+        SCALE_BYTES=s13.element_size() == 1,
+        IEEE=x.dtype == torch.float32 or interpreting(),
+        **tiles,
+    )
     w13, w2 = kernel_bytes(w13), kernel_bytes(w2)
     _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
-        x, w13, s13, pair_list, blocks, counts, h, num_pairs, hidden, inter, num_slots, limit,
-        layout13[0], layout13[1], layout13[2], s_up, layout13[3], block[1], **flags)
+        x,
+        w13,
+        s13,
+        pair_list,
+        blocks,
+        counts,
+        h,
+        num_pairs,
+        hidden,
+        inter,
+        num_slots,
+        limit,
+        layout13[0],
+        layout13[1],
+        layout13[2],
+        s_up,
+        layout13[3],
+        block[1],
+        **flags,
+    )
     _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
-        h, w2, s2, pair_list, blocks, counts, weights.float().contiguous(), out, num_pairs,
-        hidden, inter, *layout2, block[1], **flags)
+        h,
+        w2,
+        s2,
+        pair_list,
+        blocks,
+        counts,
+        weights.float().contiguous(),
+        out,
+        num_pairs,
+        hidden,
+        inter,
+        *layout2,
+        block[1],
+        **flags,
+    )
     return out.view(num_tokens, num_slots, hidden).sum(dim=1).to(x.dtype)
 
 
-def compile_variants(w13, w2, scales, fmt: str, block: tuple[int, int], num_slots: int,
-                     dtype: torch.dtype) -> None:
+def compile_variants(
+    w13, w2, scales, fmt: str, block: tuple[int, int], num_slots: int, dtype: torch.dtype
+) -> None:
     """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
     pairs, listed, sorted), so that serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
@@ -295,8 +437,17 @@ def compile_variants(w13, w2, scales, fmt: str, block: tuple[int, int], num_slot
         fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt, block)
 
 
-def fused_moe_ref(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str = "dense",
-                  block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def fused_moe_ref(
+    x,
+    ids,
+    weights,
+    w13,
+    w2,
+    limit: float,
+    scales=None,
+    fmt: str = "dense",
+    block: tuple[int, int] = (128, 128),
+) -> torch.Tensor:
     """The torch reference of `fused_moe`: stacked weights dequantised to fp32, a loop over the
     experts in fp32, h rounded to x's dtype between the two products as the kernels store it."""
     inter = _check(x, w13, w2, scales, fmt, block)
@@ -305,8 +456,13 @@ def fused_moe_ref(x, ids, weights, w13, w2, limit: float, scales=None, fmt: str 
     else:
         s13, s2 = scales
         half = s13.shape[1] // 2  # w1's scale rows, then w3's (their own block grids)
-        w13 = torch.cat([dequantize_ref(w13[:, :inter], s13[:, :half], fmt, block),
-                         dequantize_ref(w13[:, inter:], s13[:, half:], fmt, block)], dim=1)
+        w13 = torch.cat(
+            [
+                dequantize_ref(w13[:, :inter], s13[:, :half], fmt, block),
+                dequantize_ref(w13[:, inter:], s13[:, half:], fmt, block),
+            ],
+            dim=1,
+        )
         w2 = dequantize_ref(w2, s2, fmt, block)
     flat, coef = ids.reshape(-1), weights.reshape(-1).float()
     token = torch.arange(flat.numel(), device=x.device) // ids.shape[1]

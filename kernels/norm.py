@@ -21,8 +21,17 @@ from dsv4ray.kernels.bits import interpreting, store_rounded
 
 
 @triton.jit(do_not_specialize=["n"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, dim, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                     OUT_BF16: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    n,
+    dim,
+    eps,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     d = tl.arange(0, BLOCK)
     ok = (rows < n)[:, None] & (d < dim)[None, :]
@@ -34,10 +43,24 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, n, dim, eps, ROWS: tl.constexpr, BLOCK
 
 
 @triton.jit(do_not_specialize=["num_vectors"])
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, y_ptr, num_vectors, num_heads,
-                      eps, D: tl.constexpr, R: tl.constexpr, ROWS: tl.constexpr,
-                      NORM: tl.constexpr, WEIGHTED: tl.constexpr, SIGN: tl.constexpr,
-                      OUT_BF16: tl.constexpr):
+def _norm_rope_kernel(
+    x_ptr,
+    w_ptr,
+    cos_ptr,
+    sin_ptr,
+    pos_ptr,
+    y_ptr,
+    num_vectors,
+    num_heads,
+    eps,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    ROWS: tl.constexpr,
+    NORM: tl.constexpr,
+    WEIGHTED: tl.constexpr,
+    SIGN: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+):
     # program over ROWS head vectors v = t * num_heads + h of x [T * H, D]: nope channels
     # [0, D - R), then the rope pairs
     v = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
@@ -81,8 +104,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     rows = x.numel() // dim if dim else 0
     if rows:
         _rms_norm_kernel[(triton.cdiv(rows, _rows()),)](
-            x, weight, y, rows, dim, eps, ROWS=_rows(), BLOCK=triton.next_power_of_2(dim),
-            OUT_BF16=x.dtype == torch.bfloat16)
+            x,
+            weight,
+            y,
+            rows,
+            dim,
+            eps,
+            ROWS=_rows(),
+            BLOCK=triton.next_power_of_2(dim),
+            OUT_BF16=x.dtype == torch.bfloat16,
+        )
     return y
 
 
@@ -100,9 +131,21 @@ def norm_rope(x, cos, sin, positions, weight=None, eps=None, conjugate=False, ou
     num_vectors = num_tokens * num_heads
     if num_vectors:
         _norm_rope_kernel[(triton.cdiv(num_vectors, _rows()),)](
-            x, x if weight is None else weight, cos, sin, positions.contiguous(), y, num_vectors,
-            num_heads, 0.0 if eps is None else eps, D=dim, R=rope_dim, ROWS=_rows(),
+            x,
+            x if weight is None else weight,
+            cos,
+            sin,
+            positions.contiguous(),
+            y,
+            num_vectors,
+            num_heads,
+            0.0 if eps is None else eps,
+            D=dim,
+            R=rope_dim,
+            ROWS=_rows(),
             NORM=eps is not None,
-            WEIGHTED=weight is not None, SIGN=-1.0 if conjugate else 1.0,
-            OUT_BF16=out_dtype == torch.bfloat16)
+            WEIGHTED=weight is not None,
+            SIGN=-1.0 if conjugate else 1.0,
+            OUT_BF16=out_dtype == torch.bfloat16,
+        )
     return y

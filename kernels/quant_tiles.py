@@ -84,9 +84,24 @@ def load_x(x_rows, x_ok, k0, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def weight_dot(xa, xb, k0, K, w_ptr, w_rows, n_ok, stride_w, s_ptr, s_rows, stride_s, block_k,
-               FMT: tl.constexpr, SCALE_BYTES: tl.constexpr, BLOCK_K: tl.constexpr,
-               IEEE: tl.constexpr):
+def weight_dot(
+    xa,
+    xb,
+    k0,
+    K,
+    w_ptr,
+    w_rows,
+    n_ok,
+    stride_w,
+    s_ptr,
+    s_rows,
+    stride_s,
+    block_k,
+    FMT: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """(xa, xb) from `load_x` times W[w_rows, k0:k0 + BLOCK_K]^T -> [BLOCK_M, BLOCK_N] fp32.
 
     w_rows [BLOCK_N] int64 weight rows (n_ok: in range), stride_w elements (bytes for FP8 and FP4)
@@ -142,8 +157,9 @@ def scale_float_ref(scale: torch.Tensor) -> torch.Tensor:
     return scale.float()
 
 
-def dequantize_ref(weight: torch.Tensor, scale: torch.Tensor, fmt: str,
-                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def dequantize_ref(
+    weight: torch.Tensor, scale: torch.Tensor, fmt: str, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """[..., N, K'] stored weight -> [..., N, K] fp32 values (leading dims: stacked experts)."""
     s = scale_float_ref(scale)
     if fmt == "fp4":

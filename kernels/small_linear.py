@@ -58,8 +58,11 @@ def _small_linear_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_om, g
         for m in tl.static_range(BLOCK_M):
             k_ok = (k < K) & (tl.zeros((BLOCK_K,), dtype=tl.int32) + m < M)
             if GROUPED:  # [BLOCK_N, BLOCK_K]: each output column's own group of x
-                x = tl.load(x_ptr + m * stride_xm + x_cols + k[None, :],
-                            mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+                x = tl.load(
+                    x_ptr + m * stride_xm + x_cols + k[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :],
+                    other=0.0,
+                ).to(tl.float32)
             else:  # [1, BLOCK_K]
                 x = tl.load(x_ptr + m * stride_xm + k, mask=k_ok, other=0.0).to(tl.float32)
                 x = x[None, :]

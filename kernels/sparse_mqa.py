@@ -73,14 +73,23 @@ def num_splits_for(num_tokens: int, num_head_blocks: int, num_keys: int, device)
 
 
 @triton.jit
-def _kv_tiles(pages_ptr, slots, BF16_MMA: tl.constexpr, FMT: tl.constexpr, EPP: tl.constexpr,
-              PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-              SCALE_BYTES: tl.constexpr):
+def _kv_tiles(
+    pages_ptr,
+    slots,
+    BF16_MMA: tl.constexpr,
+    FMT: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """The dequantised entries at slots [N] as four column chunks [N, 256 | 128 | 64 | 64]: each
     chunk is one plain load (no masked columns, so no wasted registers or pipeline buffers) and
     every fp8 chunk shares one scale word per entry."""
-    value_off, lo, hi = kv_scale_words(pages_ptr, slots, FMT, EPP, PAGE_BYTES, VALUE_BYTES,
-                                       SCALE_OFF, SCALE_BYTES)
+    value_off, lo, hi = kv_scale_words(
+        pages_ptr, slots, FMT, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
+    )
     valid = slots >= 0
     ka = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 0, 256, BF16_MMA, FMT)
     kb = load_kv_dims(pages_ptr, value_off, lo, hi, valid, 256, 128, BF16_MMA, FMT)
@@ -98,19 +107,41 @@ def _dot(a, b, BF16_MMA: tl.constexpr, FMA: tl.constexpr):
 
 
 @triton.jit
-def _attend(qa, qb, qc, qr, m, den, aa, ab, ac, ar, pages_ptr, slots_ptr, lo, hi, qk_scale,
-            BLOCK_N: tl.constexpr, BF16_MMA: tl.constexpr, FMA: tl.constexpr,
-            FMT: tl.constexpr, EPP: tl.constexpr,
-            PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr, SCALE_OFF: tl.constexpr,
-            SCALE_BYTES: tl.constexpr):
+def _attend(
+    qa,
+    qb,
+    qc,
+    qr,
+    m,
+    den,
+    aa,
+    ab,
+    ac,
+    ar,
+    pages_ptr,
+    slots_ptr,
+    lo,
+    hi,
+    qk_scale,
+    BLOCK_N: tl.constexpr,
+    BF16_MMA: tl.constexpr,
+    FMA: tl.constexpr,
+    FMT: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+):
     """Online-softmax update (log2 units) of m, den [BLOCK_H] and the accumulator chunks aa, ab,
     ac, ar [BLOCK_H, 256 | 128 | 64 | 64] with the keys slots_ptr[lo:hi] of one pool. The loop body
     has no branch, so the compiler can prefetch the next keys while this step computes."""
     for n0 in range(lo, hi, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + n, mask=n < hi, other=-1)
-        ka, kb, kc, kr = _kv_tiles(pages_ptr, slots, BF16_MMA, FMT, EPP, PAGE_BYTES, VALUE_BYTES,
-                                   SCALE_OFF, SCALE_BYTES)
+        ka, kb, kc, kr = _kv_tiles(
+            pages_ptr, slots, BF16_MMA, FMT, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
+        )
         s = _dot(qa, tl.trans(ka), BF16_MMA, FMA) + _dot(qb, tl.trans(kb), BF16_MMA, FMA)
         s += _dot(qc, tl.trans(kc), BF16_MMA, FMA) + _dot(qr, tl.trans(kr), BF16_MMA, FMA)
         s = tl.where((slots >= 0)[None, :], s * qk_scale, float("-inf"))  # [BLOCK_H, BLOCK_N]
@@ -140,17 +171,45 @@ def _store_rows(ptr, rows, mask, x, C0: tl.constexpr, W: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["num_w", "num_c", "split_len"])
-def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages_ptr, w_slots_ptr,
-                       c_pages_ptr, c_slots_ptr, num_heads, num_w, num_c, split_len, qk_scale,
-                       stride_qt, stride_qh, stride_ot, stride_oh,
-                       BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, HAS_COMP: tl.constexpr,
-                       SPLIT: tl.constexpr, BF16_MMA: tl.constexpr, FMA: tl.constexpr,
-                       D: tl.constexpr,
-                       W_FMT: tl.constexpr, W_EPP: tl.constexpr, W_PAGE_BYTES: tl.constexpr,
-                       W_VALUE_BYTES: tl.constexpr, W_SCALE_OFF: tl.constexpr,
-                       W_SCALE_BYTES: tl.constexpr, C_FMT: tl.constexpr, C_EPP: tl.constexpr,
-                       C_PAGE_BYTES: tl.constexpr, C_VALUE_BYTES: tl.constexpr,
-                       C_SCALE_OFF: tl.constexpr, C_SCALE_BYTES: tl.constexpr):
+def _sparse_mqa_kernel(
+    q_ptr,
+    o_ptr,
+    part_ptr,
+    part_stats_ptr,
+    sink_ptr,
+    w_pages_ptr,
+    w_slots_ptr,
+    c_pages_ptr,
+    c_slots_ptr,
+    num_heads,
+    num_w,
+    num_c,
+    split_len,
+    qk_scale,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_COMP: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BF16_MMA: tl.constexpr,
+    FMA: tl.constexpr,
+    D: tl.constexpr,
+    W_FMT: tl.constexpr,
+    W_EPP: tl.constexpr,
+    W_PAGE_BYTES: tl.constexpr,
+    W_VALUE_BYTES: tl.constexpr,
+    W_SCALE_OFF: tl.constexpr,
+    W_SCALE_BYTES: tl.constexpr,
+    C_FMT: tl.constexpr,
+    C_EPP: tl.constexpr,
+    C_PAGE_BYTES: tl.constexpr,
+    C_VALUE_BYTES: tl.constexpr,
+    C_SCALE_OFF: tl.constexpr,
+    C_SCALE_BYTES: tl.constexpr,
+):
     # program (token t, split k, head block): keys [k * split_len, (k + 1) * split_len) of the
     # token's list (window keys first); the running max starts at the sink, so it is finite
     t = tl.program_id(0).to(tl.int64)
@@ -159,10 +218,14 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
     h_ok = h < num_heads
     q_row, q_mask = t * stride_qt, h_ok[:, None]
     qh = h * stride_qh
-    qa, qb = _load_q(q_ptr, q_row, qh, q_mask, 0, 256, BF16_MMA), _load_q(
-        q_ptr, q_row, qh, q_mask, 256, 128, BF16_MMA)
-    qc, qr = _load_q(q_ptr, q_row, qh, q_mask, 384, 64, BF16_MMA), _load_q(
-        q_ptr, q_row, qh, q_mask, 448, 64, BF16_MMA)
+    qa, qb = (
+        _load_q(q_ptr, q_row, qh, q_mask, 0, 256, BF16_MMA),
+        _load_q(q_ptr, q_row, qh, q_mask, 256, 128, BF16_MMA),
+    )
+    qc, qr = (
+        _load_q(q_ptr, q_row, qh, q_mask, 384, 64, BF16_MMA),
+        _load_q(q_ptr, q_row, qh, q_mask, 448, 64, BF16_MMA),
+    )
     sink = tl.load(sink_ptr + h, mask=h_ok, other=0.0) * LOG2E_C
     m, den = sink, tl.zeros((BLOCK_H,), tl.float32)
     aa, ab = tl.zeros((BLOCK_H, 256), tl.float32), tl.zeros((BLOCK_H, 128), tl.float32)
@@ -170,14 +233,58 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
     lo = split * split_len
     hi = lo + split_len
     m, den, aa, ab, ac, ar = _attend(
-        qa, qb, qc, qr, m, den, aa, ab, ac, ar, w_pages_ptr, w_slots_ptr + t * num_w, lo,
-        tl.minimum(hi, num_w), qk_scale, BLOCK_N, BF16_MMA, FMA, W_FMT, W_EPP, W_PAGE_BYTES,
-        W_VALUE_BYTES, W_SCALE_OFF, W_SCALE_BYTES)
+        qa,
+        qb,
+        qc,
+        qr,
+        m,
+        den,
+        aa,
+        ab,
+        ac,
+        ar,
+        w_pages_ptr,
+        w_slots_ptr + t * num_w,
+        lo,
+        tl.minimum(hi, num_w),
+        qk_scale,
+        BLOCK_N,
+        BF16_MMA,
+        FMA,
+        W_FMT,
+        W_EPP,
+        W_PAGE_BYTES,
+        W_VALUE_BYTES,
+        W_SCALE_OFF,
+        W_SCALE_BYTES,
+    )
     if HAS_COMP:
         m, den, aa, ab, ac, ar = _attend(
-            qa, qb, qc, qr, m, den, aa, ab, ac, ar, c_pages_ptr, c_slots_ptr + t * num_c,
-            tl.maximum(lo - num_w, 0), tl.minimum(hi - num_w, num_c), qk_scale, BLOCK_N,
-            BF16_MMA, FMA, C_FMT, C_EPP, C_PAGE_BYTES, C_VALUE_BYTES, C_SCALE_OFF, C_SCALE_BYTES)
+            qa,
+            qb,
+            qc,
+            qr,
+            m,
+            den,
+            aa,
+            ab,
+            ac,
+            ar,
+            c_pages_ptr,
+            c_slots_ptr + t * num_c,
+            tl.maximum(lo - num_w, 0),
+            tl.minimum(hi - num_w, num_c),
+            qk_scale,
+            BLOCK_N,
+            BF16_MMA,
+            FMA,
+            C_FMT,
+            C_EPP,
+            C_PAGE_BYTES,
+            C_VALUE_BYTES,
+            C_SCALE_OFF,
+            C_SCALE_BYTES,
+        )
     if SPLIT:  # partial [T, splits, H, D] and stats [T, splits, 2, H]: (m, den), log2 units
         row = (t * tl.num_programs(1) + split) * num_heads
         out_ptr, rows, scale = part_ptr, (row + h) * D, tl.full((BLOCK_H,), 1.0, tl.float32)
@@ -192,8 +299,18 @@ def _sparse_mqa_kernel(q_ptr, o_ptr, part_ptr, part_stats_ptr, sink_ptr, w_pages
 
 
 @triton.jit(do_not_specialize=["num_splits"])
-def _combine_kernel(o_ptr, part_ptr, part_stats_ptr, sink_ptr, num_heads, num_splits, stride_ot,
-                    stride_oh, BLOCK_H: tl.constexpr, D: tl.constexpr):
+def _combine_kernel(
+    o_ptr,
+    part_ptr,
+    part_stats_ptr,
+    sink_ptr,
+    num_heads,
+    num_splits,
+    stride_ot,
+    stride_oh,
+    BLOCK_H: tl.constexpr,
+    D: tl.constexpr,
+):
     # program (token t, head block): o = sum_k 2^(m_k - M) acc_k / (sum_k 2^(m_k - M) den_k +
     # 2^(sink - M)) with M = max_k m_k (every m_k >= sink, so all terms are finite)
     t = tl.program_id(0).to(tl.int64)
@@ -206,16 +323,16 @@ def _combine_kernel(o_ptr, part_ptr, part_stats_ptr, sink_ptr, num_heads, num_sp
         row = (t * num_splits + k) * num_heads
         m_k = tl.load(part_stats_ptr + 2 * row + h, mask=h_ok, other=0.0)
         den_k = tl.load(part_stats_ptr + 2 * row + num_heads + h, mask=h_ok, other=0.0)
-        acc_k = tl.load(part_ptr + (row + h[:, None]) * D + cols[None, :], mask=h_ok[:, None],
-                        other=0.0).to(tl.float32)
+        acc_k = tl.load(
+            part_ptr + (row + h[:, None]) * D + cols[None, :], mask=h_ok[:, None], other=0.0
+        ).to(tl.float32)
         m_new = tl.maximum(m, m_k)
         alpha, beta = tl.exp2(m - m_new), tl.exp2(m_k - m_new)
         den = den * alpha + den_k * beta
         acc = acc * alpha[:, None] + acc_k * beta[:, None]
         m = m_new
     o = acc / (den + tl.exp2(sink - m))[:, None]
-    tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :], o,
-             mask=h_ok[:, None])
+    tl.store(o_ptr + t * stride_ot + h[:, None] * stride_oh + cols[None, :], o, mask=h_ok[:, None])
 
 
 def _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout):
@@ -236,8 +353,17 @@ def _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_l
         assert comp_slots.dim() == 2 and comp_slots.is_contiguous(), comp_slots.shape
 
 
-def sparse_mqa(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale: float,
-               window_layout: PageLayout, comp_layout: PageLayout | None = None) -> torch.Tensor:
+def sparse_mqa(
+    q,
+    window_pages,
+    window_slots,
+    comp_pages,
+    comp_slots,
+    sink,
+    scale: float,
+    window_layout: PageLayout,
+    comp_layout: PageLayout | None = None,
+) -> torch.Tensor:
     """Sparse MQA over per-token slot lists -> o [T, H, 512] fp32.
 
     q [T, H, 512] fp32 or bf16; window_pages / comp_pages: uint8 page buffers of one layer in
@@ -247,13 +373,32 @@ def sparse_mqa(q, window_pages, window_slots, comp_pages, comp_slots, sink, scal
     scale. Scores and the weighted sum use bf16 tensor-core operands for bf16 / fp8 pages on a GPU
     (the values are exact in bf16; q and the probabilities are rounded) and fp32 for fp32 pages.
     """
-    return sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale,
-                            window_layout, comp_layout, None)
+    return sparse_mqa_split(
+        q,
+        window_pages,
+        window_slots,
+        comp_pages,
+        comp_slots,
+        sink,
+        scale,
+        window_layout,
+        comp_layout,
+        None,
+    )
 
 
-def sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale: float,
-                     window_layout: PageLayout, comp_layout: PageLayout | None,
-                     num_splits: int | None) -> torch.Tensor:
+def sparse_mqa_split(
+    q,
+    window_pages,
+    window_slots,
+    comp_pages,
+    comp_slots,
+    sink,
+    scale: float,
+    window_layout: PageLayout,
+    comp_layout: PageLayout | None,
+    num_splits: int | None,
+) -> torch.Tensor:
     """sparse_mqa with an explicit number of key splits (None: `num_splits_for` picks)."""
     _check(q, window_pages, window_slots, comp_pages, comp_slots, sink, window_layout, comp_layout)
     num_tokens, num_heads, dim = q.shape
@@ -273,20 +418,59 @@ def sparse_mqa_split(q, window_pages, window_slots, comp_pages, comp_slots, sink
         q = q.to(torch.bfloat16)
     part = stats = o  # unused placeholders when there is one split
     if num_splits > 1:  # bf16 partials on tensor-core paths: half the traffic, error << bf16 p
-        part = torch.empty(num_tokens, num_splits, num_heads, dim, device=q.device,
-                           dtype=torch.bfloat16 if bf16_mma else torch.float32)
+        part = torch.empty(
+            num_tokens,
+            num_splits,
+            num_heads,
+            dim,
+            device=q.device,
+            dtype=torch.bfloat16 if bf16_mma else torch.float32,
+        )
         stats = torch.empty(num_tokens, num_splits, 2, num_heads, device=q.device)
     _sparse_mqa_kernel[(num_tokens, num_splits, head_blocks)](
-        q, o, part, stats, sink, window_pages, window_slots,
-        comp_pages if has_comp else window_pages, comp_slots if has_comp else window_slots,
-        num_heads, num_w, num_c, split_len, scale * LOG2E, q.stride(0), q.stride(1), o.stride(0),
-        o.stride(1), BLOCK_H=block_h, BLOCK_N=block_n, HAS_COMP=has_comp, SPLIT=num_splits > 1,
-        BF16_MMA=bf16_mma, FMA=fma, D=dim, num_warps=num_warps,
-        **_layout_constexprs(window_layout, "W_"), **_layout_constexprs(comp_layout, "C_"))
+        q,
+        o,
+        part,
+        stats,
+        sink,
+        window_pages,
+        window_slots,
+        comp_pages if has_comp else window_pages,
+        comp_slots if has_comp else window_slots,
+        num_heads,
+        num_w,
+        num_c,
+        split_len,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        o.stride(0),
+        o.stride(1),
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        HAS_COMP=has_comp,
+        SPLIT=num_splits > 1,
+        BF16_MMA=bf16_mma,
+        FMA=fma,
+        D=dim,
+        num_warps=num_warps,
+        **_layout_constexprs(window_layout, "W_"),
+        **_layout_constexprs(comp_layout, "C_"),
+    )
     if num_splits > 1:
         _combine_kernel[(num_tokens, triton.cdiv(num_heads, 16))](
-            o, part, stats, sink, num_heads, num_splits, o.stride(0), o.stride(1), BLOCK_H=16,
-            D=dim, num_warps=4)
+            o,
+            part,
+            stats,
+            sink,
+            num_heads,
+            num_splits,
+            o.stride(0),
+            o.stride(1),
+            BLOCK_H=16,
+            D=dim,
+            num_warps=4,
+        )
     return o
 
 
@@ -296,9 +480,17 @@ def _layout_constexprs(layout: PageLayout, prefix: str) -> dict:
     return args
 
 
-def sparse_mqa_ref(q, window_pages, window_slots, comp_pages, comp_slots, sink, scale: float,
-                   window_layout: PageLayout,
-                   comp_layout: PageLayout | None = None) -> torch.Tensor:
+def sparse_mqa_ref(
+    q,
+    window_pages,
+    window_slots,
+    comp_pages,
+    comp_slots,
+    sink,
+    scale: float,
+    window_layout: PageLayout,
+    comp_layout: PageLayout | None = None,
+) -> torch.Tensor:
     """Torch reference of sparse_mqa: one softmax with the sink as an extra logit.
 
     Runs over chunks of REF_CHUNK tokens. When the tokens of a chunk share most of their keys (a

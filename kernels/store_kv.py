@@ -9,16 +9,38 @@ from dsv4ray.kernels.entries import layout_args, store_entry
 
 
 @triton.jit
-def _store_kv_kernel(x_ptr, pages_ptr, slots_ptr, stride_xt, FMT: tl.constexpr, D: tl.constexpr,
-                     EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                     SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr, INDEXER: tl.constexpr):
+def _store_kv_kernel(
+    x_ptr,
+    pages_ptr,
+    slots_ptr,
+    stride_xt,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    INDEXER: tl.constexpr,
+):
     # one program per token t: x[t] [D] -> the entry at slots[t]
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + t)
     if slot >= 0:
         x = tl.load(x_ptr + t * stride_xt + tl.arange(0, D)).to(tl.float32)
-        store_entry(pages_ptr, slot, x, FMT, D, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF,
-                    SCALE_BYTES, INDEXER)
+        store_entry(
+            pages_ptr,
+            slot,
+            x,
+            FMT,
+            D,
+            EPP,
+            PAGE_BYTES,
+            VALUE_BYTES,
+            SCALE_OFF,
+            SCALE_BYTES,
+            INDEXER,
+        )
 
 
 def _check(x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, layout: PageLayout) -> None:
@@ -44,8 +66,9 @@ def store_kv(x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, layout: 
     _store_kv_kernel[(x.shape[0],)](x, pages, slots, x.stride(0), **layout_args(layout))
 
 
-def store_kv_ref(x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor,
-                 layout: PageLayout) -> None:
+def store_kv_ref(
+    x: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor, layout: PageLayout
+) -> None:
     """Torch reference of store_kv (same bytes)."""
     _check(x, pages, slots, layout)
     write_entries(pages, slots, x, layout)

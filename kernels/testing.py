@@ -39,8 +39,14 @@ def format_tolerance(layout: PageLayout) -> tuple:
     return {"fp32": (1e-5, 1e-5), "bf16": (1e-5, 2**-7), "fp8": (1e-3, 2**-3)}[layout.dtype]
 
 
-def assert_entries_close(name: str, pages: torch.Tensor, ref_pages: torch.Tensor,
-                         slots: torch.Tensor, layout: PageLayout, min_exact: float = 0.99) -> None:
+def assert_entries_close(
+    name: str,
+    pages: torch.Tensor,
+    ref_pages: torch.Tensor,
+    slots: torch.Tensor,
+    layout: PageLayout,
+    min_exact: float = 0.99,
+) -> None:
     """Entries computed by two implementations (in fp32 with different rounding) and then quantised.
 
     A last-bit difference before quantisation may move a value to the neighbouring code, so this

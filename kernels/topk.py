@@ -51,8 +51,15 @@ def _load_unsigned(row_ptr, idx, ok):
 
 
 @triton.jit
-def _radix_pass(row_ptr, num_cols, prefix, need, SHIFT: tl.constexpr, CHUNK: tl.constexpr,
-                RADIX_BITS: tl.constexpr):
+def _radix_pass(
+    row_ptr,
+    num_cols,
+    prefix,
+    need,
+    SHIFT: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
     """Fix the digit at bit SHIFT of the need-th largest entry among those matching prefix above
     it -> (prefix with that digit, need among the entries that also match the new digit)."""
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
@@ -78,8 +85,9 @@ def _radix_select(row_ptr, num_cols, need, CHUNK: tl.constexpr, RADIX_BITS: tl.c
     equal to u* belong to the top `need` (1 <= need <= num_cols)."""
     prefix = tl.zeros((), tl.uint32)
     for i in tl.static_range(32 // RADIX_BITS):
-        prefix, need = _radix_pass(row_ptr, num_cols, prefix, need, 32 - RADIX_BITS * (i + 1),
-                                   CHUNK, RADIX_BITS)
+        prefix, need = _radix_pass(
+            row_ptr, num_cols, prefix, need, 32 - RADIX_BITS * (i + 1), CHUNK, RADIX_BITS
+        )
     return prefix, need
 
 
@@ -95,9 +103,22 @@ def _keys(u, pos):
 
 
 @triton.jit(do_not_specialize=["num_cols", "topk", "row_stride", "seg_len", "mode"])
-def _topk_rows_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cand_pos_ptr, buf_ptr, num_cols,
-                      topk, row_stride, seg_len, mode, K_POW2: tl.constexpr, CHUNK: tl.constexpr,
-                      RADIX_BITS: tl.constexpr):
+def _topk_rows_kernel(
+    scores_ptr,
+    pos_ptr,
+    out_ptr,
+    cand_ptr,
+    cand_pos_ptr,
+    buf_ptr,
+    num_cols,
+    topk,
+    row_stride,
+    seg_len,
+    mode,
+    K_POW2: tl.constexpr,
+    CHUNK: tl.constexpr,
+    RADIX_BITS: tl.constexpr,
+):
     # program (row t, segment g) over entries [g * seg_len, + seg_len) of row t (num_cols in all).
     # mode MODE_ROW: one segment; out [rows, topk] int64 <- positions = entry indexes.
     # MODE_SEGMENT: cand / cand_pos [rows, segments * topk] int32 <- the segment's top-k scores
@@ -139,8 +160,9 @@ def _topk_rows_kernel(scores_ptr, pos_ptr, out_ptr, cand_ptr, cand_pos_ptr, buf_
         tl.store(cand_pos_ptr + cand_row + k, tl.zeros((K_POW2,), tl.int32), mask=pad)
     else:
         tl.debug_barrier()  # the stores above come from every thread of the program
-        keys = tl.sort(tl.load(buf_row + k, mask=k < count, other=MASKED_SCORE_C * 2**32),
-                       descending=True)
+        keys = tl.sort(
+            tl.load(buf_row + k, mask=k < count, other=MASKED_SCORE_C * 2**32), descending=True
+        )
         pos = tl.where((keys >> 32) == MASKED_SCORE_C, -1, (keys & LOW32) ^ LOW32)
         tl.store(out_ptr + t * topk + k, pos, mask=k < topk)
 
@@ -169,8 +191,20 @@ def topk_rows(scores: torch.Tensor, topk: int, segments: int | None = None) -> t
         return out
     cand = torch.empty(num_rows, segments * topk, dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
-    _topk_rows_kernel[(num_rows, segments)](scores, scores, out, cand, cand_pos, buf, num_cols,
-                                            topk, num_cols, seg_len, MODE_SEGMENT, **consts)
+    _topk_rows_kernel[(num_rows, segments)](
+        scores,
+        scores,
+        out,
+        cand,
+        cand_pos,
+        buf,
+        num_cols,
+        topk,
+        num_cols,
+        seg_len,
+        MODE_SEGMENT,
+        **consts,
+    )
     width = segments * topk
     _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, cand, cand_pos, buf, width, topk, width,
                                      width, MODE_CANDIDATES, **consts)  # fmt: skip
@@ -189,7 +223,8 @@ def num_segments(num_rows: int, num_cols: int, topk: int, device) -> int:
     segments = 2
     while segments * num_rows <= 2 * num_sms(device) and segments <= num_cols // topk:
         cost = triton.cdiv(triton.cdiv(num_cols, segments), chunk) + triton.cdiv(
-            segments * topk, chunk)
+            segments * topk, chunk
+        )
         if cost < best_cost:
             best, best_cost = segments, cost
         segments *= 2

@@ -25,10 +25,21 @@ from dsv4ray.kernels.bits import interpreting
 
 
 @triton.jit(do_not_specialize=["num_entries"])
-def _transfer_entries_kernel(src_ptrs, dst_ptrs, src_idx_ptr, dst_idx_ptr, num_entries,
-                             EPP: tl.constexpr, PAGE_BYTES: tl.constexpr, VALUE_BYTES: tl.constexpr,
-                             SCALE_OFF: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                             BLOCK_E: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_S: tl.constexpr):
+def _transfer_entries_kernel(
+    src_ptrs,
+    dst_ptrs,
+    src_idx_ptr,
+    dst_idx_ptr,
+    num_entries,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     # program (entry block, layer): values as int64 words, scales as int32 words
     layer = tl.program_id(1)
     src = tl.load(src_ptrs + layer).to(tl.pointer_type(tl.uint8))
@@ -60,8 +71,9 @@ def _transfer_entries_kernel(src_ptrs, dst_ptrs, src_idx_ptr, dst_idx_ptr, num_e
 
 
 @triton.jit
-def _transfer_rows_kernel(src_ptrs, dst_ptrs, src_page_ptr, dst_page_ptr, ROW_WORDS: tl.constexpr,
-                          BLOCK: tl.constexpr):
+def _transfer_rows_kernel(
+    src_ptrs, dst_ptrs, src_page_ptr, dst_page_ptr, ROW_WORDS: tl.constexpr, BLOCK: tl.constexpr
+):
     # program (page, layer, chunk of the row): BLOCK int64 words
     page_i = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1)
@@ -80,10 +92,12 @@ def _transfer_rows_kernel(src_ptrs, dst_ptrs, src_page_ptr, dst_page_ptr, ROW_WO
 def _check_lists(src_layers, dst_layers, src_idx, dst_idx, what: str) -> None:
     if len(src_layers) != len(dst_layers):
         raise ValueError(
-            f"{len(src_layers)} source layers but {len(dst_layers)} destination layers")
+            f"{len(src_layers)} source layers but {len(dst_layers)} destination layers"
+        )
     if src_idx.numel() != dst_idx.numel():
         raise ValueError(
-            f"src {what} has {src_idx.numel()} entries but dst {what} has {dst_idx.numel()}")
+            f"src {what} has {src_idx.numel()} entries but dst {what} has {dst_idx.numel()}"
+        )
     if src_idx.dtype != torch.int64 or dst_idx.dtype != torch.int64:
         raise ValueError(f"{what} must be int64, got {src_idx.dtype} and {dst_idx.dtype}")
     rows = {t.shape[1:] for t in (*src_layers, *dst_layers)}
@@ -102,7 +116,8 @@ def _kernel_device(layers) -> torch.device:
     unpinned = [i for i, t in enumerate(layers) if t.device.type == "cpu" and not t.is_pinned()]
     if unpinned:
         raise ValueError(
-            f"host buffers must be pinned for a device transfer (unpinned: {unpinned})")
+            f"host buffers must be pinned for a device transfer (unpinned: {unpinned})"
+        )
     return devices.pop()
 
 
@@ -117,8 +132,13 @@ def _pointers(layers, device) -> torch.Tensor:
     return _pointer_table(tuple(t.data_ptr() for t in layers), device)
 
 
-def transfer_cache_dsv4_mla(src_layers: list, dst_layers: list, src_indices: torch.Tensor,
-                            dst_indices: torch.Tensor, layout: PageLayout) -> None:
+def transfer_cache_dsv4_mla(
+    src_layers: list,
+    dst_layers: list,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layout: PageLayout,
+) -> None:
     """Copy entries src_indices[i] -> dst_indices[i] (each side's own slot space) in every layer.
 
     src_layers, dst_layers: lists (same length) of uint8 [num_pages, layout.page_bytes] buffers,
@@ -141,14 +161,26 @@ def transfer_cache_dsv4_mla(src_layers: list, dst_layers: list, src_indices: tor
     num, block_e = src_idx.numel(), max(4, 256 // block_v)  # >= 2 words per thread (16 B)
     grid = (triton.cdiv(num, block_e), len(src_layers))
     _transfer_entries_kernel[grid](
-        _pointers(src_layers, device), _pointers(dst_layers, device), src_idx, dst_idx, num,
-        EPP=layout.entries_per_page, PAGE_BYTES=layout.page_bytes, VALUE_BYTES=layout.value_bytes,
-        SCALE_OFF=layout.scale_offset, SCALE_BYTES=layout.scale_bytes, BLOCK_E=block_e,
-        BLOCK_V=block_v, BLOCK_S=2, num_warps=4)
+        _pointers(src_layers, device),
+        _pointers(dst_layers, device),
+        src_idx,
+        dst_idx,
+        num,
+        EPP=layout.entries_per_page,
+        PAGE_BYTES=layout.page_bytes,
+        VALUE_BYTES=layout.value_bytes,
+        SCALE_OFF=layout.scale_offset,
+        SCALE_BYTES=layout.scale_bytes,
+        BLOCK_E=block_e,
+        BLOCK_V=block_v,
+        BLOCK_S=2,
+        num_warps=4,
+    )
 
 
-def transfer_page_rows(src_layers: list, dst_layers: list, src_pages: torch.Tensor,
-                       dst_pages: torch.Tensor) -> None:
+def transfer_page_rows(
+    src_layers: list, dst_layers: list, src_pages: torch.Tensor, dst_pages: torch.Tensor
+) -> None:
     """Copy whole page rows src_pages[i] -> dst_pages[i] in every layer.
 
     src_layers, dst_layers: lists (same length) of uint8 [num_pages, page_bytes] buffers with one
@@ -167,13 +199,23 @@ def transfer_page_rows(src_layers: list, dst_layers: list, src_pages: torch.Tens
     block = min(1024, triton.next_power_of_2(row_bytes // 8))
     grid = (src_pages.numel(), len(src_layers), triton.cdiv(row_bytes // 8, block))
     _transfer_rows_kernel[grid](
-        _pointers(src_layers, device), _pointers(dst_layers, device),
-        src_pages.reshape(-1).to(device), dst_pages.reshape(-1).to(device),
-        ROW_WORDS=row_bytes // 8, BLOCK=block, num_warps=4)
+        _pointers(src_layers, device),
+        _pointers(dst_layers, device),
+        src_pages.reshape(-1).to(device),
+        dst_pages.reshape(-1).to(device),
+        ROW_WORDS=row_bytes // 8,
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
-def transfer_cache_dsv4_mla_ref(src_layers: list, dst_layers: list, src_indices: torch.Tensor,
-                                dst_indices: torch.Tensor, layout: PageLayout) -> None:
+def transfer_cache_dsv4_mla_ref(
+    src_layers: list,
+    dst_layers: list,
+    src_indices: torch.Tensor,
+    dst_indices: torch.Tensor,
+    layout: PageLayout,
+) -> None:
     """Torch reference of transfer_cache_dsv4_mla: gather and scatter the value and scale bytes."""
     _check_lists(src_layers, dst_layers, src_indices, dst_indices, "indices")
     keep = (src_indices >= 0) & (dst_indices >= 0)
@@ -191,8 +233,9 @@ def transfer_cache_dsv4_mla_ref(src_layers: list, dst_layers: list, src_indices:
         dst.view(-1)[dst_bytes.to(dst.device)] = moved.to(dst.device)
 
 
-def transfer_page_rows_ref(src_layers: list, dst_layers: list, src_pages: torch.Tensor,
-                           dst_pages: torch.Tensor) -> None:
+def transfer_page_rows_ref(
+    src_layers: list, dst_layers: list, src_pages: torch.Tensor, dst_pages: torch.Tensor
+) -> None:
     """Torch reference of transfer_page_rows."""
     _check_lists(src_layers, dst_layers, src_pages, dst_pages, "pages")
     keep = (src_pages >= 0) & (dst_pages >= 0)

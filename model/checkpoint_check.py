@@ -65,9 +65,7 @@ def _shards(path: str) -> list[str]:
         return [os.path.join(path, f) for f in found]
     index = _json_object(index_file, "the shard index")
     weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(v, str) for v in weight_map.values()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckpointError(f"{index_file}: 'weight_map' must map tensor names to shard files")
     named = sorted(set(weight_map.values()))
     for shard in named:

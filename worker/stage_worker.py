@@ -412,4 +412,3 @@ class Prepared:
     events: LayerEvents
     staged: Staged | None = None
     error: Exception | None = None
-

@@ -169,8 +169,12 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
     prompts = [torch.randint(2, 258, (n,), generator=g).tolist() for n in (12, 30, 300)]
     constrained = [
         SamplingParams(max_tokens=120, structured_output={"json": SCHEMA}),
-        SamplingParams(max_tokens=20, temperature=1.0, seed=3,
-                       structured_output={"choice": ["alpha", "beta gamma"]}),  # fmt: skip
+        SamplingParams(
+            max_tokens=20,
+            temperature=1.0,
+            seed=3,
+            structured_output={"choice": ["alpha", "beta gamma"]},
+        ),  # fmt: skip
     ]
     free = SamplingParams(max_tokens=6, ignore_eos=True)
     # in process, overlap scheduling (no drafts) or a draft worker beside the constrained rows

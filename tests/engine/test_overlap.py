@@ -50,8 +50,11 @@ def test_stops_in_the_middle_of_lookahead_end_like_plain_decoding(tiny_ckpt, ove
         base = plain.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
         stops = [
             SamplingParams(max_tokens=12, stop_token_ids=[base[0].token_ids[3]]),
-            SamplingParams(max_tokens=12, stop=[base[1].text[2:4]] if len(base[1].text) > 4
-                           else None, ignore_eos=True),  # fmt: skip
+            SamplingParams(
+                max_tokens=12,
+                stop=[base[1].text[2:4]] if len(base[1].text) > 4 else None,
+                ignore_eos=True,
+            ),  # fmt: skip
             SamplingParams(max_tokens=1),
         ]
         want = plain.generate(prompts, stops)

@@ -62,8 +62,10 @@ def _expert_stacks(fmt: str):
 
     w13, s13, w2, s2 = [], [], [], []
     for _ in range(experts):
-        (g, gs), (u, us), (d, ds) = quantize(inter, hidden), quantize(inter, hidden), quantize(
-            hidden, inter
+        (g, gs), (u, us), (d, ds) = (
+            quantize(inter, hidden),
+            quantize(inter, hidden),
+            quantize(hidden, inter),
         )
         w13.append(torch.cat([g, u]))
         s13.append(torch.cat([gs, us]))

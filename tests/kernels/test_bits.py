@@ -34,8 +34,9 @@ def _e4m3_edge_values() -> torch.Tensor:
     codes = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
     mids = (codes[1:] + codes[:-1]) / 2
     near = torch.cat((mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))))
-    beyond = torch.tensor([448.0, 449.0, 464.0, 480.0, 1e6, float("inf"), 2**-10, 2**-30, 1e-42,
-                           0.0])
+    beyond = torch.tensor(
+        [448.0, 449.0, 464.0, 480.0, 1e6, float("inf"), 2**-10, 2**-30, 1e-42, 0.0]
+    )
     values = torch.cat((codes, near, beyond))
     return torch.cat((values, -values))
 

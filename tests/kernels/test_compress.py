@@ -68,10 +68,13 @@ class Sequences:
         epp = layout.entries_per_page
         page_counts = [max(1, math.ceil(n // ratio / epp)) for n in lengths]
         page_ids = torch.randperm(sum(page_counts)).split(page_counts)
-        self.entry_slots = [(ids[:, None] * epp + torch.arange(epp)).reshape(-1)[: n // ratio]
-                            for ids, n in zip(page_ids, lengths, strict=True)]
-        self.pages = torch.zeros(sum(page_counts), layout.page_bytes, dtype=torch.uint8,
-                                 device=device)
+        self.entry_slots = [
+            (ids[:, None] * epp + torch.arange(epp)).reshape(-1)[: n // ratio]
+            for ids, n in zip(page_ids, lengths, strict=True)
+        ]
+        self.pages = torch.zeros(
+            sum(page_counts), layout.page_bytes, dtype=torch.uint8, device=device
+        )
 
     def run(self, fn, chunks, drop_stores=False) -> None:
         """One batch: chunks = [(request, first position, token count)], requests contiguous."""
@@ -81,16 +84,34 @@ class Sequences:
             done = (pos + 1) % self.ratio == 0
             loc = torch.full((n,), -1)
             loc[done] = -1 if drop_stores else self.entry_slots[r][pos[done] // self.ratio]
-            for key, value in (("kv", self.kv[r][start: start + n]), ("pos", pos), ("loc", loc),
-                               ("score", self.score[r][start: start + n]),
-                               ("ring", torch.full((n,), self.ring_slot[r])),
-                               ("start", torch.full((n,), start))):
+            for key, value in (
+                ("kv", self.kv[r][start : start + n]),
+                ("pos", pos),
+                ("loc", loc),
+                ("score", self.score[r][start : start + n]),
+                ("ring", torch.full((n,), self.ring_slot[r])),
+                ("start", torch.full((n,), start)),
+            ):
                 parts[key].append(value)
         t = {k: torch.cat(v).to(self.device) for k, v in parts.items()}
         const = [x.to(self.device) for x in (self.ape, self.norm_weight)]
-        fn(t["kv"], t["score"], t["pos"], t["ring"], t["start"], self.state_kv, self.state_score,
-           *const, EPS, self.cos.to(self.device), self.sin.to(self.device), t["loc"], self.pages,
-           self.layout, self.ratio)
+        fn(
+            t["kv"],
+            t["score"],
+            t["pos"],
+            t["ring"],
+            t["start"],
+            self.state_kv,
+            self.state_score,
+            *const,
+            EPS,
+            self.cos.to(self.device),
+            self.sin.to(self.device),
+            t["loc"],
+            self.pages,
+            self.layout,
+            self.ratio,
+        )
 
     def entries(self, r):
         return read_entries(self.pages.cpu(), self.entry_slots[r], self.layout)
@@ -128,14 +149,19 @@ def test_reference_matches_dense_formula(ratio, kind, plan):
     for step in schedule(LENGTHS[ratio], plan):
         seqs.run(compress_norm_rope_store_ref, step)
     for r in range(len(LENGTHS[ratio])):
-        dense = dense_entries(seqs.kv[r], seqs.score[r], seqs.ape, seqs.norm_weight, seqs.cos,
-                              seqs.sin, ratio)
+        dense = dense_entries(
+            seqs.kv[r], seqs.score[r], seqs.ape, seqs.norm_weight, seqs.cos, seqs.sin, ratio
+        )
         assert_close(f"{kind}/{plan}/request {r}", seqs.entries(r), dense, 1e-5, 1e-5)
 
 
 MIXED = {  # prefill, chunked prefill and decode of several requests in the same batches
-    4: [[(0, 0, 9), (1, 0, 4)], [(0, 9, 1), (1, 4, 5), (2, 0, 6)], [(0, 10, 1), (1, 9, 1)],
-        [(0, 11, 8), (1, 10, 1), (2, 6, 1)]],
+    4: [
+        [(0, 0, 9), (1, 0, 4)],
+        [(0, 9, 1), (1, 4, 5), (2, 0, 6)],
+        [(0, 10, 1), (1, 9, 1)],
+        [(0, 11, 8), (1, 10, 1), (2, 6, 1)],
+    ],
     128: [[(0, 0, 127), (1, 0, 20)], [(0, 127, 1), (1, 20, 110)], [(0, 128, 72), (1, 130, 1)]],
 }
 
@@ -164,8 +190,9 @@ def test_kernel_with_speculative_ring_matches_dense(ratio, kind, device):
     for step in schedule(lengths, "chunks"):
         seqs.run(compress_norm_rope_store, step)
     for r in range(len(lengths)):
-        dense = dense_entries(seqs.kv[r], seqs.score[r], seqs.ape, seqs.norm_weight, seqs.cos,
-                              seqs.sin, ratio)
+        dense = dense_entries(
+            seqs.kv[r], seqs.score[r], seqs.ape, seqs.norm_weight, seqs.cos, seqs.sin, ratio
+        )
         assert_close(f"request {r}", seqs.entries(r), dense, 1e-5, 1e-5)
 
 

@@ -35,8 +35,16 @@ class Pool:
 
     def topk(self, fn, q, weights, req_idx, bound, topk):
         dev = self.pages.device
-        return fn(q.to(dev), weights.to(dev), self.pages, self.page_table, req_idx.to(dev),
-                  bound.to(dev), topk, self.layout).cpu()
+        return fn(
+            q.to(dev),
+            weights.to(dev),
+            self.pages,
+            self.page_table,
+            req_idx.to(dev),
+            bound.to(dev),
+            topk,
+            self.layout,
+        ).cpu()
 
 
 def _integers(shape) -> torch.Tensor:
@@ -81,8 +89,15 @@ def test_fp8_scores_follow_exact_scores(device):
         torch.manual_seed(1)
         pool = Pool(dtype, lengths, device)
         dev = pool.pages.device
-        scores[dtype] = indexer_scores_ref(q.to(dev), weights.to(dev), pool.pages, pool.page_table,
-                                           req_idx.to(dev), bound.to(dev), pool.layout).cpu()
+        scores[dtype] = indexer_scores_ref(
+            q.to(dev),
+            weights.to(dev),
+            pool.pages,
+            pool.page_table,
+            req_idx.to(dev),
+            bound.to(dev),
+            pool.layout,
+        ).cpu()
     scale = scores["fp32"][torch.isfinite(scores["fp32"])].abs().max().item()
     assert_close("fp8 scores", scores["fp8"], scores["fp32"], 0.05 * scale, 0.05)
 
@@ -106,8 +121,15 @@ def test_kernel_matches_reference(dtype, device):
         got = pool.topk(indexer_topk, q, weights, req_idx, bound, topk)
         ref = pool.topk(indexer_topk_ref, q, weights, req_idx, bound, topk)
         dev = pool.pages.device
-        scores = indexer_scores_ref(q.to(dev), weights.to(dev), pool.pages, pool.page_table,
-                                    req_idx.to(dev), bound.to(dev), pool.layout).cpu()
+        scores = indexer_scores_ref(
+            q.to(dev),
+            weights.to(dev),
+            pool.pages,
+            pool.page_table,
+            req_idx.to(dev),
+            bound.to(dev),
+            pool.layout,
+        ).cpu()
         _assert_same_selection(f"{dtype} top-{topk}", got, ref, scores)
     assert (got[bound == 0] == -1).all()
 

@@ -73,8 +73,15 @@ def test_signature_names_every_layout():
 
 def test_ue8m0_exponent_is_ceil_log2_of_amax_over_448():
     powers = torch.tensor([448.0 * 2.0**k for k in range(-40, 40)])
-    amax = torch.cat((powers, powers * (1 + 2**-23), powers * (1 - 2**-24), torch.rand(1000) * 1e4,
-                      torch.logspace(-10, 30, 500))).float()
+    amax = torch.cat(
+        (
+            powers,
+            powers * (1 + 2**-23),
+            powers * (1 - 2**-24),
+            torch.rand(1000) * 1e4,
+            torch.logspace(-10, 30, 500),
+        )
+    ).float()
     expected = torch.tensor([math.ceil(math.log2(a / 448.0)) for a in amax.double().tolist()])
     assert torch.equal(ue8m0_exponent_byte(amax) - 127, expected.to(torch.int32))
 
@@ -132,9 +139,9 @@ def test_entries_land_at_their_byte_ranges(kind, dtype):
     for i, slot in enumerate(slots.tolist()):
         page, offset = divmod(slot, epp)
         row = pages[page]
-        assert torch.equal(row[offset * lay.value_bytes:][: lay.value_bytes], values[i])
+        assert torch.equal(row[offset * lay.value_bytes :][: lay.value_bytes], values[i])
         scale_start = lay.scale_offset + offset * lay.scale_bytes
-        assert torch.equal(row[scale_start: scale_start + lay.scale_bytes], scales[i])
+        assert torch.equal(row[scale_start : scale_start + lay.scale_bytes], scales[i])
     value_offsets, scale_offsets = entry_byte_offsets(slots, lay)
     untouched = torch.ones(pages.numel(), dtype=torch.bool)
     untouched[value_offsets.reshape(-1)] = False

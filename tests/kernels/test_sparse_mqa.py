@@ -63,8 +63,9 @@ def test_reference_matches_the_formula(lists, device):
         own = torch.arange(num_tokens * 10, device=device)
         w_slots = torch.where(w_slots >= 0, own.view(-1, 10), -1)
         c_slots = torch.where(c_slots >= 0, own[: num_tokens * 5].view(-1, 5), -1)
-    got = sparse_mqa_ref(q.to(device), w_pages, w_slots, c_pages, c_slots, sink.to(device), SCALE,
-                         window, comp).cpu()
+    got = sparse_mqa_ref(
+        q.to(device), w_pages, w_slots, c_pages, c_slots, sink.to(device), SCALE, window, comp
+    ).cpu()
     kv_lists = []
     for t in range(num_tokens):
         ws, cs = w_slots[t][w_slots[t] >= 0], c_slots[t][c_slots[t] >= 0]
@@ -121,8 +122,9 @@ def test_key_splits_combine_to_the_reference(num_splits, device):
     w_slots, c_slots = _slot_lists(4, 17, w_num, device), _slot_lists(4, 8, c_num, device)
     w_slots[2, :] = -1  # token 2 sees only compressed keys
     q, sink = torch.randn(4, 6, 512, device=device), torch.randn(6, device=device)
-    got = sparse_mqa_split(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp,
-                           num_splits)
+    got = sparse_mqa_split(
+        q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp, num_splits
+    )
     ref = sparse_mqa_ref(q, w_pages, w_slots, c_pages, c_slots, sink, SCALE, window, comp)
     tol = 1e-5 if device.type == "cpu" else 2e-2  # GPUs: bf16 tensor-core operands
     assert_close(f"{num_splits} splits", got, ref, tol, tol)

@@ -16,8 +16,10 @@ NUM_LAYERS = 2
 
 
 def _buffers(layout, num_pages, device, pin=False):
-    bufs = [torch.randint(0, 256, (num_pages, layout.page_bytes), dtype=torch.uint8)
-            for _ in range(NUM_LAYERS)]
+    bufs = [
+        torch.randint(0, 256, (num_pages, layout.page_bytes), dtype=torch.uint8)
+        for _ in range(NUM_LAYERS)
+    ]
     return [b.pin_memory() if pin else b.to(device) for b in bufs]
 
 
@@ -72,8 +74,13 @@ def test_page_rows_are_copied_whole(fn, device):
         assert torch.equal(d[1:4], old[1:4])
 
 
-@pytest.mark.parametrize("fns", [(transfer_cache_dsv4_mla, transfer_page_rows),
-                                 (transfer_cache_dsv4_mla_ref, transfer_page_rows_ref)])
+@pytest.mark.parametrize(
+    "fns",
+    [
+        (transfer_cache_dsv4_mla, transfer_page_rows),
+        (transfer_cache_dsv4_mla_ref, transfer_page_rows_ref),
+    ],
+)
 def test_empty_is_a_no_op_and_bad_arguments_raise(fns, device):
     entries, rows = fns
     lay = layout_for("c4", "fp8")
@@ -115,5 +122,6 @@ def test_transfers_between_device_and_pinned_host(direction):
 def test_unpinned_host_memory_is_refused():
     lay = layout_for("c4", "fp8")
     with pytest.raises(ValueError, match="pinned"):
-        transfer_page_rows(_buffers(lay, 2, "cuda"), _buffers(lay, 2, "cpu"), torch.tensor([0]),
-                           torch.tensor([1]))
+        transfer_page_rows(
+            _buffers(lay, 2, "cuda"), _buffers(lay, 2, "cpu"), torch.tensor([0]), torch.tensor([1])
+        )

@@ -21,13 +21,25 @@ GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
 # name: (engine options, IndexShare checkpoint)
 CELLS = {
     "D+P decode pp2": (dict(speculative_num_steps=2, prefill_pp_size=1, pp_size=2), False),
-    "S+D pp2": (dict(speculative_num_steps=2, enable_hisparse=True, hisparse_hot_rows=17,
-                     pp_size=2), False),  # fmt: skip
-    "H+D+P prefill pp2": (dict(enable_hicache=True, speculative_num_steps=2, prefill_pp_size=2,
-                               pp_size=1), False),  # fmt: skip
-    "H+S+D+P IndexShare": (dict(enable_hicache=True, enable_hisparse=True, hisparse_hot_rows=17,
-                                speculative_num_steps=2, prefill_pp_size=1, pp_size=1),
-                           True),  # fmt: skip
+    "S+D pp2": (
+        dict(speculative_num_steps=2, enable_hisparse=True, hisparse_hot_rows=17, pp_size=2),
+        False,
+    ),  # fmt: skip
+    "H+D+P prefill pp2": (
+        dict(enable_hicache=True, speculative_num_steps=2, prefill_pp_size=2, pp_size=1),
+        False,
+    ),  # fmt: skip
+    "H+S+D+P IndexShare": (
+        dict(
+            enable_hicache=True,
+            enable_hisparse=True,
+            hisparse_hot_rows=17,
+            speculative_num_steps=2,
+            prefill_pp_size=1,
+            pp_size=1,
+        ),
+        True,
+    ),  # fmt: skip
 }
 
 

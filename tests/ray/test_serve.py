@@ -231,7 +231,11 @@ def test_a_json_schema_answer_validates_and_controls_reach_the_sampler(client, l
     assert got.choices[0].finish_reason == "stop"
     # a bias of 100 makes greedy decoding repeat one token (the server's own tokenizer decodes)
     forced = client.completions.create(
-        model=MODEL, prompt="x", max_tokens=4, temperature=0, logit_bias={"97": 100},
+        model=MODEL,
+        prompt="x",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={"97": 100},
         extra_body={"ignore_eos": True},
     )
     assert forced.choices[0].text == local_llm.tokenizer.decode([97] * 4)

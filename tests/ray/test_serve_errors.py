@@ -117,8 +117,10 @@ def test_bad_chat_requests_get_400(base_url, client):
         ({**good, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({**good, "stream": "yes"}, "stream"),
         ({**good, "messages": [{"role": "user", "content": "x" * (CONTEXT + 5)}]}, "messages"),
-        ({**good, "tools": [{"type": "function", "function": {"name": "a b"}}]},
-         "tools.0.function.name"),  # fmt: skip
+        (
+            {**good, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+            "tools.0.function.name",
+        ),  # fmt: skip
         ({**good, "tool_choice": "required"}, "tool_choice"),  # without tools
         ({**good, "response_format": {"type": "json_schema"}}, "response_format.json_schema"),
         ({**good, "typical_p": 0.9}, "typical_p"),

@@ -278,8 +278,10 @@ NOW = '<｜DSML｜invoke name="now">\n\n</｜DSML｜invoke>'
 
 
 def test_the_forcing_grammar_accepts_exactly_the_calls_the_tools_allow(matcher_for):
-    required, named = tools("required").structured_output(), tools(
-        {"type": "function", "function": {"name": "get_weather"}}).structured_output()
+    required, named = (
+        tools("required").structured_output(),
+        tools({"type": "function", "function": {"name": "get_weather"}}).structured_output(),
+    )
     days = '<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n'
     for spec, text in [
         (required, _block(_weather())),

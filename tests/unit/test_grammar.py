@@ -66,9 +66,11 @@ def test_a_replayed_request_resumes_its_grammar_where_it_was(tiny_ckpt, tiny_mod
 
 @pytest.mark.parametrize(
     "spec,problem",
-    [({"json": "{not json"}, "structured_output.json is not JSON"),
-     ({"regex": "(unclosed"}, "structured_output.regex"),
-     ({"grammar": "start: ???"}, "structured_output.grammar")],  # fmt: skip
+    [
+        ({"json": "{not json"}, "structured_output.json is not JSON"),
+        ({"regex": "(unclosed"}, "structured_output.regex"),
+        ({"grammar": "start: ???"}, "structured_output.grammar"),
+    ],  # fmt: skip
 )
 def test_a_grammar_that_does_not_compile_is_refused_by_name(spec, problem):
     with pytest.raises(ValueError, match=problem):

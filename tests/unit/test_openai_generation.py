@@ -216,8 +216,11 @@ def test_continuous_usage_puts_the_usage_so_far_in_every_chunk(client, engine):
 
 @pytest.mark.parametrize(
     "fields,thinking",
-    [({"reasoning_effort": "high"}, True), ({"reasoning_effort": "none"}, False),
-     ({"chat_template_kwargs": {"enable_thinking": True}}, True)],  # fmt: skip
+    [
+        ({"reasoning_effort": "high"}, True),
+        ({"reasoning_effort": "none"}, False),
+        ({"chat_template_kwargs": {"enable_thinking": True}}, True),
+    ],  # fmt: skip
 )
 def test_reasoning_effort_and_enable_thinking_render_and_split_like_thinking(
     client, engine, fields, thinking

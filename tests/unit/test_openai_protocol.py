@@ -272,10 +272,14 @@ def test_reasoning_effort_and_enable_thinking_set_the_thinking_mode(fields, thin
     "fields,param",
     [
         ({"reasoning_effort": "max"}, "reasoning_effort"),
-        ({"reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}},
-         "reasoning_effort"),
-        ({"chat_template_kwargs": {"enable_thinking": "yes"}},
-         "chat_template_kwargs.enable_thinking"),
+        (
+            {"reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}},
+            "reasoning_effort",
+        ),
+        (
+            {"chat_template_kwargs": {"enable_thinking": "yes"}},
+            "chat_template_kwargs.enable_thinking",
+        ),
     ],  # fmt: skip
 )
 def test_thinking_options_that_cannot_hold_are_a_400_naming_them(fields, param):

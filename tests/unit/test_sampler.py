@@ -40,8 +40,15 @@ def test_greedy_rows_equal_the_reference_exactly():
 
 @pytest.mark.parametrize(
     ("temperature", "top_k", "top_p", "min_p"),
-    [(1.0, -1, 1.0, 0.0), (0.6, -1, 1.0, 0.0), (1.3, 5, 1.0, 0.0), (1.0, -1, 0.7, 0.0),
-     (0.8, 9, 0.85, 0.0), (1.0, -1, 1.0, 0.15), (1.4, 12, 0.9, 0.05)],  # fmt: skip
+    [
+        (1.0, -1, 1.0, 0.0),
+        (0.6, -1, 1.0, 0.0),
+        (1.3, 5, 1.0, 0.0),
+        (1.0, -1, 0.7, 0.0),
+        (0.8, 9, 0.85, 0.0),
+        (1.0, -1, 1.0, 0.15),
+        (1.4, 12, 0.9, 0.05),
+    ],  # fmt: skip
 )
 def test_sampled_distribution_matches_the_reference(temperature, top_k, top_p, min_p):
     logits = _logits(1)

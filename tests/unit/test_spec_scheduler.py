@@ -235,9 +235,9 @@ def test_drafts_scheduled_before_they_reach_the_host_give_plain_decoding():
             drafts = plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens]
             if e.req_id in plan.draft_lookahead:
                 assert drafts == [PENDING_DRAFT] * e.num_drafts
-                plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens] = (
-                    held[e.req_id][: e.num_drafts]
-                )  # what DraftFill.resolve writes
+                plan.token_ids[first + e.num_tokens - e.num_drafts : first + e.num_tokens] = held[
+                    e.req_id
+                ][: e.num_drafts]  # what DraftFill.resolve writes
                 num_lookahead += 1
             first += e.num_tokens
         sampled, accepted, drafts = stage.run(plan)
