@@ -10,8 +10,9 @@ Parts, each measured in the same run as the fast path it is compared with (dsv4-
   and commit of one whole step) at each batch of the fast path (one stage in this process, CUDA
   graphs and overlap scheduling), the same stage eager, a Ray stage actor (pp 1), and pp 2 with
   both stages on this one GPU, as Ray actors and in this process; beside each Ray pipeline the
-  round trip of an empty plan through its compiled graph (what a step pays for the hand-over);
-  and how long a pp 2 pipeline asking for one GPU per stage takes to be refused here.
+  round trip of an empty plan through its compiled graph (what a step pays for the hand-over),
+  beside the pp 2 actors where a step's time goes (bench/pipeline.py's timeline); and how long
+  a pp 2 pipeline asking for one GPU per stage takes to be refused here.
 - context: batch 1 and 8 decode steps at growing contexts, against the 4k step. The contexts
   are seeded into the prefix cache (pages and a compressor snapshot taken from the pools without
   computing them: a decode step reads the same bytes whatever they hold), so a 1M-token context
@@ -34,12 +35,14 @@ import os
 import statistics
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from decode import engine_decode_s  # noqa: E402
 from mtp import held_out_prompts, side_by_side  # noqa: E402
+from pipeline import timeline  # noqa: E402
 from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
 
 from dsv4ray import LLM, SamplingParams  # noqa: E402
@@ -81,6 +84,10 @@ def paths_part(args) -> tuple[list, dict]:
                            for b in args.batches}  # fmt: skip
             raw[name] = {"step_ms": steps[name], "empty_plan_ms": empty_step_ms(llm),
                          "stages": llm.core.pipeline.stage_stats()}  # fmt: skip
+            if len(getattr(llm.core.pipeline, "actors", ())) > 1:  # where a step's time goes
+                shape = SimpleNamespace(prompt_len=512, decode=args.new)
+                raw[name]["timeline"] = {b: timeline(llm, b, shape) for b in args.batches}
+                print("\n".join(raw[name]["timeline"].values()), flush=True)
         finally:
             llm.shutdown()
         print(json.dumps({name: raw[name]["step_ms"]}), flush=True)
@@ -205,8 +212,9 @@ def mtp_part(args) -> tuple[list, dict]:
         print(json.dumps({name: raw[name]}), flush=True)
         parts = "; ".join(f"k = {k}: " + ", ".join(f"{part} {ms:.2f}" for part, ms in v.items())
                           for k, v in steps.items())  # fmt: skip
-        note = f"stdlib-tiny, {len(prompts)} held-out prompts, {same} outputs equal plain " \
-               "decoding's"
+        note = (
+            f"stdlib-tiny, {len(prompts)} held-out prompts, {same} outputs equal plain decoding's"
+        )
         note += f"; median ms of a step's parts: {parts}" if parts else ""
         rows.append(result(f"batch-1 decode with k = 3 drafts vs without, {name}", tok_s[3],
                            "tok/s", tok_s[0], 1.5, ">=", note))  # fmt: skip
@@ -238,8 +246,10 @@ def step_parts(llm: LLM, records: list) -> dict:
     ids = sorted(i for i, v in entries.items() if "first" in v and (not drafts or "draft" in v))
     pairs = [(a, b) for a, b in zip(ids, ids[1:]) if b == a + 1]
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    out = {"period": med([entries[b]["first"][0] - entries[a]["first"][0] for a, b in pairs]),
-           "stage": med([entries[i]["first"][1] - entries[i]["first"][0] for i in ids])}
+    out = {
+        "period": med([entries[b]["first"][0] - entries[a]["first"][0] for a, b in pairs]),
+        "stage": med([entries[i]["first"][1] - entries[i]["first"][0] for i in ids]),
+    }
     last = "draft" if drafts else "first"
     if drafts:
         out["to draft"] = med([entries[i]["draft"][0] - entries[i]["first"][1] for i in ids])
