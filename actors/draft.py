@@ -48,11 +48,11 @@ class DraftActor:
         return dict(self.worker.stats)
 
     def timeline(self, record: bool) -> list:
-        """As StageActor.timeline: [("draft", step id, entered, left)]."""
+        """As StageActor.timeline: [("next", step id, entered, left)]."""
         return self.timeline_records.swap(record)
 
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
         entered = self.timeline_records.enter()
         out = self.worker.execute(plan := decode(plan), prev)
-        self.timeline_records.left("draft", plan.step_id, entered)
+        self.timeline_records.left("next", plan.step_id, entered)
         return out

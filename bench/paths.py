@@ -20,7 +20,8 @@ Parts, each measured in the same run as the fast path it is compared with (dsv4-
 - mtp: batch-1 decode tok/s with k = 3 MTP drafts against the same engine without, on the trained
   checkpoints/stdlib-tiny, in process, with the draft worker as a Ray actor beside a pp 1 stage
   actor, and beside the last of two stage actors sharing the GPU (bench/mtp.py's side_by_side);
-  for the pp 1 Ray pair, where a step's time goes (the actors' method timelines).
+  for each Ray pair, where a step's time goes (bench/pipeline.py's timeline, stages and draft
+  actor, one held-out prompt).
 - mixed: decode latency of 16 running requests while prompts of 2k-8k tokens keep arriving
   (p50 / p99 of the steps that decode them), beside the pure-decode step at batch 16.
 
@@ -197,65 +198,24 @@ def mtp_part(args) -> tuple[list, dict]:
                 llms[k] = LLM(args.mtp_model, kv_cache_dtype="fp32", enable_prefix_caching=False,
                               speculative_num_steps=k, max_total_tokens=65536,
                               **options)  # fmt: skip
-            recording = [llm for llm in llms.values()  # a pp 1 Ray pipeline: step_parts's shape
-                         if len(getattr(llm.core.pipeline, "actors", ())) == 1]  # fmt: skip
-            set_timelines(recording, True)
             seconds, outputs, _ = side_by_side(llms, prompts, 64)
-            steps = {k: step_parts(llm, set_timelines([llm], False)[0]) for k, llm in llms.items()
-                     if llm in recording}  # fmt: skip
+            shape = SimpleNamespace(prompt_len=128, decode=64)
+            steps = {k: timeline(llm, 1, shape, prompts[:1]) for k, llm in llms.items()
+                     if hasattr(llm.core.pipeline, "actors")}  # fmt: skip
         finally:
             for llm in llms.values():
                 llm.shutdown()
         tok_s = {k: len(prompts) * 63 / s for k, s in seconds.items()}
         same = sum(a == b for a, b in zip(outputs[0], outputs[3]))
-        raw[name] = {"tok_s": tok_s, "same_outputs": same, "step_ms": steps}
-        print(json.dumps({name: raw[name]}), flush=True)
-        parts = "; ".join(f"k = {k}: " + ", ".join(f"{part} {ms:.2f}" for part, ms in v.items())
-                          for k, v in steps.items())  # fmt: skip
-        note = (
-            f"stdlib-tiny, {len(prompts)} held-out prompts, {same} outputs equal plain decoding's"
-        )
-        note += f"; median ms of a step's parts: {parts}" if parts else ""
+        raw[name] = {"tok_s": tok_s, "same_outputs": same, "timeline": steps}
+        print(json.dumps({name: {"tok_s": tok_s, "same_outputs": same}}), flush=True)
+        print("\n".join(steps.values()), flush=True)
+        note = f"stdlib-tiny, {len(prompts)} held-out prompts, {same} outputs equal plain "
+        note += "decoding's"
+        note += "; each Ray pipeline's timeline in the settings row" if steps else ""
         rows.append(result(f"batch-1 decode with k = 3 drafts vs without, {name}", tok_s[3],
                            "tok/s", tok_s[0], 1.5, ">=", note))  # fmt: skip
     return rows, {"mtp": raw}
-
-
-def set_timelines(llms: list, record: bool) -> list:
-    """Starts (record) or stops each Ray pipeline's stage and draft actor timelines -> per LLM,
-    the records of its actors, stages first (actors/timeline.py)."""
-    import ray
-
-    out = []
-    for llm in llms:
-        pipe = llm.core.pipeline
-        actors = list(pipe.actors) + ([pipe.draft] if pipe.draft is not None else [])
-        out.append(ray.get([a.timeline.remote(record) for a in actors]))
-    return out
-
-
-def step_parts(llm: LLM, records: list) -> dict:
-    """Median ms of the parts of a pp 1 pipeline's decode step: the period between the stage's
-    entries, its method, and with a draft actor the hop to it, its method and the way back to
-    the stage's next entry (driver commit and schedule included)."""
-    entries: dict[int, dict] = {}
-    for rows in records:
-        for method, step_id, entered, left in rows:
-            entries.setdefault(step_id, {})[method] = (entered, left)
-    drafts = llm.core.pipeline.draft is not None
-    ids = sorted(i for i, v in entries.items() if "first" in v and (not drafts or "draft" in v))
-    pairs = [(a, b) for a, b in zip(ids, ids[1:]) if b == a + 1]
-    med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    out = {
-        "period": med([entries[b]["first"][0] - entries[a]["first"][0] for a, b in pairs]),
-        "stage": med([entries[i]["first"][1] - entries[i]["first"][0] for i in ids]),
-    }
-    last = "draft" if drafts else "first"
-    if drafts:
-        out["to draft"] = med([entries[i]["draft"][0] - entries[i]["first"][1] for i in ids])
-        out["draft"] = med([entries[i]["draft"][1] - entries[i]["draft"][0] for i in ids])
-    out["back to the stage"] = med([entries[b]["first"][0] - entries[a][last][1] for a, b in pairs])
-    return out
 
 
 def mixed_part(args) -> tuple[list, dict]:

@@ -78,47 +78,58 @@ def decode_tok_s(llm: LLM, batch: int, length: int, steps: int) -> float:
     return batch * steps / (time.perf_counter() - t0 - prefill)
 
 
-def timeline(llm: LLM, batch: int, args) -> str:
-    """Where a pp > 1 decode step's time goes: every stage actor records when each graph method
-    was entered (its inputs read: after an NCCL receive, the sender's kernels finished) and
-    left; medians over the steady decode steps of one run at ``batch``."""
-    actors = llm.core.pipeline.actors
-    prompts = random_prompts(batch, args.prompt_len, 21)
+def timeline(llm: LLM, batch: int, args, prompts: list | None = None) -> str:
+    """Where a Ray pipeline's decode step goes: every stage actor (and the draft actor) records
+    when each graph method was entered (its inputs read: after an NCCL receive, the sender's
+    kernels finished) and left; medians over the steady decode steps of one run at ``batch``
+    (``prompts``: the run's prompts, else random ones of args.prompt_len tokens)."""
+    pipe = llm.core.pipeline
+    stages, draft = list(pipe.actors), pipe.draft
+    actors = stages + ([draft] if draft is not None else [])
+    prompts = prompts or random_prompts(batch, args.prompt_len, 21)
     llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
     ray.get([a.timeline.remote(True) for a in actors])
     llm.generate(prompts, SamplingParams(max_tokens=args.decode + 1, ignore_eos=True))
     records = ray.get([a.timeline.remote(False) for a in actors])
     steps: dict[int, dict] = {}
-    for stage, rows in enumerate(records):
+    for actor, rows in enumerate(records):
         for method, step_id, entered, left in rows:
-            steps.setdefault(step_id, {})[(stage, method)] = (entered, left)
-    last = len(actors) - 1
+            steps.setdefault(step_id, {})[(actor, method)] = (entered, left)
+    last = len(stages) - 1
     chain = [(0, "first")] + [(i, "next") for i in range(1, last + 1)]
+    chain += [(last + 1, "next")] if draft is not None else []
+    name = lambda key: f"stage {key[0]}" if key[0] <= last else "draft actor"  # noqa: E731
     full = sorted(k for k, v in steps.items() if k >= 0 and all(c in v for c in chain))
     full = full[len(full) // 4 : -2] or full  # steady state: no prefill, no final steps
     med = lambda xs: 1e3 * statistics.median(xs) if xs else float("nan")  # noqa: E731
-    lines = [f"batch {batch}, pp {len(actors)}: medians over {len(full)} steps (ms)"]
+    lines = [f"batch {batch}, pp {len(stages)}{', draft actor' if draft is not None else ''}: "
+             f"medians over {len(full)} steps (ms)"]  # fmt: skip
     period = med([steps[b][chain[0]][0] - steps[a][chain[0]][0] for a, b in zip(full, full[1:])])
     lines.append(f"  step period (stage 0 entries)              {period:8.3f}")
     for i, key in enumerate(chain):
         if i:
             wait = med([steps[k][key][0] - steps[k][chain[i - 1]][1] for k in full])
-            lines.append(f"  stage {i - 1} left -> stage {i} entered (hop+GPU) {wait:8.3f}")
+            hop = f"{name(chain[i - 1])} left -> {name(key)} entered (hop+GPU)"
+            lines.append(f"  {hop} {wait:8.3f}")
         host = med([steps[k][key][1] - steps[k][key][0] for k in full])
-        lines.append(f"  stage {key[0]} {key[1]:5s} in the method (host)       {host:8.3f}")
+        lines.append(f"  {name(key)} {key[1]:5s} in the method (host)       {host:8.3f}")
     for i in range(1, last + 1):  # a later stage readies its step before it receives
         readied = [steps[k][(i, "prepare")] for k in full if (i, "prepare") in steps[k]]
         host = med([left - entered for entered, left in readied])
         lines.append(f"  stage {i} prepare (host, before the receive) {host:8.3f}")
     taken = [k for k in full if (0, "take") in steps[k]]
+    pairs = [(a, b) for a, b in zip(full, full[1:]) if b == a + 1]
     if taken:
         back = med([steps[k][(0, "take")][0] - steps[k][chain[-1]][1] for k in taken])
         took = med([steps[k][(0, "take")][1] - steps[k][(0, "take")][0] for k in taken])
         idle = med([steps[b][chain[0]][0] - steps[a][(0, "take")][1]
                     for a, b in zip(taken, taken[1:]) if b == a + 1])  # fmt: skip
-        lines.append(f"  stage {last} left -> stage 0 take entered    {back:8.3f}")
+        lines.append(f"  {name(chain[-1])} left -> stage 0 take entered    {back:8.3f}")
         lines.append(f"  stage 0 take  in the method (host)       {took:8.3f}")
         lines.append(f"  take left -> next step entered (driver)  {idle:8.3f}")
+    else:  # the output goes to the driver, which commits and submits the next step
+        idle = med([steps[b][chain[0]][0] - steps[a][chain[-1]][1] for a, b in pairs])
+        lines.append(f"  {name(chain[-1])} left -> next step entered (driver) {idle:8.3f}")
     return "\n".join(lines)
 
 

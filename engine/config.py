@@ -103,6 +103,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"
             )
+        for name in ("execution_timeout_s", "startup_timeout_s"):
+            _positive(self, name)
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.use_ray not in ("auto", True, False):
@@ -129,11 +131,8 @@ class EngineConfig:
         _int_at_least(self, "pd_test_corrupt_transfers", 0)
         if self.pd_protocol not in PD_PROTOCOLS:
             raise ValueError(f"pd_protocol must be one of {PD_PROTOCOLS}, got {self.pd_protocol!r}")
-        for name in ("pd_timeout_s", "num_gpus_per_stage", "execution_timeout_s",
-                     "startup_timeout_s"):  # fmt: skip
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{name} must be a number > 0, got {value!r}")
+        for name in ("pd_timeout_s", "num_gpus_per_stage"):
+            _positive(self, name)
         if self.num_gpus_per_stage > 1:
             raise ValueError(f"num_gpus_per_stage must be <= 1, got {self.num_gpus_per_stage}")
         if not self.prefill_pp_size:
@@ -320,6 +319,12 @@ class SchedulerConfig:
     @property
     def min_window_pages(self) -> int:
         return -(-self.max_num_batched_tokens // self.window_page_size) + 3
+
+
+def _positive(cfg, name: str) -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
 def _int_at_least(cfg, name: str, low: int) -> None:

@@ -21,7 +21,7 @@ class IdRow:
     """A growable int64 id row; `view()` is the live ids (no copy), `tolist()` plain ints."""
 
     def __init__(self, ids: Iterable[int] = ()):
-        ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids, dtype=np.int64)
+        ids = np.fromiter(ids, dtype=np.int64)
         self._buf = np.full(max(MIN_CAPACITY, 2 * len(ids)), -1, dtype=np.int64)
         self._buf[: len(ids)] = ids
         self._len = len(ids)
@@ -31,9 +31,6 @@ class IdRow:
 
     def __getitem__(self, idx):
         return self.view()[idx]
-
-    def __eq__(self, other) -> bool:
-        return list(self.view()) == list(other)
 
     def __repr__(self) -> str:
         return f"IdRow({self.tolist()})"

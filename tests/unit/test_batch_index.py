@@ -93,7 +93,7 @@ def test_every_index_equals_the_per_token_oracle(seed):
         assert row[: len(visible)] == visible and set(row[len(visible) :]) <= {-1}
     for r, e in enumerate(plan.batch):
         assert got["page_table"][r, : len(tables[e.req_id].page_ids)].tolist() == (
-            tables[e.req_id].page_ids
+            tables[e.req_id].page_ids.tolist()
         )
     ends = np.cumsum([e.num_tokens for e in plan.batch]) - 1
     assert sample_idx.tolist() == [int(ends[i]) for i, e in enumerate(plan.batch) if e.sample]

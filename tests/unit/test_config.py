@@ -190,3 +190,14 @@ def test_config_is_frozen():
     cfg = tiny_config()
     with pytest.raises(AttributeError):
         cfg.hidden_size = 7
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("execution_timeout_s", 0), ("startup_timeout_s", -1.0), ("startup_timeout_s", "1800")],
+)
+def test_bad_timeouts_name_the_option(tiny_ckpt, name, value):
+    from dsv4ray.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=name):
+        EngineConfig.build(tiny_ckpt, **{name: value})
