@@ -80,6 +80,15 @@ class StageActor:
     def wait_for_tokens(self, event_handle: bytes) -> None:
         self.worker.wait_for_tokens(event_handle)
 
+    def open_link(self, depth: int, rows: int) -> dict:
+        return self.worker.open_link(depth, rows)
+
+    def map_link(self, exported: dict) -> list:
+        return self.worker.map_link(exported)
+
+    def link_peer(self, handles: list) -> None:
+        self.worker.link_peer(handles)
+
     def timeline(self, record: bool) -> list:
         """Starts (record) or stops recording when each graph method was entered and left
         (time.monotonic, one clock for every process of a machine); returns what was recorded

@@ -3,13 +3,14 @@
 One placement group per pipeline (strategy PACK, one bundle per stage, passed explicitly to every
 actor). The compiled graph sends each plan (msgpack bytes) to every stage and passes each stage's
 StageResult (residual stack [T, hc * hidden], running top-k) to the next: shared-memory channels
-on CPU, NCCL on GPUs. Up to pp_size plans are in flight. A dead or stuck stage raises
-PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in the same bundles.
-Teardown removes the graph's channel files from /dev/shm (cluster/stage_graph.py) and lets the
-stage actors exit cleanly, killing only those that do not: builds, failed builds and rebuilds
-leave no files behind, whichever stages died. With speculative decoding a DraftActor shares the
-last stage's bundle (0.1 of its GPU, or half its CPU share) and is the graph's last node; a
-rebuild replaces it with the stages.
+on CPU, NCCL between GPUs, a device link between stages that share a GPU (the rows stay in
+device memory and the channel carries a ticket). Up to pp_size plans are in flight. A dead or
+stuck stage raises PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in
+the same bundles. Teardown removes the graph's channel files from /dev/shm
+(cluster/stage_graph.py) and lets the stage actors exit cleanly, killing only those that do not:
+builds, failed builds and rebuilds leave no files behind, whichever stages died. With
+speculative decoding a DraftActor shares the last stage's bundle (0.1 of its GPU, or half its CPU
+share) and is the graph's last node; a rebuild replaces it with the stages.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ class RayPipeline:
         self.draft = self._draft_actor() if ec.speculative_num_steps else None
         infos = self.infos = self._get([a.ready.remote() for a in self.actors])
         draft_info = [self._get(self.draft.ready.remote())] if self.draft is not None else []
-        available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         devices = [info["gpu"] for info in infos]
+        self._link_stages(devices)  # before sizing: the rings take device memory
+        available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available, devices)
         sizes = dataclasses.asdict(pool_sizes(self.capacity, ec.ring_scale))
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
@@ -144,6 +146,17 @@ class RayPipeline:
         first, last = self.actors[0], self.actors[-1]
         event = self._get(last.map_tokens.remote(self._get(first.export_tokens.remote())))
         self._get(first.wait_for_tokens.remote(event))
+
+    def _link_stages(self, devices: list[str | None]) -> None:
+        """Neighbouring stages on one GPU hand their rows over through a ring in the receiver's
+        device memory (worker/device_link.py); the graph's channel carries only tickets."""
+        rows = self.config.max_num_batched_tokens
+        for i in range(len(self.actors) - 1):
+            if devices[i] is None or devices[i] != devices[i + 1]:
+                continue
+            sender, receiver = self.actors[i], self.actors[i + 1]
+            exported = self._get(receiver.open_link.remote(self.depth + 1, rows))
+            self._get(receiver.link_peer.remote(self._get(sender.map_link.remote(exported))))
 
     @staticmethod
     def _local_pids(infos: list[dict]) -> list[int]:

@@ -207,6 +207,9 @@ class StageResult:
     # them, for the stages after it
     samples: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
+    # stages on one GPU: where the rows above wait in device memory (worker/device_link.py's
+    # LinkTicket; residual, topk and token_ids are then None)
+    link: Any = None
 
 
 def encode(plan: StepPlan) -> bytes:

@@ -23,6 +23,7 @@ from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, build_batch
+from dsv4ray.worker.device_link import DeviceLink
 from dsv4ray.worker.draft_fill import DraftFill
 from dsv4ray.worker.hisparse_io import scratch_step
 from dsv4ray.worker.host_io import HostIO, LayerEvents
@@ -72,6 +73,9 @@ class StageWorker:
         self.sampler: StageSampling | None = None  # the last stage's sampling
         self.num_eager_steps = 0  # steps with a batch that ran without a graph
         self.held: StageResult | None = None  # a lagged step's result, sampling still deferred
+        # rows from the stage before / to the stage after through device memory (one GPU)
+        self.in_link: DeviceLink | None = None
+        self.out_link: DeviceLink | None = None
 
     def gpu_uuid(self) -> str | None:
         """The physical GPU this stage runs on (stages that share one share its memory and
@@ -197,11 +201,23 @@ class StageWorker:
         return prepared
 
     def step_prepared(self, prepared: Prepared, inputs: StageResult | None = None) -> StageResult:
-        """With plan.lag the last stage launches a step that has a batch, then settles and
-        returns the one it held before (NO_RESULT when none), so the device runs this step
-        while the driver commits the previous one and schedules the next. A plan without a
-        batch computes nothing and answers for itself; a flush (FLUSH_STEP) returns the held
-        step."""
+        """A prepared step, its rows received from and sent to stages on this GPU through
+        device links (``open_link``). With plan.lag the last stage launches a step that has a
+        batch, then settles and returns the one it held before (NO_RESULT when none), so the
+        device runs this step while the driver commits the previous one and schedules the next.
+        A plan without a batch computes nothing and answers for itself; a flush (FLUSH_STEP)
+        returns the held step."""
+        ticket = self.in_link.receive(inputs) if self.in_link and inputs is not None else None
+        try:
+            out = self._step_prepared(prepared, inputs)
+        finally:  # the slot is free once this stream read it, whatever the step did
+            if self.in_link is not None:
+                self.in_link.release(ticket)
+        if self.out_link is not None:
+            self.out_link.send(out)
+        return out
+
+    def _step_prepared(self, prepared: Prepared, inputs: StageResult | None) -> StageResult:
         plan = prepared.plan
         flush = plan.step_id == FLUSH_STEP
         if not (plan.lag and self.is_last) or not (plan.batch or flush):
@@ -361,6 +377,27 @@ class StageWorker:
 
     def wait_for_tokens(self, event_handle: bytes) -> None:
         self.sampled.wait_for(event_handle)
+
+    def open_link(self, depth: int, rows: int) -> dict:
+        """A ring of depth slots of rows tokens that the stage before (on this GPU) writes its
+        rows into (worker/device_link.py) -> what it maps the ring with (``map_link``)."""
+        c = self.cfg
+        has_topk = any(spec.compress_ratio == 4 for spec in c.layers[: self.model.start])
+        self.in_link = DeviceLink.allocate(depth, rows, c.hc_mult * c.hidden_size,
+                                           self.model.dtype, c.index_topk if has_topk else None,
+                                           self.device)  # fmt: skip
+        log.info("stage [%d, %d): device link of %d x %d rows (%.1f MiB)", *self._range, depth,
+                 rows, self.in_link.nbytes() / 2**20)  # fmt: skip
+        return self.in_link.export()
+
+    def map_link(self, exported: dict) -> list:
+        """The next stage's ring (``open_link`` there): this stage's rows go through it ->
+        the handles of the events that say a slot was written (``link_peer`` there)."""
+        self.out_link = DeviceLink.open(exported)
+        return self.out_link.fences.export()
+
+    def link_peer(self, handles: list) -> None:
+        self.in_link.peer_fences(handles)
 
     def take(self, plan: StepPlan, result: StageResult) -> StageResult:
         """The first stage, after the last stage of a lagged plan (worker/overlap.py)."""

@@ -1,0 +1,95 @@
+"""Stages that share a GPU hand rows on through device links. Here the stage workers run in this
+process the way stage actors run them (``step`` per stage, the last stage one step late, its
+sampled ids back to the first stage's ``take``, nothing but the results between them), linked as
+RayPipeline links actors on one GPU, through a ring of two slots: greedy tokens equal the
+reference at pp 2 and 3, with lookahead entries, hash-routed experts that read the filled token
+ids, eager steps and static buckets, and every step's rows go through the rings."""
+
+from collections import deque
+
+import pytest
+import torch
+
+from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StepPlan
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.llm import LLM
+from dsv4ray.model import load_reference
+from dsv4ray.model.tiny import make_tiny
+from tests.oracle import reference_greedy
+
+
+class LinkedStages:
+    """The engine's pipeline protocol over stage workers called as the stage actors' compiled
+    graph calls them; every other attribute is the in-process pipeline's."""
+
+    def __init__(self, local, ring_depth: int) -> None:
+        self.local, self.workers = local, local.workers
+        self.depth, self.tickets, self.batches = 2, 0, 0
+        self.outputs: deque = deque()
+        self.early: dict = {}
+        rows = local.config.max_num_batched_tokens
+        for sender, receiver in zip(self.workers, self.workers[1:]):
+            receiver.link_peer(sender.map_link(receiver.open_link(ring_depth, rows)))
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+    def submit(self, plan: StepPlan) -> int:
+        plan.lag, plan.take = True, True
+        self.batches += bool(plan.batch)
+        result = None
+        for worker in self.workers:
+            result = worker.step(plan, result)
+            self.tickets += result.link is not None
+        self.outputs.append(self.workers[0].take(plan, result))
+        return plan.step_id
+
+    def collect(self, step_id: int):
+        if step_id in self.early:
+            return self.early.pop(step_id)
+        while True:
+            if not self.outputs:
+                self.submit(StepPlan(step_id=FLUSH_STEP))
+            result = self.outputs.popleft()
+            if result.step_id == step_id:
+                return result
+            if result.step_id != NO_RESULT:
+                self.early[result.step_id] = result
+
+
+@pytest.fixture(scope="module")
+def hash_ckpt(tmp_path_factory):
+    """Hash-routed experts in layers 0-2: later stages route by the ids the first one filled."""
+    path = make_tiny(str(tmp_path_factory.mktemp("hash3")), "tiny", seed=3, num_hash_layers=3)
+    return path, load_reference(path, torch.float32)
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("pp,buckets", [(2, False), (3, True)])
+def test_linked_stages_equal_the_reference(hash_ckpt, pp, buckets):
+    path, model = hash_ckpt
+    prompts, max_tokens = _prompts([3, 130, 300, 254], seed=pp), [9, 4, 7, 12]
+    llm = LLM(path, kv_cache_dtype="fp32", pp_size=pp, use_ray=False, overlap_scheduling=True,
+              max_running_requests=4, max_model_len=4096)  # fmt: skip
+    try:
+        if buckets:  # the fixed-shape buckets CUDA graphs replay, run eagerly
+            for worker in llm.core.pipeline.workers:
+                worker.capture_graphs(4, 4096, 0, capture=False)
+        linked = llm.core.pipeline = LinkedStages(llm.core.pipeline, ring_depth=2)
+        params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
+        outs = llm.generate(prompts, params)
+        lookahead = llm.core.scheduler.lookahead_steps
+        llm.core.check_integrity()
+        replays = [w.stats()["num_graph_steps"] for w in linked.workers]
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in outs] == [
+        reference_greedy(model, p, n) for p, n in zip(prompts, max_tokens)
+    ]
+    assert lookahead > 0
+    assert linked.tickets == linked.batches * (pp - 1)  # every step's rows went through a ring
+    assert (min(replays) > 0) == buckets
