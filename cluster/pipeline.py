@@ -62,8 +62,10 @@ class RayPipeline:
         # (overlap scheduling, or micro-batches beyond one per stage)
         self.lag = config.lags_last_stage
         self.ranges = split_layers(cfg.num_hidden_layers, config.pp_size)
-        # the last stage's samples go back to the first (overlap over several stages)
-        self.take = config.uses_overlap and len(self.ranges) > 1
+        # the last stage's samples go back to the first (overlap over several stages): through
+        # the graph (``take``), or device memory when both share a GPU (set by each build)
+        self.overlap = config.uses_overlap
+        self.take = self.shared_samples = False
         self.depth = max(2 if self.lag else 1, config.micro_batches, config.pp_size)
         self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
         self.early: dict[int, StageResult] = {}  # results read before their step's collect
@@ -116,7 +118,11 @@ class RayPipeline:
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
         if self.host_args is not None:
             self._attach_regions()
-        if self.take and devices[0] is not None and devices[0] == devices[-1]:
+        # first and last stage on one GPU: sampled ids go back through device memory
+        back = self.overlap and len(self.actors) > 1
+        self.shared_samples = back and devices[0] is not None and devices[0] == devices[-1]
+        self.take = back and not self.shared_samples
+        if self.shared_samples:
             self._share_sampled_tokens()
         try:
             self.dag = StageGraph(
@@ -141,8 +147,8 @@ class RayPipeline:
 
     def _share_sampled_tokens(self) -> None:
         """First and last stage on one GPU: the last writes its sampled ids straight into the
-        first's table (CUDA IPC), so the graph's edge back carries no tensor and nobody waits
-        for the step to finish before the next plan is submitted."""
+        first's table (CUDA IPC) and records an interprocess event the first one waits on, so
+        the graph needs no edge back (``submit`` orders the records before the waits)."""
         first, last = self.actors[0], self.actors[-1]
         event = self._get(last.map_tokens.remote(self._get(first.export_tokens.remote())))
         self._get(first.wait_for_tokens.remote(event))
@@ -291,11 +297,28 @@ class RayPipeline:
         graph's output for a plan is the previous lagged plan's result (NO_RESULT first)."""
         plan.lag, plan.take = self.lag, self.take
         data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
+        if plan.lookahead and self.shared_samples:
+            self._read_outputs()
         try:
             self.refs.append(self.dag.execute(data))
         except Exception as exc:  # the compiled graph reports a dead actor in many types
             raise PipelineFailure(describe(exc)) from exc
         return plan.step_id
+
+    def _read_outputs(self) -> None:
+        """Reads every submitted plan's output (results kept until collected): the last stage
+        has then recorded the sampled ids of each, and the first stage's wait for them, issued
+        by the next plan, binds to those records (worker/overlap.py)."""
+        while self.refs:
+            result = self._read(self.refs.popleft())
+            if result.step_id != NO_RESULT:
+                self.early[result.step_id] = result
+
+    def _read(self, ref) -> StageResult:
+        try:
+            return self.dag.get(ref, self.config.execution_timeout_s)
+        except Exception as exc:
+            raise PipelineFailure(describe(exc)) from exc
 
     def collect(self, step_id: int) -> StageResult:
         """The result of a submitted step, from the outputs in order: a lagged step's comes
@@ -307,10 +330,7 @@ class RayPipeline:
         while True:
             if not self.refs:
                 self.submit(StepPlan(step_id=FLUSH_STEP))
-            try:
-                result = self.dag.get(self.refs.popleft(), self.config.execution_timeout_s)
-            except Exception as exc:
-                raise PipelineFailure(describe(exc)) from exc
+            result = self._read(self.refs.popleft())
             if result.step_id == step_id:
                 return result
             if result.step_id != NO_RESULT:

@@ -12,7 +12,13 @@ this plan's fill reads it:
                     process it writes them itself; a stage actor hands them back in
                     StageResult.samples (the graph's edge from the last stage to the first,
                     ``take``), or writes them into the first stage's table through CUDA IPC when
-                    both share a GPU, with an interprocess event the first stage's stream waits on.
+                    both share a GPU, with an interprocess event the first stage's stream waits on
+                    before it fills. A wait binds to the event's latest record when it is issued,
+                    so the driver submits a plan with lookahead entries only once it read the
+                    output of every plan before it (cluster/pipeline.py): the last stage returned
+                    from those plans, so it recorded their writes. In a steady decode the outputs
+                    were read already (a plan's result comes with the next plan's launch); no
+                    graph edge goes back to the first stage.
 
 A row that could not sample holds -1; the request ends at that plan's commit and its lookahead
 entry is skipped, so the id used for it (clamped to 0) only has to be a valid embedding index.
@@ -67,15 +73,22 @@ class SampledTokens:
             idx = to_device(slots, torch.long, self.ids.device)
             self.ids.index_copy_(0, idx, token_ids.to(self.ids.device).clamp(min=0))
 
+    def post(self) -> None:
+        """The writer (last stage, another process), after ``record``: marks the write."""
+        if self.event is not None:
+            self.event.record()
+
     def wait(self) -> None:
         """Orders this stream after the last write of a writer in another process."""
         if self.event is not None:
             torch.cuda.current_stream(self.ids.device).wait_event(self.event)
 
     def fill(self, plan: StepPlan, token_ids: torch.Tensor, tables) -> None:
-        """Writes each lookahead entry's token into the step's token ids [T] on the device."""
+        """Writes each lookahead entry's token into the step's token ids [T] on the device
+        (after the last stage's latest write, when it writes from another process)."""
         if not plan.lookahead:
             return
+        self.wait()
         wanted = set(plan.lookahead)
         idx, slots, offset = [], [], 0
         for entry in plan.batch:

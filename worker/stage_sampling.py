@@ -117,7 +117,7 @@ class StageSampling:
             self.first.record(slots, token_ids)
         elif self.peer_tokens is not None:
             self.peer_tokens.record(slots, token_ids)
-            self.peer_tokens.event.record()
+            self.peer_tokens.post()
         elif plan.take:  # through the graph's edge back to the first stage (``take``)
             result.samples = token_ids
 

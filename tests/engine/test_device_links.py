@@ -1,7 +1,7 @@
 """Stages that share a GPU hand rows on through device links. Here the stage workers run in this
-process the way stage actors run them (``step`` per stage, the last stage one step late, its
-sampled ids back to the first stage's ``take``, nothing but the results between them), linked as
-RayPipeline links actors on one GPU, through a ring of two slots: greedy tokens equal the
+process the way stage actors run them (``step`` per stage, the last stage one step late and
+writing its sampled ids into the first stage's table, nothing but the results between them),
+linked as RayPipeline links actors on one GPU, through a ring of two slots: greedy tokens equal the
 reference at pp 2 and 3, with lookahead entries, hash-routed experts that read the filled token
 ids, eager steps and static buckets, and every step's rows go through the rings."""
 
@@ -15,6 +15,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
+from dsv4ray.worker.overlap import SampledTokens
 from tests.oracle import reference_greedy
 
 
@@ -30,18 +31,20 @@ class LinkedStages:
         rows = local.config.max_num_batched_tokens
         for sender, receiver in zip(self.workers, self.workers[1:]):
             receiver.link_peer(sender.map_link(receiver.open_link(ring_depth, rows)))
+        first, last = self.workers[0], self.workers[-1]
+        last.sampler.peer_tokens = SampledTokens(first.sampled.ids)  # the table, no edge back
 
     def __getattr__(self, name):
         return getattr(self.local, name)
 
     def submit(self, plan: StepPlan) -> int:
-        plan.lag, plan.take = True, True
+        plan.lag, plan.take = True, False
         self.batches += bool(plan.batch)
         result = None
         for worker in self.workers:
             result = worker.step(plan, result)
             self.tickets += result.link is not None
-        self.outputs.append(self.workers[0].take(plan, result))
+        self.outputs.append(result)
         return plan.step_id
 
     def collect(self, step_id: int):
