@@ -23,7 +23,9 @@ Parts, each measured in the same run as the fast path it is compared with (dsv4-
   for each Ray pair, where a step's time goes (bench/pipeline.py's timeline, stages and draft
   actor, one held-out prompt).
 - mixed: decode latency of 16 running requests while prompts of 2k-8k tokens keep arriving
-  (p50 / p99 of the steps that decode them), beside the pure-decode step at batch 16.
+  (p50 / p99 of the steps that decode them) and the arriving prompts' time to first token, at
+  each step budget (8192: a prompt in one chunk; 2048, the default: chunks that share four
+  steps), beside the pure-decode step at batch 16.
 
 Writes bench/results/paths-<device>.json (PERF.md's format) and regenerates BENCHMARKS.md.
 """
@@ -219,9 +221,27 @@ def mtp_part(args) -> tuple[list, dict]:
 
 
 def mixed_part(args) -> tuple[list, dict]:
-    """Step times of 16 decoding requests while 2k-8k prompts arrive every 4 steps."""
-    # each of those steps decodes the 16 (a prompt prefills in one chunk of <= 8192 tokens)
-    llm = LLM(args.model, max_running_requests=64, **COMMON)
+    """Per step budget (max_num_batched_tokens): step times of 16 decoding requests while 2k-8k
+    prompts arrive every 4 steps, and the arriving prompts' time to first token."""
+    rows, raw = [], {}
+    for budget in args.mixed_budgets:
+        p50, p99, pure_ms, ttft, arrivals = _mixed_run(args, budget)
+        note = (
+            f"max_num_batched_tokens {budget}: 16 decoding requests, a 2k-8k prompt "
+            f"arriving every 4 steps ({arrivals} in {args.mixed_steps} steps), their median "
+            f"time to first token {ttft:.1f} ms; pure decode at batch 16: {pure_ms:.2f} ms"
+        )
+        for name, value in (("p50", p50), ("p99", p99)):
+            rows.append(result(f"decode latency under arriving prompts, budget {budget}, {name}",
+                               value, "ms", pure_ms, None, "<=", note))  # fmt: skip
+        raw[budget] = {"p50_ms": p50, "p99_ms": p99, "pure_ms": pure_ms, "ttft_ms": ttft}
+    return rows, {"mixed": raw}
+
+
+def _mixed_run(args, budget: int):
+    """One engine at the budget -> (p50, p99 step ms, pure batch-16 step ms, median TTFT ms of
+    the arriving prompts, how many arrived)."""
+    llm = LLM(args.model, max_running_requests=64, **{**COMMON, "max_num_batched_tokens": budget})
     core, g = llm.core, torch.Generator().manual_seed(3)
     try:
         pure_ms = 1e3 * engine_decode_s(llm, 16, 512, args.new, 160) / args.new
@@ -230,29 +250,28 @@ def mixed_part(args) -> tuple[list, dict]:
             core.add_request(f"run-{i}", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
         while any(not core.outputs.outputs[f"run-{i}"].token_ids for i in range(16)):
             core.step()
-        times, arrivals = [], 0
+        times, added, ttft = [], {}, []
         for step in range(args.mixed_steps):
             if step % 4 == 0:
                 n = int(torch.randint(2048, 8193, (1,), generator=g))
-                core.add_request(f"new-{arrivals}", random_prompts(1, n, 900 + arrivals)[0],
+                req_id = f"new-{len(added)}"
+                core.add_request(req_id, random_prompts(1, n, 900 + len(added))[0],
                                  SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip
-                arrivals += 1
+                added[req_id] = time.perf_counter()
             t0 = time.perf_counter()
             core.step()
-            times.append(1e3 * (time.perf_counter() - t0))
+            now = time.perf_counter()
+            times.append(1e3 * (now - t0))
+            for req_id in [r for r in added if core.outputs.outputs[r].token_ids]:
+                ttft.append(1e3 * (now - added.pop(req_id)))
         for i in range(16):
             core.abort(f"run-{i}")
+        arrivals = len(ttft) + len(added)
     finally:
         llm.shutdown()
     times.sort()
     p50, p99 = times[len(times) // 2], times[min(len(times) - 1, int(0.99 * len(times)))]
-    note = (f"16 decoding requests, a 2k-8k prompt arriving every 4 steps ({arrivals} in "
-            f"{args.mixed_steps} steps); pure decode at batch 16: {pure_ms:.2f} ms")  # fmt: skip
-    rows = [result("decode latency under arriving prompts, p50", p50, "ms", pure_ms, None, "<=",
-                   note),
-            result("decode latency under arriving prompts, p99", p99, "ms", pure_ms, None, "<=",
-                   note)]  # fmt: skip
-    return rows, {"mixed": {"p50_ms": p50, "p99_ms": p99, "pure_ms": pure_ms}}
+    return p50, p99, pure_ms, statistics.median(ttft) if ttft else float("nan"), arrivals
 
 
 PARTS = {"paths": paths_part, "context": context_part, "mtp": mtp_part, "mixed": mixed_part}
@@ -298,6 +317,8 @@ def parse_args():
     p.add_argument("--new", type=int, default=32, help="decode steps timed per measurement")
     p.add_argument("--mtp-prompts", type=int, default=8)
     p.add_argument("--mixed-steps", type=int, default=120)
+    p.add_argument("--mixed-budgets", type=ints, default=[8192, 2048],
+                   help="max_num_batched_tokens of each mixed run")  # fmt: skip
     p.add_argument("--commit", default=None)
     p.add_argument("--out-dir", default=None)
     p.add_argument("--out-name", default=None, help="results file name (default: paths)")
