@@ -250,14 +250,14 @@ def _mixed_run(args, budget: int):
             core.add_request(f"run-{i}", prompt, SamplingParams(max_tokens=400, ignore_eos=True))
         while any(not core.outputs.outputs[f"run-{i}"].token_ids for i in range(16)):
             core.step()
-        times, added, ttft = [], {}, []
+        times, added, ttft, arrivals = [], {}, [], 0
         for step in range(args.mixed_steps):
             if step % 4 == 0:
                 n = int(torch.randint(2048, 8193, (1,), generator=g))
-                req_id = f"new-{len(added)}"
-                core.add_request(req_id, random_prompts(1, n, 900 + len(added))[0],
+                req_id = f"new-{arrivals}"
+                core.add_request(req_id, random_prompts(1, n, 900 + arrivals)[0],
                                  SamplingParams(max_tokens=1, ignore_eos=True))  # fmt: skip
-                added[req_id] = time.perf_counter()
+                added[req_id], arrivals = time.perf_counter(), arrivals + 1
             t0 = time.perf_counter()
             core.step()
             now = time.perf_counter()
@@ -266,7 +266,6 @@ def _mixed_run(args, budget: int):
                 ttft.append(1e3 * (now - added.pop(req_id)))
         for i in range(16):
             core.abort(f"run-{i}")
-        arrivals = len(ttft) + len(added)
     finally:
         llm.shutdown()
     times.sort()
