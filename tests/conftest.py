@@ -12,6 +12,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("PYTEST_XDIST_WORKER"):  # two workers on two cores: one thread each
+    torch.set_num_threads(1)
+
 
 def _patch_language_once_per_launch() -> None:
     """Under the interpreter every call of a jit helper inside a kernel (ours and triton's own,
@@ -69,3 +72,16 @@ def tiny_model(tiny_ckpt):
     from dsv4ray.model import load_reference
 
     return load_reference(tiny_ckpt, torch.float32)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The suite runs on two xdist workers (pyproject's addopts: -n 2 --dist loadfile), each
+    taking whole files in collection order: the files of tests/ray (actors, Serve apps, Ray
+    heads of their own; most of the suite's time) go first, so that short files fill the end
+    of the run on both workers rather than one long file on one."""
+    order = ("tests/ray/", "tests/engine/", "tests/kernels/", "tests/unit/")
+
+    def rank(item) -> int:
+        return next((i for i, p in enumerate(order) if item.nodeid.startswith(p)), len(order))
+
+    items.sort(key=rank)

@@ -1,4 +1,5 @@
-"""One local Ray for the whole test session (tests in tests/ray share it); the Serve app on it."""
+"""One local Ray per test worker (the tests in tests/ray that run on a worker share it); the Serve
+app on it."""
 
 import os
 import socket
