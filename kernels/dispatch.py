@@ -104,6 +104,12 @@ def indexer_topk(q, weights, k_pages, page_table, req_idx, bound, topk, layout) 
     )
 
 
+def compile_indexer_variants(num_heads: int, layout, device) -> None:
+    """Compiles every tile variant of the indexer's scores kernel (Triton on a GPU, else none)."""
+    if backend() == "triton" and torch.device(device).type == "cuda":
+        indexer.compile_variants(num_heads, layout, device)
+
+
 def sparse_mqa(
     q,
     window_pages,

@@ -147,11 +147,35 @@ def _rotated_queries(q: torch.Tensor, layout: PageLayout) -> torch.Tensor:
     return hadamard_rotate(q) if layout.dtype == "fp8" else q
 
 
+PAGES_PER_PROG = (4, 8, 16, 32)  # every value _config can pick
+
+
 def _config(num_tokens: int, num_page_cols: int, dtype: str, device) -> tuple:
     """(pages per program, num_warps): long page loops let the loads run ahead of the products
     and reuse the rotated q tile, as long as the grid still has ~4 programs per SM."""
     per_sm = triton.cdiv(num_tokens * num_page_cols, 4 * num_sms(device))
-    return min(32, max(4, triton.next_power_of_2(per_sm))), 8 if dtype == "fp32" else 4
+    pages_per_prog = min(PAGES_PER_PROG[-1], max(PAGES_PER_PROG[0], triton.next_power_of_2(per_sm)))
+    return pages_per_prog, 8 if dtype == "fp32" else 4
+
+
+def compile_variants(num_heads: int, layout: PageLayout, device) -> None:
+    """Compiles the scores kernel at every PAGES_PER_PROG for these heads and pages on `device`.
+
+    The pick follows tokens x page columns, which depend on how a step's chunks and page-table
+    width fall, so prompts reach every value only by chance. Each launch here has tokens x
+    columns = 4 SMs x p and reads no key (every bound is 0); the arguments have the strides and
+    alignments a model's step passes.
+    """
+    device = torch.device(device)
+    num_tokens = 4 * num_sms(device)
+    pages = torch.zeros(1, layout.page_bytes, dtype=torch.uint8, device=device)
+    q = torch.zeros(num_tokens, num_heads, layout.dim, dtype=torch.float32, device=device)
+    weights = torch.zeros(num_tokens, num_heads, dtype=torch.float32, device=device)
+    zeros = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    for pages_per_prog in PAGES_PER_PROG:
+        table = torch.zeros(1, pages_per_prog, dtype=torch.int64, device=device)
+        assert _config(num_tokens, pages_per_prog, layout.dtype, device)[0] == pages_per_prog
+        indexer_scores(q, weights, pages, table, zeros, zeros, layout)
 
 
 def indexer_scores(

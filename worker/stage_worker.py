@@ -19,6 +19,7 @@ from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
 from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, NewRequest, StageResult, StepPlan
+from dsv4ray.kernels import dispatch
 from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
@@ -104,6 +105,10 @@ class StageWorker:
             slots = sizes.num_state_slots
             self.sampler = StageSampling(self.model, self.model_path, slots, self.device,
                                          self.sampled)  # fmt: skip
+        if self.pools.indexer:
+            dispatch.compile_indexer_variants(
+                self.cfg.index_n_heads, self.pools.layouts["indexer"], self.device
+            )
         log.info(
             "stage [%d, %d): pools %.1f MiB in %s pages",
             self.model.start,

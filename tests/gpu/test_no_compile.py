@@ -34,3 +34,24 @@ def test_serving_varied_prompts_compiles_nothing_after_startup(tiny_ckpt, cuda_g
         assert compiled_variants() == ready
     finally:
         llm.shutdown()
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp8", "fp32"])
+def test_indexer_variants_compiled_up_front_cover_every_step_shape(kv_dtype):
+    from dsv4ray.cache.layout import PageLayout
+    from dsv4ray.kernels import indexer
+
+    layout = PageLayout("indexer", kv_dtype)
+    indexer.compile_variants(16, layout, "cuda")
+    ready = compiled_variants()
+    pages = torch.zeros(8, layout.page_bytes, dtype=torch.uint8, device="cuda")
+    g = torch.Generator().manual_seed(0)
+    for num_tokens in (1, 7, 64, 100, 131, 700, 2048, 8192):
+        for cols in (1, 3, 16, 33, 64, 257):
+            q = torch.randn(num_tokens, 16, 128, generator=g).cuda()
+            w = torch.rand(num_tokens, 16, generator=g).cuda()
+            table = torch.randint(0, 8, (2, cols), generator=g).cuda()
+            req = torch.randint(0, 2, (num_tokens,), generator=g).cuda()
+            bound = torch.randint(0, cols * 64 + 1, (num_tokens,), generator=g).cuda()
+            indexer.indexer_scores(q, w, pages, table, req, bound, layout)
+    assert compiled_variants() == ready
