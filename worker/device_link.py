@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4ray.engine.plan import StageResult
+from dsv4ray.worker.ipc import export_tensor, open_tensor
 
 
 @dataclass(frozen=True)
@@ -180,21 +181,3 @@ class DeviceLink:
         """The receiver, once every read of the slot was enqueued: the sender may reuse it."""
         if ticket is not None:
             self.fences.record(ticket.seq % self.depth, ticket.seq)
-
-
-def export_tensor(tensor: torch.Tensor):
-    """A CUDA tensor's IPC handle (torch's own reduction); a CPU tensor itself (its peer is in
-    this process)."""
-    if tensor.device.type != "cuda":
-        return ("local", tensor)
-    from torch.multiprocessing.reductions import reduce_tensor
-
-    return ("ipc", reduce_tensor(tensor))
-
-
-def open_tensor(exported) -> torch.Tensor:
-    kind, payload = exported
-    if kind == "local":
-        return payload
-    rebuild, args = payload
-    return rebuild(*args)

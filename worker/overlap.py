@@ -33,6 +33,7 @@ import logging
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.worker.ipc import export_tensor, open_tensor
 from dsv4ray.worker.sampler import to_device
 
 log = logging.getLogger("dsv4ray.worker")
@@ -51,18 +52,15 @@ class SampledTokens:
 
     def export(self):
         """What another process on this GPU maps the table with (``open_peer``)."""
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        return reduce_tensor(self.ids)
+        return export_tensor(self.ids)
 
     @classmethod
     def open_peer(cls, exported) -> tuple[SampledTokens, bytes]:
         """The first stage's table mapped here, with a new interprocess event; returns it and
         the event's handle for the first stage (``wait_for``)."""
-        rebuild, args = exported
         event = torch.cuda.Event(interprocess=True)
         event.record()  # an interprocess event exists on the device once recorded
-        return cls(rebuild(*args), event), event.ipc_handle()
+        return cls(open_tensor(exported), event), event.ipc_handle()
 
     def wait_for(self, event_handle: bytes) -> None:
         self.event = torch.cuda.Event.from_ipc_handle(self.ids.device, event_handle)
