@@ -21,7 +21,6 @@ tests/ray/test_autoscale.py runs it with its results in a temporary folder.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import secrets
@@ -34,8 +33,7 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import RESULTS_DIR, git_commit, result, write_benchmarks_md, write_results  # noqa: E402
+from dsv4ray.bench.report import bench_parser, result, save_results
 
 BIN = os.path.dirname(sys.executable)
 ROOT = Path(__file__).resolve().parents[1]
@@ -270,7 +268,7 @@ def _connect(ray, address: str) -> bool:
     return True
 
 
-def report(outcome: dict, timeout_s: float, results_dir: Path) -> None:
+def report(outcome: dict, timeout_s: float, args) -> None:
     """Each phase against the run's time bound (ratio <= 1: within it)."""
     times, ok, failed = outcome["times"], outcome["ok"], outcome["failed"]
     up = times["worker node up"] - times["app deployed (0 replicas)"]
@@ -285,17 +283,13 @@ def report(outcome: dict, timeout_s: float, results_dir: Path) -> None:
         result("cold: first request to its answer", answered, "s", timeout_s, 1.0, "<="),
         result("idle: traffic stopped to worker node removed", down, "s", timeout_s, 1.0, "<="),
     ]
-    write_results("autoscale", "cpu", git_commit(), {}, rows, results_dir)
-    if results_dir == RESULTS_DIR:
-        write_benchmarks_md()
+    save_results(args, "autoscale", "cpu", {}, rows)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=str(ROOT / ".tiny"))
+def main(argv=None) -> int:
+    parser = bench_parser(__doc__, model=str(ROOT / ".tiny"))
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds for the whole run")
-    parser.add_argument("--results-dir", type=Path, default=RESULTS_DIR)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="dsv4as")
     head = Head(work)
     try:
@@ -304,7 +298,7 @@ def main() -> int:
         head.stop()
     print(f"autoscale: {outcome['ok']} requests answered; replica on {outcome['replica_on']}")
     ok = outcome["replica_on"] == WORKER_TYPE and outcome["ok"] > 0
-    report(outcome, args.timeout, args.results_dir)
+    report(outcome, args.timeout, args)
     print("autoscale: PASSED" if ok else "autoscale: FAILED", flush=True)
     return 0 if ok else 1
 

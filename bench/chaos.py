@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import random
 import sys
 import time
@@ -39,14 +38,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from chaos_report import summarize, write_records  # noqa: E402
-from report import RESULTS_DIR, git_commit, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray import SamplingParams  # noqa: E402
-from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid  # noqa: E402
-from dsv4ray.entrypoints.async_engine import AsyncEngine  # noqa: E402
-from dsv4ray.model import load_reference  # noqa: E402
+from dsv4ray import SamplingParams
+from dsv4ray.bench.chaos_report import summarize, write_records
+from dsv4ray.bench.report import bench_parser, save_results
+from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
+from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.model import load_reference
 
 MAX_NEW_TOKENS = 16  # short requests: more of them, and more faults, per minute of CPU
 POISON = {  # ignore_eos: served ones are compared with the reference's greedy tokens
@@ -272,16 +269,13 @@ def main(argv=None) -> int:
     if args.records:
         write_records(chaos, args.records)
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
-    path = write_results("chaos", device, args.commit or git_commit(), {}, rows, args.results_dir)
-    if os.path.abspath(args.results_dir) == str(RESULTS_DIR):
-        write_benchmarks_md()
+    path = save_results(args, "chaos", device, {}, rows)
     print(f"chaos: wrote {path}")
     return 0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=".tiny")
+    p = bench_parser(__doc__, model=".tiny")
     p.add_argument("--faults", type=int, default=100, help="stage/host kills + poison requests")
     p.add_argument("--duration", type=float, default=900.0, help="cap on the load, seconds")
     p.add_argument("--seed", type=int, default=0)
@@ -291,8 +285,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=120.0, help="a slower one hangs")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-total-tokens", type=int, default=2048, help="device KV capacity")
-    p.add_argument("--results-dir", default=str(RESULTS_DIR))
-    p.add_argument("--commit", default=None)
     p.add_argument("--records", default=None, help="also write every request and fault (JSONL)")
     p.add_argument("--log-level", default="WARNING", help="level of the engine's own logs")
     return p.parse_args(argv)

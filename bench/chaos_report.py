@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from report import result
+from dsv4ray.bench.report import result
 
 BYSTANDER = "aborted with no stage kill while it ran or waited"
 WRONG = "finished greedy requests whose tokens differ from the reference's greedy ones"

@@ -11,25 +11,15 @@ prefill is excluded from both sides. Writes bench/results/cpu-engine-cpu.json.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import (  # noqa: E402
-    git_commit,
-    random_prompts,
-    result,
-    write_benchmarks_md,
-    write_results,
-)
-
-from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
-from dsv4ray.entrypoints.llm import LLM  # noqa: E402
-from dsv4ray.model import load_reference  # noqa: E402
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.llm import LLM
+from dsv4ray.model import load_reference
 
 
 def reference_decode_tok_s(model_path: str, batch: int, length: int, steps: int) -> float:
@@ -63,14 +53,12 @@ def engine_decode_tok_s(model_path: str, batch: int, length: int, steps: int, kv
     return batch * steps / (total - prefill)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".tiny")
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__, model=".tiny")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode", type=int, default=32)
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(os.cpu_count() or 1)
     ref = reference_decode_tok_s(args.model, args.batch, args.prompt_len, args.decode)
     note = f"tiny preset, batch {args.batch}, {args.prompt_len}-token prompts, {args.decode} steps"
@@ -79,8 +67,7 @@ def main() -> None:
         tok_s = engine_decode_tok_s(args.model, args.batch, args.prompt_len, args.decode, kv)
         rows.append(result(f"engine decode, {kv} pages", tok_s, "tok/s", ref, 0.7, ">=", note))
     ceilings = {"reference decode loop": {"value": ref, "unit": "tok/s", "note": note}}
-    path = write_results("cpu-engine", "cpu", args.commit or git_commit(), ceilings, rows)
-    write_benchmarks_md()
+    path = save_results(args, "cpu-engine", "cpu", ceilings, rows)
     for row in rows:
         print(
             f"{row['name']}: {row['value']:.1f} tok/s = {row['ratio']:.2f}x the reference loop "

@@ -10,14 +10,13 @@ the bf16 matmul peak, then in the same run: decode tokens/s of the engine and of
 roofline (weight bytes read per step + KV bytes read, over the copy ceiling); decode step time at
 batch 8 over growing contexts; prefill tokens/s at 8k-token prompts against the matmul peak.
 The engine's decode step is the median wall time of its pure-decode steps at the full batch
-(host work, forward, sampling and detokenisation included; see StepClock); transformers' is
-generate(n + 1 tokens) - generate(1 token) over n. Writes bench/results/decode-<device>.json
-(PERF.md's format).
+(host work, forward, sampling and detokenisation included; see bench/step_clock.py's
+StepClock); transformers' is generate(n + 1 tokens) - generate(1 token) over n. Writes
+bench/results/decode-<device>.json (PERF.md's format).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -25,18 +24,17 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
-from roofline import (  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.bench.roofline import (
     active_params,
     ceilings,
     kv_bytes_per_step,
     median_s,
     weight_bytes_per_step,
 )
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.config import ModelConfig  # noqa: E402
+from dsv4ray.bench.step_clock import engine_decode_s
+from dsv4ray.config import ModelConfig
 
 
 def _timed(fn) -> float:
@@ -45,55 +43,6 @@ def _timed(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return time.perf_counter() - t0
-
-
-class StepClock:
-    """Wall time of each pure-decode step the engine commits, by batch size.
-
-    In steady decoding the interval between two consecutive scheduler commits is one whole
-    engine step (schedule, upload, forward, sampling, the host copy, commit and
-    detokenisation; with overlap scheduling the host's part runs beside the next forward);
-    steps whose plan holds a prefill chunk are not counted, so prefill time never leaks in.
-    """
-
-    def __init__(self, llm: LLM) -> None:
-        self.scheduler, self.commit = llm.core.scheduler, llm.core.scheduler.commit
-        self.last: float | None = None
-        self.steps: dict[int, list[float]] = {}
-        self.scheduler.commit = self._commit
-
-    def _commit(self, plan, *args):
-        now = time.perf_counter()  # the engine waited for this step's ids before committing
-        if self.last is not None and plan.batch and all(e.num_tokens == 1 for e in plan.batch):
-            self.steps.setdefault(len(plan.batch), []).append(now - self.last)
-        self.last = now
-        return self.commit(plan, *args)
-
-    def run(self, fn) -> dict[int, list[float]]:
-        self.last, self.steps = None, {}
-        fn()
-        return self.steps
-
-
-def engine_decode_s(llm: LLM, batch: int, prompt_len: int, new: int, seed: int) -> float:
-    """Seconds of `new` decode steps at `batch`: the median pure-decode step of the full batch.
-
-    The prompts are prefilled once first (their pages stay in the prefix cache, and every shape
-    the run reaches is compiled), so the timed run prefills at most a page per request and then
-    decodes the whole batch together.
-    """
-    prompts = random_prompts(batch, prompt_len, seed)
-    llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True))
-    clock = StepClock(llm)
-    try:
-        params = SamplingParams(max_tokens=new + 1, ignore_eos=True)
-        steps = clock.run(lambda: llm.generate(prompts, params))
-    finally:
-        llm.core.scheduler.commit = clock.commit
-    full = sorted(steps.get(batch, []))
-    if len(full) < new // 2:
-        raise RuntimeError(f"only {len(full)} of {new} decode steps ran the whole batch {batch}")
-    return new * full[len(full) // 2]
 
 
 def hf_decode_s(model, batch: int, prompt_len: int, new: int, seed: int) -> float:
@@ -242,12 +191,12 @@ def profile_decode(llm: LLM, out_dir: str, batch: int = 16, steps: int = 16) -> 
     print(f"profile: {kernels} device events, {syncs} syncs over {steps} steps + prefill")
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if args.quantize:
-        from quantized import main as quantized_main
+        from dsv4ray.bench.quantized import run as run_quantized
 
-        return quantized_main(args)
+        return run_quantized(args)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from dsv4ray.model.tiny import make_tiny
 
@@ -287,24 +236,18 @@ def main() -> None:
         f"new tokens, cuda_graphs={not args.eager}, overlap scheduling "
         f"{not args.no_overlap}, raw: {json.dumps(raw)}",
     }
-    path = write_results("decode", device, args.commit or git_commit(), ceil, rows + [note],
-                         args.out_dir)  # fmt: skip
-    print(path)
-    if args.out_dir is None:
-        write_benchmarks_md()
+    print(save_results(args, "decode", device, ceil, rows + [note]))
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    p = bench_parser(__doc__, model="/tmp/dsv4-mini", kv_cache_dtype="fp8")
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--model", default="/tmp/dsv4-mini")
     p.add_argument("--batches", type=ints, default=[1, 16, 64])
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--contexts", type=ints, default=[4096, 16384, 65536])
     p.add_argument("--ctx-new", type=int, default=32, help="decode steps per context")
     p.add_argument("--prefill-len", type=int, default=8192, help="0 skips the prefill run")
-    p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--eager", action="store_true", help="engine without CUDA graphs")
     p.add_argument("--no-overlap", action="store_true", help="engine without overlap scheduling")
@@ -316,10 +259,8 @@ def parse_args():
         help="native FP8/FP4 weights vs dequantised bf16 (bench/quantized.py)",
     )
     p.add_argument("--preset", default="dsv4-mini", help="make_tiny preset for --quantize")
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out-dir", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,30 +13,21 @@ default prompt is 4096 tokens. Writes bench/results/hicache-<device>.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import (  # noqa: E402
-    git_commit,
-    result,
-    write_benchmarks_md,
-    write_results,
-)
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.actors.host_tier import HostTier  # noqa: E402
-from dsv4ray.cache.host_pool import HostLayout  # noqa: E402
-from dsv4ray.cache.pools import PoolSizes, StagePools  # noqa: E402
-from dsv4ray.config import ModelConfig  # noqa: E402
-from dsv4ray.engine.plan import StepPlan  # noqa: E402
-from dsv4ray.worker.host_io import HostIO  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.actors.host_tier import HostTier
+from dsv4ray.bench.report import bench_parser, result, save_results
+from dsv4ray.cache.host_pool import HostLayout
+from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.config import ModelConfig
+from dsv4ray.engine.plan import StepPlan
+from dsv4ray.worker.host_io import HostIO
 
 
 def _sync(device) -> None:
@@ -111,15 +102,12 @@ def ttft_hit_vs_cold(model: str, prompt_len: int, kv_dtype: str) -> tuple[float,
     return hit.metrics.ttft_s, cold, hit.metrics.num_host_cached_tokens
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".tiny")
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__, model=".tiny", kv_cache_dtype="fp8")
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--pages", type=int, default=None, help="pages per reload batch")
-    parser.add_argument("--kv-cache-dtype", default="fp8")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    tempfile.tempdir = tempfile.gettempdir()
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     name = torch.cuda.get_device_name() if gpu else "cpu"
@@ -153,10 +141,7 @@ def main() -> None:
         kind: {"value": ceiling, "unit": "GB/s", "note": f"{moved / 2**20:.1f} MiB"},
         "cold prefill TTFT": {"value": cold, "unit": "s", "note": f"{prompt_len} tokens"},
     }
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("hicache", name, args.commit or git_commit(), ceilings, rows, **kwargs)
-    if not args.out_dir:
-        write_benchmarks_md()
+    path = save_results(args, "hicache", name, ceilings, rows)
     for row in rows:
         print(
             f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, target "
@@ -166,5 +151,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    tempfile.tempdir = tempfile.gettempdir()
     main()

@@ -19,25 +19,21 @@ On CPU it runs the same at tiny shapes (the `tiny` preset in a temporary folder,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.cache.configurator import size_stage  # noqa: E402
-from dsv4ray.cache.hisparse_sizing import resolve_hot_rows  # noqa: E402
-from dsv4ray.cache.layout import KINDS, layout_for  # noqa: E402
-from dsv4ray.config import ModelConfig  # noqa: E402
-from dsv4ray.worker.stage_spec import StageSpec  # noqa: E402
-from dsv4ray.worker.stage_worker import StageWorker  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.cache.configurator import size_stage
+from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
+from dsv4ray.cache.layout import KINDS, layout_for
+from dsv4ray.config import ModelConfig
+from dsv4ray.worker.stage_spec import StageSpec
+from dsv4ray.worker.stage_worker import StageWorker
 
 LONG = 65536  # tokens of one long request
 MEMORY_FRACTION = 0.85  # the engine's default
@@ -179,8 +175,8 @@ def decode_rows(args) -> tuple[list, dict]:
     ], raw  # fmt: skip
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     gpu = torch.cuda.is_available()
     if not gpu:  # a smoke run at tiny shapes
         args.model = args.model or os.path.join(tempfile.mkdtemp(), "tiny")
@@ -203,26 +199,24 @@ def main() -> None:
                 "note": f"{args.kv_cache_dtype} pages, {cfg.num_hidden_layers} layers, index_topk "
                 f"{cfg.index_topk}, cuda_graphs={gpu and not args.eager}, raw: "
                 f"{json.dumps({**raw, **more_raw})}"}  # fmt: skip
-    path = write_results("hisparse", name, args.commit or git_commit(), {},
-                         rows + more + [settings], args.out_dir)  # fmt: skip
-    print(path)
-    if args.out_dir is None:
-        write_benchmarks_md()
+    print(save_results(args, "hisparse", name, {}, rows + more + [settings]))
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="default /tmp/dsv4-mini (GPU), a temp tiny (CPU)")
+def parse_args(argv=None):
+    p = bench_parser(
+        __doc__,
+        model=None,
+        model_help="checkpoint directory (default: /tmp/dsv4-mini on a GPU, a temporary tiny one "
+        "on CPU)",
+        kv_cache_dtype="fp8",
+    )
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prefill-budget", type=int, default=8192, help="max_num_batched_tokens")
-    p.add_argument("--kv-cache-dtype", default="fp8")
     p.add_argument("--eager", action="store_true", help="engines without CUDA graphs")
     p.add_argument("--cpu-budget", type=float, default=2**30, help="pool bytes on CPU (smoke)")
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out-dir", default=None)
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -25,24 +25,20 @@ import collections
 import json
 import os
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from http_fuzz_cases import Case, Target, check_response, families  # noqa: E402
-from report import (  # noqa: E402
+from dsv4ray.bench.http_fuzz_cases import Case, Target, check_response, families
+from dsv4ray.bench.report import (
     add_server_args,
+    bench_parser,
     check_loopback_url,
-    git_commit,
     result,
-    write_benchmarks_md,
-    write_results,
+    save_results,
 )
-
-from dsv4ray.entrypoints.serve import APP_NAME, build_app  # noqa: E402
+from dsv4ray.entrypoints.serve import APP_NAME, build_app
 
 FUZZ_KEY = "fuzz-key"
 GREEDY_PROMPT = [0, 17, 99, 250, 3, 42, 7, 128]
@@ -249,18 +245,16 @@ def _share(name: str, outcomes: list[bool], note: str) -> dict:
     return result(name, sum(outcomes), "completions", len(outcomes), 1.0, ">=", note)
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".tiny")
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = bench_parser(__doc__, model=".tiny", kv_cache_dtype="fp8")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--duration", type=float, default=900.0, help="seconds, all servers")
     parser.add_argument("--max-requests", type=int, default=6000, help="all servers")
     parser.add_argument("--scale", type=int, default=1, help="0: a sample of each family")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--max-total-tokens", type=int, default=4096)
     add_server_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_loopback_url(parser, args.url)
     if min(args.concurrency, args.max_requests) < 1 or args.duration <= 0:
         parser.error("--concurrency, --max-requests and --duration must be positive")
@@ -289,8 +283,8 @@ def run(args, tally: Tally, budget: Budget) -> str:
     )
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     import torch
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -303,11 +297,7 @@ def main() -> None:
         f"(scale {args.scale}, seed {args.seed}); {tally.wall_s:.0f} s in all, servers' starts "
         "and the valid requests included"
     )
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    commit = args.commit or git_commit()
-    path = write_results("http-fuzz", device, commit, {}, rows_for(tally, note), **kwargs)
-    if not args.out_dir:
-        write_benchmarks_md()
+    path = save_results(args, "http-fuzz", device, {}, rows_for(tally, note))
     summary = {"sent": tally.sent, "wrong": tally.wrong, "examples": tally.examples,
                "valid": [tally.valid_ok, tally.valid_sent], "valid_failed": tally.valid_failed,
                "rebuilds": tally.rebuilds}  # fmt: skip

@@ -4,7 +4,6 @@ table (and writes sweep.json), so one lent-GPU call can pick tile sizes.
     python bench/kernel_sweep.py [--out-dir DIR]     # GPU; on CPU it runs tiny shapes (interpreter)
 """
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -14,8 +13,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from dsv4ray.kernels import compress, indexer, sparse_mqa, topk  # noqa: E402
-from kernels import (  # noqa: E402
+from dsv4ray.bench.kernels import (  # noqa: E402
     DRY,
     ENTRY_BYTES,
     FULL,
@@ -25,6 +23,8 @@ from kernels import (  # noqa: E402
     gbps,
     indexer_case,
 )
+from dsv4ray.bench.report import bench_parser  # noqa: E402
+from dsv4ray.kernels import compress, indexer, sparse_mqa, topk  # noqa: E402
 
 
 def _sweep_sparse(s, timer, device, rows):
@@ -91,10 +91,10 @@ def _sweep_compress(s, timer, device, rows):
     compress._config = default
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out-dir", type=Path, default=None)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__, results=False)
+    parser.add_argument("--out-dir", type=Path, default=None, help="write sweep.json here")
+    args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = FULL if device.type == "cuda" else DRY
     timer, rows = Timer(device, sizes), []

@@ -10,7 +10,6 @@ bytes crossing the bus, compared with the ceiling measured at the nearest batch 
 writes into a temporary directory unless --out-dir is given.
 """
 
-import argparse
 import math
 import os
 import statistics
@@ -24,14 +23,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
-from report import (  # noqa: E402
+from dsv4ray.bench.report import (  # noqa: E402
     BENCHMARKS_MD,
     RESULTS_DIR,
+    bench_parser,
+    git_commit,
     result,
     write_benchmarks_md,
     write_results,
 )
-
 from dsv4ray.cache.layout import layout_for, write_entries  # noqa: E402
 from dsv4ray.kernels import compress, indexer, sparse_mqa, topk, transfer  # noqa: E402
 
@@ -431,16 +431,19 @@ def bench_sparse_mqa(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--commit", default="unknown", help="commit of the code being measured")
-    parser.add_argument("--dry-run", action="store_true", help="tiny sizes; runs on CPU")
-    parser.add_argument("--out-dir", type=Path, help="where the results file (and report) go")
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="tiny sizes; runs on CPU; results (and a BENCHMARKS.md) in a temporary directory "
+        "unless --out-dir is given",
+    )
+    args = parser.parse_args(argv)
     sizes = DRY if args.dry_run else FULL
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    out_dir = args.out_dir or (Path(tempfile.mkdtemp()) if args.dry_run else RESULTS_DIR)
+    out_dir = Path(args.out_dir or (tempfile.mkdtemp() if args.dry_run else RESULTS_DIR))
     timer = Timer(device, sizes)
     ceilings = measure_ceilings(sizes, timer, device)
     results = []
@@ -452,8 +455,8 @@ def main() -> None:
         bench_sparse_mqa,
     ):
         results += bench(sizes, timer, device, ceilings)
-    path = write_results("kernels", name, args.commit, ceilings, results, out_dir)
-    report = BENCHMARKS_MD if out_dir == RESULTS_DIR else out_dir / "BENCHMARKS.md"
+    path = write_results("kernels", name, args.commit or git_commit(), ceilings, results, out_dir)
+    report = BENCHMARKS_MD if out_dir.resolve() == RESULTS_DIR else out_dir / "BENCHMARKS.md"
     write_benchmarks_md(out_dir, report)
     for r in results:
         print(

@@ -22,20 +22,16 @@ Writes bench/results/mtp-<device>.json (PERF.md's format) and regenerates BENCHM
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import git_commit, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
-from dsv4ray.entrypoints.llm import LLM  # noqa: E402
-from dsv4ray.model.train_data import BOS_ID, EOS_ID, load_corpus  # noqa: E402
+from dsv4ray.bench.report import bench_parser, result, save_results
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.llm import LLM
+from dsv4ray.model.train_data import BOS_ID, EOS_ID, load_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -140,24 +136,25 @@ def kernel_table(llm: LLM, prompt: list[int], max_tokens: int, k: int, path: str
         f.write("\n".join(lines) + "\n")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=os.path.join(ROOT, "checkpoints", "stdlib-tiny"))
+def main(argv=None) -> None:
+    parser = bench_parser(
+        __doc__,
+        model=os.path.join(ROOT, "checkpoints", "stdlib-tiny"),
+        kv_cache_dtype="fp32",
+        device="cuda" if torch.cuda.is_available() else "cpu",
+    )
     parser.add_argument("--k", type=int, default=3, help="draft tokens per step")
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--kv-cache-dtype", default="fp32")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--use-ray", action="store_true", help="stage and draft actors")
-    parser.add_argument("--commit", default=None)
     parser.add_argument(
         "--profile",
         default=None,
         metavar="FILE",
         help="write each engine's GPU kernel table of one generation to FILE",
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.profile and args.device != "cuda":
         parser.error("--profile times GPU kernels: it needs --device cuda")
     if args.profile:
@@ -193,8 +190,7 @@ def main() -> None:
         "plain decoding": {"value": 1.0, "unit": "tokens per step", "note": "one per step"},
         "batch-1 decode without drafts": {"value": plain_tok_s, "unit": "tok/s", "note": note},
     }
-    path = write_results("mtp", device, args.commit or git_commit(), ceilings, rows)
-    write_benchmarks_md()
+    path = save_results(args, "mtp", device, ceilings, rows)
     print(f"mean tokens per verification step: {mean_len:.2f} (target >= 2.0)")
     print(
         f"draft acceptance: {acceptance:.1%}; outputs equal plain decoding: {same}/{len(spec_out)}"

@@ -19,29 +19,18 @@ Writes bench/results/mtp-depth-<device>.json (PERF.md's format) and regenerates 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from mtp import ROOT, held_out_prompts, side_by_side  # noqa: E402
-from report import (  # noqa: E402
-    RESULTS_DIR,
-    device_slug,
-    git_commit,
-    result,
-    write_benchmarks_md,
-    write_results,
-)
-
-from dsv4ray.config import ModelConfig  # noqa: E402
-from dsv4ray.entrypoints.llm import LLM  # noqa: E402
-from dsv4ray.model.tiny import make_tiny  # noqa: E402
-from dsv4ray.model.train import trained_overrides  # noqa: E402
+from dsv4ray.bench.mtp import ROOT, held_out_prompts, side_by_side
+from dsv4ray.bench.report import RESULTS_DIR, bench_parser, device_slug, result, save_results
+from dsv4ray.config import ModelConfig
+from dsv4ray.entrypoints.llm import LLM
+from dsv4ray.model.tiny import make_tiny
+from dsv4ray.model.train import trained_overrides
 
 
 def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> tuple:
@@ -68,15 +57,13 @@ def trained_tokens_per_step(device: str) -> float:
     return next(r["value"] for r in rows if r["name"] == "mean tokens per verification step")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__, device="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--depths", type=int, nargs="+", default=[6, 18])
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     tokens = trained_tokens_per_step(device)
     prompts = held_out_prompts(args.prompts, 128, args.max_tokens)
@@ -108,8 +95,7 @@ def main() -> None:
                 f"{tokens:.2f} tokens a step {tokens * plain / spec:.2f}x",
                 flush=True,
             )
-    path = write_results("mtp-depth", device, args.commit or git_commit(), ceilings, rows)
-    write_benchmarks_md()
+    path = save_results(args, "mtp-depth", device, ceilings, rows)
     print(f"wrote {path}")
 
 

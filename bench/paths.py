@@ -6,7 +6,7 @@
 Parts, each measured in the same run as the fast path it is compared with (dsv4-mini, fp8 pages,
 512-token prompts unless said; made on the GPU when --model does not exist):
 
-- paths: the median pure-decode step (bench/decode.py's StepClock: host work, forward, sampling
+- paths: the median pure-decode step (bench/step_clock.py: host work, forward, sampling
   and commit of one whole step) at each batch of the fast path (one stage in this process, CUDA
   graphs and overlap scheduling), the same stage eager, a Ray stage actor (pp 1), and pp 2 with
   both stages on this one GPU, as Ray actors and in this process; beside each Ray pipeline the
@@ -32,24 +32,20 @@ Writes bench/results/paths-<device>.json (PERF.md's format) and regenerates BENC
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from types import SimpleNamespace
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import engine_decode_s  # noqa: E402
-from mtp import held_out_prompts, side_by_side  # noqa: E402
-from pipeline import timeline  # noqa: E402
-from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.cache.radix import Snapshot  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.mtp import held_out_prompts, side_by_side
+from dsv4ray.bench.pipeline import timeline
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.bench.step_clock import decode_s, engine_decode_s
+from dsv4ray.cache.radix import Snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMMON = dict(kv_cache_dtype="fp8", max_num_batched_tokens=8192, max_model_len=8192)
@@ -166,23 +162,6 @@ def context_part(args) -> tuple[list, dict]:
     return rows, {"context": raw, "context_graph_steps": stats[0]["graph_steps"]}
 
 
-def decode_s(llm: LLM, prompts: list, new: int) -> float:
-    """engine_decode_s's measure for prompts given whole: the median pure-decode step at the
-    full batch, times new."""
-    from decode import StepClock
-
-    clock = StepClock(llm)
-    try:
-        params = SamplingParams(max_tokens=new + 1, ignore_eos=True)
-        steps = clock.run(lambda: llm.generate(prompts, params))
-    finally:
-        llm.core.scheduler.commit = clock.commit
-    full = sorted(steps.get(len(prompts), []))
-    if len(full) < new // 2:
-        raise RuntimeError(f"only {len(full)} decode steps ran the whole batch {len(prompts)}")
-    return new * full[len(full) // 2]
-
-
 MTP_PATHS = {  # the two engines of a pair live together: each takes half the GPU
     "in process": {"use_ray": False},
     "draft actor, pp 1": {"use_ray": True, "num_gpus_per_stage": 0.5},
@@ -276,8 +255,8 @@ def _mixed_run(args, budget: int):
 PARTS = {"paths": paths_part, "context": context_part, "mtp": mtp_part, "mixed": mixed_part}
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from dsv4ray.model.tiny import make_tiny
 
@@ -288,8 +267,6 @@ def main() -> None:
         rows, raw = rows + more, {**raw, **more_raw}
         path = write(args, rows, raw)
     print(path)
-    if args.out_dir is None:
-        write_benchmarks_md()
 
 
 def write(args, rows: list, raw: dict):
@@ -300,15 +277,12 @@ def write(args, rows: list, raw: dict):
     fast = "one stage in process, CUDA graphs and overlap scheduling, measured in the same run"
     ceilings = {"fast path": {"value": 1.0, "unit": "x", "note": fast}}
     name = "paths" if args.out_name is None else args.out_name
-    out = [args.out_dir] if args.out_dir else []
-    return write_results(name, device, args.commit or git_commit(), ceilings, rows + [settings],
-                         *out)  # fmt: skip
+    return save_results(args, name, device, ceilings, rows + [settings])
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv=None):
+    p = bench_parser(__doc__, model="/tmp/dsv4-mini")
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
-    p.add_argument("--model", default="/tmp/dsv4-mini")
     p.add_argument("--mtp-model", default=os.path.join(ROOT, "checkpoints", "stdlib-tiny"))
     p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS))
     p.add_argument("--batches", type=ints, default=[1, 16, 64])
@@ -318,10 +292,8 @@ def parse_args():
     p.add_argument("--mixed-steps", type=int, default=120)
     p.add_argument("--mixed-budgets", type=ints, default=[8192, 2048],
                    help="max_num_batched_tokens of each mixed run")  # fmt: skip
-    p.add_argument("--commit", default=None)
-    p.add_argument("--out-dir", default=None)
     p.add_argument("--out-name", default=None, help="results file name (default: paths)")
-    return p.parse_args()
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

@@ -23,19 +23,15 @@ Writes bench/results/pd-<device>.json (PERF.md's format).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.worker.transfer import MooncakeTransport, TransferError  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.worker.transfer import MooncakeTransport, TransferError
 
 CEILING_BYTES = 256 << 20
 FOUR = SamplingParams(max_tokens=4, ignore_eos=True)
@@ -150,15 +146,17 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
     return out, base_ttft
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+def main(argv=None) -> None:
+    parser = bench_parser(
+        __doc__,
+        model=None,
+        model_help="checkpoint directory (default: /tmp/dsv4-mini on GPUs, .tiny on CPU; made "
+        "when missing)",
+        kv_cache_dtype="fp8",
+    )
     parser.add_argument("--prompt-len", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="fp8")
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.device("cuda" if gpu else "cpu")
     name = torch.cuda.get_device_name() if gpu else "cpu"
@@ -180,10 +178,7 @@ def main() -> None:
         },
         "TTFT without PD": {"value": base_ttft, "unit": "s", "note": f"{prompt_len} tokens"},
     }  # fmt: skip
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("pd", name, args.commit or git_commit(), ceilings, out, **kwargs)
-    if not args.out_dir:
-        write_benchmarks_md()
+    path = save_results(args, "pd", name, ceilings, out)
     for row in out:
         print(
             f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, target "

@@ -18,29 +18,24 @@ Writes bench/results/pipeline-<device>.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import ray
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import (  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.report import (
     RESULTS_DIR,
+    bench_parser,
     device_slug,
-    git_commit,
     random_prompts,
     result,
-    write_benchmarks_md,
-    write_results,
+    save_results,
 )
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.engine.plan import StepPlan, encode  # noqa: E402
+from dsv4ray.engine.plan import StepPlan, encode
 
 CAPACITY_TARGETS = {2: 1.9, 4: 3.6}  # pp -> max concurrent tokens vs pp=1
 
@@ -237,9 +232,13 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+def main(argv=None) -> None:
+    parser = bench_parser(
+        __doc__,
+        model=None,
+        model_help="checkpoint directory (default: /tmp/dsv4-mini-pp on GPUs, .tiny on CPU)",
+        kv_cache_dtype="fp8",
+    )
     parser.add_argument("--pp", type=_ints, default=None)
     parser.add_argument("--batches", type=_ints, default=None)
     parser.add_argument("--max-batch", type=int, default=None)
@@ -247,7 +246,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--decode", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--micro-batches", type=_ints, default=[0])
     parser.add_argument("--max-total-tokens", type=int, default=None)
     parser.add_argument(
@@ -256,9 +254,7 @@ def main() -> None:
         default=[],
         help="batches at which pp > 1 pipelines record where a step's time goes",
     )
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     gpu = torch.cuda.is_available()
     device = torch.cuda.get_device_name() if gpu else "cpu"
     count = torch.cuda.device_count() if gpu else 2
@@ -286,14 +282,11 @@ def main() -> None:
                 rows += rows_for(weights, pp, one, many, args, gpu, micro)
                 label = f"{weights} weights, {micro_label(micro)}"
                 profiles.append(f"{label}\n{many.get('timeline', '')}")
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("pipeline", device, args.commit or git_commit(), ceilings, rows, **kwargs)
+    path = save_results(args, "pipeline", device, ceilings, rows)
     if args.timeline:
         out_dir = Path(args.out_dir) if args.out_dir else RESULTS_DIR / "profiles"
         text = f"bench/pipeline.py --timeline on {device}\n\n" + "\n\n".join(profiles)
         (out_dir / f"pipeline-timeline-{device_slug(device)}.txt").write_text(text + "\n")
-    if not args.out_dir:
-        write_benchmarks_md()
     for row in rows:
         print(
             f"{row['name']}: {row['value']:.4g} {row['unit']} (ratio {row['ratio']:.3g}, "

@@ -13,19 +13,15 @@ next; numbers that claim speed come from bench/decode.py and bench/paths.py.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from paths import seed_context  # noqa: E402
-from report import random_prompts  # noqa: E402
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.paths import seed_context
+from dsv4ray.bench.report import bench_parser, random_prompts
 
 
 def kernel_table(prof, steps: int, title: str) -> str:
@@ -61,9 +57,8 @@ def cached_prompts(llm: LLM, batch: int, context: int) -> list:
     return [ids + [5] for ids in prompts]
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="/tmp/dsv4-mini")
+def main(argv=None) -> None:
+    p = bench_parser(__doc__, results=False, model="/tmp/dsv4-mini")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--prefill-len", type=int, default=8192)
@@ -73,9 +68,9 @@ def main() -> None:
         default=512,
         help="tokens of each decoding request's context (past 8192: a multiple of 256)",
     )
-    p.add_argument("--out", default=".")
+    p.add_argument("--out", default=".", help="where profile-step.txt goes")
     p.add_argument("--weight-format", default="auto", help="native: FP8/FP4 weights as stored")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         from dsv4ray.model.tiny import make_tiny
 

@@ -10,19 +10,26 @@ Writes the raw timings (sweep.json) and bench/results/quant-sweep-<device>.json:
 and M the time of the tiles the kernels ship, against the copy ceiling for the bytes read.
 """
 
-import argparse
 import itertools
 import json
 import os
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from report import RESULTS_DIR, git_commit, result, write_results
-from roofline import ceilings
 
+from dsv4ray.bench.report import (
+    RESULTS_DIR,
+    bench_parser,
+    git_commit,
+    result,
+    write_benchmarks_md,
+    write_results,
+)
+from dsv4ray.bench.roofline import ceilings
 from dsv4ray.kernels import fp8_linear as fp8
 from dsv4ray.kernels import moe
 from dsv4ray.kernels.bits import num_sms
@@ -330,16 +337,16 @@ def write_summary(raw: dict, out_dir) -> str:
         summary_rows(raw["rows"], raw["copy_gbps"]),
         out_dir,
     )
+    if Path(out_dir).resolve() == RESULTS_DIR:
+        write_benchmarks_md()
     return str(path)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out-dir", default=None, help="default bench/results (raw sweep.json: .)")
+def main(argv=None) -> None:
+    p = bench_parser(__doc__)  # --out-dir: the results file; the raw sweep.json (default: .)
     p.add_argument("--only", default="linear,moe")
-    p.add_argument("--commit", default=None)
     p.add_argument("--from-json", default=None, help="summarise a raw sweep.json, time nothing")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as f:
             print(write_summary(json.load(f), args.out_dir or RESULTS_DIR))

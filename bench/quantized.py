@@ -3,7 +3,7 @@ checkpoint dequantised to bf16 at load (`python bench/decode.py --quantize fp8+f
 
 Makes the dsv4-mini preset in the release layout (make_tiny(..., quantize=...)) when --model does
 not exist, then in one run, for weight_format "dequantized" and then "native": the engine's decode
-step (decode.py's StepClock: median pure-decode step at the full batch) at each batch. Rows: each
+step (bench/step_clock.py: median pure-decode step at the full batch) at each batch. Rows: each
 step against its own roofline (weight bytes read per step in that format + KV bytes, over the
 device copy ceiling) and native against dequantized. Writes
 bench/results/decode-quantized-<device>.json.
@@ -18,11 +18,11 @@ import json
 import os
 
 import torch
-from decode import engine_decode_s
-from report import git_commit, result, write_benchmarks_md, write_results
-from roofline import ceilings, kv_bytes_per_step, weight_bytes_per_step
 
 from dsv4ray import LLM
+from dsv4ray.bench.report import result, save_results
+from dsv4ray.bench.roofline import ceilings, kv_bytes_per_step, weight_bytes_per_step
+from dsv4ray.bench.step_clock import engine_decode_s
 from dsv4ray.config import ModelConfig
 
 FORMATS = ("dequantized", "native")
@@ -68,8 +68,9 @@ def _rows(args, cfg, copy_bw, steps) -> tuple[list, dict]:
     return rows, raw
 
 
-def main(args) -> None:
-    """Runs the comparison and writes the results file (args: decode.py's parse_args())."""
+def run(args) -> None:
+    """Runs the comparison and writes the results file (args: decode.py's parse_args(); its
+    main calls this with --quantize)."""
     if args.model == "/tmp/dsv4-mini":
         args.model = f"/tmp/{args.preset}-{args.quantize.replace('+', '-')}"
     cuda = torch.cuda.is_available()
@@ -93,8 +94,4 @@ def main(args) -> None:
             f"cuda_graphs={not args.eager}, raw: {json.dumps(raw)}")  # fmt: skip
     settings = {"name": "settings", "value": None, "unit": "", "ceiling": None, "ratio": None,
                 "op": ">=", "target": None, "note": note}  # fmt: skip
-    path = write_results("decode-quantized", device, args.commit or git_commit(), ceil,
-                         rows + [settings], args.out_dir)  # fmt: skip
-    print(path)
-    if args.out_dir is None:
-        write_benchmarks_md()
+    print(save_results(args, "decode-quantized", device, ceil, rows + [settings]))

@@ -3,10 +3,14 @@
 A results file is bench/results/<benchmark>-<device slug>.json:
     {"benchmark", "device", "commit", "date", "ceilings": {name: {"value", "unit", "note"}},
      "results": [{"name", "value", "unit", "ceiling", "ratio", "op", "target", "note"}]}
-Benchmark scripts in bench/ call `write_results(...)` and then `write_benchmarks_md()`. Run this
-file (`python bench/report.py`) to rebuild BENCHMARKS.md after copying results files in.
+Benchmarks build their options with `bench_parser(__doc__, ...)` (--commit and --out-dir, and
+--model, --kv-cache-dtype or --device where they take one) and save with `save_results(args,
+...)`: `write_results(...)`, then `write_benchmarks_md()` when the file went to bench/results.
+Run this file (`python -m dsv4ray.bench report`) to rebuild BENCHMARKS.md after copying results
+files in.
 """
 
+import argparse
 import datetime
 import json
 import re
@@ -15,16 +19,24 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 RESULTS_DIR = BENCH_DIR / "results"
 BENCHMARKS_MD = BENCH_DIR / "BENCHMARKS.md"
+SHARED = {  # options several benchmarks take (bench_parser's keywords): flag, help
+    "model": ("--model", "checkpoint directory"),
+    "kv_cache_dtype": ("--kv-cache-dtype", "format of the KV pages"),
+    "device": ("--device", "torch device to run on"),
+}
 
 
 def git_commit() -> str:
-    """Short commit of the checkout, or "unknown" (the GPU copies carry no git history: pass
-    --commit there)."""
+    """Short commit of this checkout (wherever the run starts), or "unknown" (the GPU copies
+    carry no git history: pass --commit there)."""
     import subprocess
 
     try:
         return subprocess.check_output(
-            ["git", "rev-parse", "--short", "HEAD"], text=True, stderr=subprocess.DEVNULL
+            ["git", "rev-parse", "--short", "HEAD"],
+            text=True,
+            stderr=subprocess.DEVNULL,
+            cwd=BENCH_DIR,
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -146,20 +158,68 @@ def write_benchmarks_md(results_dir: Path = RESULTS_DIR, path: Path = BENCHMARKS
     return Path(path)
 
 
-if __name__ == "__main__":
-    print(write_benchmarks_md())
+def summary(doc: str | None) -> str:
+    """A module docstring's first paragraph on one line (a benchmark's description)."""
+    return " ".join((doc or "").strip().split("\n\n")[0].split())
+
+
+def bench_parser(doc: str | None, *, results: bool = True, **shared) -> argparse.ArgumentParser:
+    """A benchmark's argument parser: described by its docstring's first paragraph, with the
+    options benchmarks share. With ``results`` (the default) --commit and --out-dir (alias
+    --results-dir), which ``save_results`` reads. ``shared`` adds the SHARED options it names,
+    each with its default: ``model=".tiny"``, ``kv_cache_dtype="fp8"``, ``device="cpu"``
+    (``model_help`` replaces --model's help)."""
+    parser = argparse.ArgumentParser(description=summary(doc))
+    model_help = shared.pop("model_help", None)
+    for dest, default in shared.items():
+        if dest not in SHARED:
+            raise TypeError(f"bench_parser: no shared option {dest!r} (known: {list(SHARED)})")
+        flag, text = SHARED[dest]
+        text = model_help if dest == "model" and model_help else f"{text} (default: {default})"
+        parser.add_argument(flag, default=default, help=text)
+    if results:
+        parser.add_argument(
+            "--commit",
+            default=None,
+            help="commit of the code measured (default: the checkout's; pass it where the copy "
+            "has no git history)",
+        )
+        parser.add_argument(
+            "--out-dir",
+            "--results-dir",
+            dest="out_dir",
+            default=None,
+            help="where the results file goes (default: bench/results, and bench/BENCHMARKS.md "
+            "is rebuilt)",
+        )
+    return parser
+
+
+def results_dir_for(args: argparse.Namespace) -> Path:
+    """Where a run's results file goes: --out-dir, or bench/results."""
+    return Path(args.out_dir) if args.out_dir else RESULTS_DIR
+
+
+def save_results(
+    args: argparse.Namespace, benchmark: str, device: str, ceilings: dict, results: list
+) -> Path:
+    """write_results for a run parsed by bench_parser (--commit or the checkout's commit, into
+    results_dir_for(args)); when that is bench/results, BENCHMARKS.md is rebuilt from it."""
+    out = results_dir_for(args)
+    path = write_results(benchmark, device, args.commit or git_commit(), ceilings, results, out)
+    if out.resolve() == RESULTS_DIR:
+        write_benchmarks_md()
+    return path
 
 
 def add_server_args(parser) -> None:
     """Flags the HTTP benchmarks share: a running loopback server instead of a fresh one, its
-    model name and key, and where results go."""
+    model name and key."""
     import os
 
     parser.add_argument("--url", default=None, help="a running loopback server instead")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=os.environ.get("DSV4RAY_API_KEY"))
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
 
 
 def check_loopback_url(parser, url: str | None) -> None:
@@ -170,3 +230,15 @@ def check_loopback_url(parser, url: str | None) -> None:
 
     if url and not is_loopback(urllib.parse.urlparse(url).hostname or ""):
         parser.error("--url must be a loopback address (127.0.0.1, ::1, localhost)")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Rebuild bench/BENCHMARKS.md from every results file in bench/results."
+    )
+    parser.parse_args(argv)
+    print(write_benchmarks_md())
+
+
+if __name__ == "__main__":
+    main()

@@ -12,25 +12,20 @@ bench/results/sampling-<device>.json.
 
 from __future__ import annotations
 
-import argparse
-import os
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import device_slug, git_commit, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray.engine.output_processor import OutputProcessor  # noqa: E402
-from dsv4ray.engine.request import FinishedRequest  # noqa: E402
-from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer  # noqa: E402
-from dsv4ray.model.tokenizer_files import write_byte_tokenizer  # noqa: E402
-from dsv4ray.worker.sampler import (  # noqa: E402
+from dsv4ray.bench.report import bench_parser, device_slug, result, save_results
+from dsv4ray.engine.output_processor import OutputProcessor
+from dsv4ray.engine.request import FinishedRequest
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.model.tokenizer_files import write_byte_tokenizer
+from dsv4ray.worker.sampler import (
     ReferenceSampler,
     SamplingRow,
     reference_logprobs,
@@ -155,23 +150,17 @@ def sampling_rows(device: torch.device, repeats: int) -> tuple[dict, list]:
     return ceilings, rows_out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
+def main(argv=None) -> None:
+    parser = bench_parser(__doc__, device="cpu")
     parser.add_argument("--repeats", type=int, default=8)
-    parser.add_argument("--commit", default=None)
-    parser.add_argument("--out-dir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     ceilings, rows = detok_rows(args.repeats)
     more_ceilings, more_rows = sampling_rows(device, args.repeats)
     ceilings.update(more_ceilings)
     rows += more_rows
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("sampling", name, args.commit or git_commit(), ceilings, rows, **kwargs)
-    if not args.out_dir:
-        write_benchmarks_md()
+    path = save_results(args, "sampling", name, ceilings, rows)
     for row in rows:
         print(
             f"{row['name']}: {row['value']:.2f} ms vs {row['ceiling']:.2f} ms "

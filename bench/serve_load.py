@@ -23,25 +23,21 @@ import os
 import random
 import socket
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Awaitable, Callable
 
 import httpx
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import (  # noqa: E402
+from dsv4ray.bench.report import (
     add_server_args,
+    bench_parser,
     check_loopback_url,
     result,
-    write_benchmarks_md,
-    write_results,
+    save_results,
 )
-
-from dsv4ray.engine.sampling import SamplingParams  # noqa: E402
-from dsv4ray.entrypoints.serve import APP_NAME, build_app  # noqa: E402
+from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.entrypoints.serve import APP_NAME, build_app
 
 # (ttft_s, e2e_s, num_tokens) of one request
 Sample = tuple[float, float, int]
@@ -178,34 +174,25 @@ def rows_for(http: dict, ceiling: dict | None, note: str) -> list[dict]:
     ]
 
 
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=".tiny")
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = bench_parser(__doc__, model=".tiny", kv_cache_dtype="fp8")
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
     parser.add_argument("--max-requests", type=int, default=400, help="per phase")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--pp", type=int, default=1)
-    parser.add_argument("--kv-cache-dtype", default="fp8")
     parser.add_argument("--max-total-tokens", type=int, default=None)
     add_server_args(parser)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_loopback_url(parser, args.url)
     if min(args.clients, args.max_requests, args.max_tokens, args.prompt_len) < 1:
         parser.error("--clients, --max-requests, --max-tokens and --prompt-len must be >= 1")
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     import ray
     from ray import serve
 
@@ -240,10 +227,7 @@ def main() -> None:
                 ("TPOT p50", "tpot_p50_ms", "ms"),
             )
         }
-    kwargs = {"results_dir": args.out_dir} if args.out_dir else {}
-    path = write_results("serve", device, args.commit or _commit(), ceilings, rows, **kwargs)
-    if not args.out_dir:
-        write_benchmarks_md()
+    path = save_results(args, "serve", device, ceilings, rows)
     print(json.dumps({"http": http, "engine": ceiling}, indent=2))
     print(f"wrote {path}")
 

@@ -7,7 +7,7 @@ One engine (in process; CUDA when there is one), three runs of the same prompts 
 ``--free`` requests decoding alone, the same beside ``--constrained`` requests whose output must
 match a grammar (a JSON array of integers, so that they decode as long as the others), and the
 free requests again (the drift of the machine between runs shows as the gap between the two
-alone runs). Each run's median pure-decode step (bench/decode.py's StepClock) gives the free
+alone runs). Each run's median pure-decode step (bench/step_clock.py) gives the free
 requests' decode throughput; the host time the last stage spends on grammars (advancing the
 matchers and building the masks, timed around ``Grammars.mask``) over the constrained tokens
 drawn gives the cost per constrained token. Writes bench/results/structured-<device>.json.
@@ -15,20 +15,16 @@ drawn gives the cost per constrained token. Writes bench/results/structured-<dev
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode import StepClock  # noqa: E402
-from report import git_commit, random_prompts, result, write_benchmarks_md, write_results  # noqa: E402
-
-from dsv4ray import LLM, SamplingParams  # noqa: E402
-from dsv4ray.worker import grammar as grammar_module  # noqa: E402
+from dsv4ray import LLM, SamplingParams
+from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
+from dsv4ray.bench.step_clock import StepClock
+from dsv4ray.worker import grammar as grammar_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARRAY = {"json": {"type": "array", "items": {"type": "integer"}}}
@@ -81,8 +77,8 @@ def free_step_ms(llm: LLM, prompts, params, num_free: int) -> float:
     return 1e3 * full[len(full) // 2]
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv=None) -> None:
+    args = parse_args(argv)
     llm = LLM(args.model, kv_cache_dtype="fp8", max_running_requests=args.free + args.constrained)
     free = random_prompts(args.free, 64, 1)
     constrained = random_prompts(args.constrained, 64, 2)
@@ -117,24 +113,21 @@ def main() -> None:
                "step's draw (device busy, not host work)"),
     ]  # fmt: skip
     ceilings = {"free requests alone": {"value": alone_ms, "unit": "ms", "note": note}}
-    path = write_results(args.name, device, args.commit or git_commit(), ceilings, rows)
-    write_benchmarks_md()
+    path = save_results(args, args.name, device, ceilings, rows)
     summary = {"alone_ms": [alone, again], "beside_ms": beside,
                "grammar_us_per_token": per_token_us, "wait_us_per_token": wait_us}  # fmt: skip
     print(json.dumps(summary))
     print(path)
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=os.path.join(ROOT, ".tiny"))
+def parse_args(argv=None):
+    p = bench_parser(__doc__, model=os.path.join(ROOT, ".tiny"))
     p.add_argument("--free", type=int, default=16)
     p.add_argument("--constrained", type=int, default=4)
     p.add_argument("--new", type=int, default=48)
-    p.add_argument("--commit", default=None)
     p.add_argument("--name", default="structured",
-                   help="results file name: bench/results/<name>-<device>.json")  # fmt: skip
-    return p.parse_args()
+                   help="results file name: <out dir>/<name>-<device>.json")  # fmt: skip
+    return p.parse_args(argv)
 
 
 if __name__ == "__main__":

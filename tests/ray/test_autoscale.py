@@ -7,16 +7,13 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_cold_cluster_scales_up_for_requests_and_back_down(tiny_ckpt, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [sys.executable, str(ROOT / "bench" / "autoscale.py"), "--model", tiny_ckpt]
+    cmd = [sys.executable, "-m", "dsv4ray.bench", "autoscale", "--model", tiny_ckpt]
     done = subprocess.run(
-        [*cmd, "--timeout", "240", "--results-dir", str(tmp_path)],
+        [*cmd, "--timeout", "240", "--out-dir", str(tmp_path)],
         env=env,
         capture_output=True,
         text=True,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from bench.autoscale import stop_head
+from dsv4ray.bench.autoscale import stop_head
 from dsv4ray.entrypoints.job import run_job
 
 BIN = os.path.dirname(sys.executable)

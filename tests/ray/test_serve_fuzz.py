@@ -16,7 +16,7 @@ import pytest
 import torch
 from ray import serve
 
-from bench.http_fuzz_cases import Case, Target, check_response, completion, families
+from dsv4ray.bench.http_fuzz_cases import Case, Target, check_response, completion, families
 from dsv4ray.entrypoints.serve_config import API_KEY_ENV, API_KEY_FILE_ENV
 
 MODEL = "tiny-test"
