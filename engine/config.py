@@ -43,7 +43,7 @@ class EngineConfig:
     execution_timeout_s: float = 600.0  # a step that takes longer means a stage is stuck
     # stage actors are placed, start, load weights, allocate and capture graphs within it
     startup_timeout_s: float = 1800.0
-    cuda_graphs: bool = True  # decode steps replay CUDA graphs (CUDA, one stage; CPU: ignored)
+    cuda_graphs: bool = True  # decode steps replay CUDA graphs on every stage (CUDA; CPU: ignored)
     speculative_num_steps: int = 0  # MTP draft tokens per request and step (engine/spec.py)
     speculative_eagle_topk: int = 1  # candidates per draft step: 1 = chain drafting
     # compressor rings sized for drafts on an engine that runs none: the prefill engine of a

@@ -1,15 +1,14 @@
 """Serving metrics through ``ray.util.metrics``, exported by Ray's Prometheus endpoint.
 
-``METRICS`` is the one list of what a replica exports: the README's metrics table and the test
-that scrapes Ray's endpoint both come from it. Ray prefixes every name with ``ray_``; Prometheus
-adds ``_total`` to counters and ``_bucket``/``_sum``/``_count`` to histograms. Every series
-carries a ``model`` tag (the served model name); request counts also carry ``endpoint`` and
-``status`` (the HTTP status code as a string; 499 when the client disconnected before the end).
-The replica updates them per request as it ends, per first token, and from a poll of
-``AsyncEngine.stats()`` every second (gauges, preemptions). Outside Ray (a plain process) the
-metric objects are no-ops. ``ServeMetrics`` is the one sink of these events: each also updates
-the vLLM-named series of ``GET /metrics`` (``vllm_metrics``), so the two exports agree.
-"""
+``METRICS`` is the one list of what a replica exports: the metrics table of docs/guide/serving.md
+and the test that scrapes Ray's endpoint both come from it. Ray prefixes every name with ``ray_``;
+Prometheus adds ``_total`` to counters and ``_bucket``/``_sum``/``_count`` to histograms. Every
+series carries a ``model`` tag (the served model name); request counts also carry ``endpoint`` and
+``status`` (the HTTP status code as a string; 499 when the client disconnected before the end). The
+replica updates them per request as it ends, per first token, and from a poll of
+``AsyncEngine.stats()`` every second (gauges, preemptions). Outside Ray (a plain process) the metric
+objects are no-ops. ``ServeMetrics`` is the one sink of these events: each also updates the vLLM-
+named series of ``GET /metrics`` (``vllm_metrics``), so the two exports agree."""
 
 from __future__ import annotations
 

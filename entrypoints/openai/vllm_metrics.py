@@ -1,14 +1,13 @@
 """The replica's metrics under vLLM's names and meanings, for ``GET /metrics`` on the API port.
 
-``SERIES`` is the one list of what the exposition holds (the README's table and its tests come
-from it). Each server has its own registry (prometheus_client), so servers in one process never
-share a series. Every series carries ``model_name`` (the served model name), as vLLM's do;
-``vllm:request_success_total`` also ``finished_reason``. Every series exists from the start, at
-0, so a fresh server's rates and ratios have data. The values come from the events that feed
-Ray's ``ray_dsv4ray_*`` series (``metrics.ServeMetrics`` calls both), so the two cannot disagree:
-token counts, prefix-cache hits and request times when a request finishes, the time to first
-token and the gaps between tokens as they arrive, gauges and preemptions from the engine poll.
-"""
+``SERIES`` is the one list of what the exposition holds (the table in docs/guide/serving.md and its
+tests come from it). Each server has its own registry (prometheus_client), so servers in one process
+never share a series. Every series carries ``model_name`` (the served model name), as vLLM's do;
+``vllm:request_success_total`` also ``finished_reason``. Every series exists from the start, at 0,
+so a fresh server's rates and ratios have data. The values come from the events that feed Ray's
+``ray_dsv4ray_*`` series (``metrics.ServeMetrics`` calls both), so the two cannot disagree: token
+counts, prefix-cache hits and request times when a request finishes, the time to first token and the
+gaps between tokens as they arrive, gauges and preemptions from the engine poll."""
 
 from __future__ import annotations
 
