@@ -243,3 +243,38 @@ def test_the_parse_check_refuses_unknown_and_abbreviated_flags():
 def test_the_readme_is_short():
     size = README.stat().st_size
     assert size < README_MAX_BYTES, f"README.md is {size} bytes; move detail into docs/"
+
+
+def option_table() -> dict[str, str]:
+    """{option: default cell} of the "LLM options" table in docs/guide/configuration.md."""
+    text = (ROOT / "docs" / "guide" / "configuration.md").read_text()
+    section = text.split("## LLM options", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.M)
+    return {name: cell.strip() for name, cell in rows}
+
+
+def matches_default(cell: str, value) -> bool:
+    """Whether a table cell states this default: strings quoted in code, numbers by value,
+    other values (None, True, False) as Python writes them."""
+    if isinstance(value, str):
+        return cell == f'`"{value}"`'
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(cell.replace(",", "")) == value
+    return cell == str(value)
+
+
+def test_the_configuration_table_lists_every_option_with_its_default():
+    import dataclasses
+
+    from dsv4ray.engine.config import EngineConfig
+
+    table = option_table()
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    set_by_the_engine = {"draft_rings"}  # not a user option: explained below the table
+    assert set(table) == set(fields) - set_by_the_engine
+    for name, cell in table.items():
+        default = fields[name].default
+        if default is dataclasses.MISSING:
+            assert cell == "(required)", name
+        else:
+            assert matches_default(cell, default), (name, cell, default)
