@@ -39,7 +39,7 @@ OUTPUT_COLUMNS = ("generated_text", "generated_tokens", "num_input_tokens",
 
 @dataclass(frozen=True)
 class ProcessorConfig:
-    model: str  # a checkpoint folder or URI (model/sources.py)
+    model: str  # a checkpoint folder or URI (sources.py)
     concurrency: int = 1  # engine actors
     batch_size: int = 16  # rows per call of an actor; each keeps 2 calls in flight
     sampling_params: dict = field(default_factory=dict)  # each row's, unless it says otherwise

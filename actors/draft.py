@@ -20,8 +20,8 @@ from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
-from dsv4ray.model.sources import fetch_model
-from dsv4ray.worker.draft import DraftWorker
+from dsv4ray.sources import fetch_model
+from dsv4ray.worker.spec.draft import DraftWorker
 from dsv4ray.worker.stage_spec import DraftSpec
 
 

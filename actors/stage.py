@@ -19,7 +19,7 @@ from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
-from dsv4ray.model.sources import fetch_model
+from dsv4ray.sources import fetch_model
 from dsv4ray.worker.stage_spec import StageSpec
 from dsv4ray.worker.stage_worker import StageWorker
 
@@ -66,7 +66,7 @@ class StageActor:
 
     def open_transfer(self, protocol: str) -> dict:
         """Starts this stage's Mooncake engine on its node's address and registers its pools."""
-        from dsv4ray.worker.transfer import MooncakeTransport
+        from dsv4ray.worker.pd.transfer import MooncakeTransport
 
         transport = MooncakeTransport(ray.util.get_node_ip_address(), protocol)
         return self.worker.open_transfer(transport)

@@ -27,7 +27,7 @@ from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import StepPlan
-from dsv4ray.worker.host_io import HostIO
+from dsv4ray.worker.host.host_io import HostIO
 
 
 def _sync(device) -> None:

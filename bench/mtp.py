@@ -1,7 +1,7 @@
 """MTP speculative decoding on the trained checkpoint: accepted length and decode speed.
 
 Prompts are line-aligned windows of the held-out Python standard library files (the split
-``model/train_data.py`` computes from file paths alone, so it holds on any Python version;
+``training/corpus.py`` computes from file paths alone, so it holds on any Python version;
 this machine's stdlib may differ from the one the checkpoint was trained on). Two engines with
 the same options, one with ``speculative_num_steps = k`` and one without, live side by side and
 decode each prompt alone (batch 1, greedy, eos ignored, prefix caching off), one engine after
@@ -31,7 +31,7 @@ import torch
 from dsv4ray.bench.report import bench_parser, result, save_results
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
-from dsv4ray.model.train_data import BOS_ID, EOS_ID, load_corpus
+from dsv4ray.training.corpus import BOS_ID, EOS_ID, load_corpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,7 +1,7 @@
 """How the draft layer's cost amortises as the target deepens: step times with and without drafts.
 
 One draft layer costs the same whatever the target's depth, so the gain of speculation grows with
-it. This runs random checkpoints of the trained checkpoint's shape (model/train.py's
+it. This runs random checkpoints of the trained checkpoint's shape (training/train.py's
 ``trained_overrides``) with L layers (the ratios [0, 4, 128, 4, 4, 128] repeated, a window-only
 MTP layer), batch 1, greedy, k drafts, and times decode steps of each engine:
 
@@ -30,7 +30,7 @@ from dsv4ray.bench.report import RESULTS_DIR, bench_parser, device_slug, result,
 from dsv4ray.config import ModelConfig
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model.tiny import make_tiny
-from dsv4ray.model.train import trained_overrides
+from dsv4ray.training.train import trained_overrides
 
 
 def step_us(model: str, k: int, prompts: list, max_tokens: int, device: str) -> tuple:

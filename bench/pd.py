@@ -31,7 +31,7 @@ import torch
 
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
-from dsv4ray.worker.transfer import MooncakeTransport, TransferError
+from dsv4ray.worker.pd.transfer import MooncakeTransport, TransferError
 
 CEILING_BYTES = 256 << 20
 FOUR = SamplingParams(max_tokens=4, ignore_eos=True)

@@ -23,9 +23,9 @@ from dsv4ray.bench.report import bench_parser, device_slug, result, save_results
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.request import FinishedRequest
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
-from dsv4ray.model.tokenizer_files import write_byte_tokenizer
-from dsv4ray.worker.sampler import (
+from dsv4ray.text.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.text.tokenizer_files import write_byte_tokenizer
+from dsv4ray.worker.sampling.sampler import (
     ReferenceSampler,
     SamplingRow,
     reference_logprobs,

@@ -24,7 +24,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
 from dsv4ray.bench.step_clock import StepClock
-from dsv4ray.worker import grammar as grammar_module
+from dsv4ray.worker.sampling import grammar as grammar_module
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARRAY = {"json": {"type": "array", "items": {"type": "integer"}}}

@@ -1,5 +1,5 @@
 """HiSparse store of one stage: every request's C4 history in host memory, a few hot rows on the
-device (the tensors and their index spaces; the per-step copies live in worker/hisparse_io.py).
+device (the tensors and their index spaces; the per-step copies live in worker/host/hisparse_io.py).
 
 Index spaces, per C4 layer of the stage (buffer i = compress_layer_id):
 

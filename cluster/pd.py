@@ -4,7 +4,7 @@
 ``prefill_pp_size=P, pp_size=D``) starts a ``PrefillActor``, which owns a prefill pipeline of P
 stage actors in its own placement group, and returns a ``DecodeCore`` over a decode pipeline of D
 stage actors (in the caller's placement group, or its own). Both pipelines open a Mooncake engine
-per stage (worker/transfer.py); the decode core reaches the prefill actor through a Ray actor
+per stage (worker/pd/transfer.py); the decode core reaches the prefill actor through a Ray actor
 handle (``RayPrefillClient``), never over HTTP. The prefill actor's stage actors are its own:
 they end with it, so a killed prefill actor writes nothing more (after a short grace).
 
@@ -28,8 +28,8 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine.checks import check_paged_shapes
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import PrefillRequest, PrefillResult, to_dict
-from dsv4ray.engine.pd_core import DecodeCore, PrefillCore
-from dsv4ray.model.sources import fetch_model
+from dsv4ray.engine.pd.core import DecodeCore, PrefillCore
+from dsv4ray.sources import fetch_model
 
 log = logging.getLogger("dsv4ray.pd")
 
@@ -146,7 +146,7 @@ class PrefillActor:
 
 
 class RayPrefillClient:
-    """A decode engine's handle on a PrefillActor (engine.pd_core.PrefillClient)."""
+    """A decode engine's handle on a PrefillActor (engine.pd.core.PrefillClient)."""
 
     def __init__(self, actor, config: EngineConfig | None = None) -> None:
         self.actor = actor

@@ -37,7 +37,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure
 from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StageResult, StepPlan, encode
-from dsv4ray.worker.local_pipeline import graph_shapes, pool_sizes, size_pipeline
+from dsv4ray.worker.pool_sizing import graph_shapes, pool_sizes, size_pipeline
 from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 
 log = logging.getLogger("dsv4ray.pipeline")
@@ -155,7 +155,7 @@ class RayPipeline:
 
     def _link_stages(self, devices: list[str | None]) -> None:
         """Neighbouring stages on one GPU hand their rows over through a ring in the receiver's
-        device memory (worker/device_link.py); the graph's channel carries only tickets."""
+        device memory (worker/graphs/device_link.py); the graph's channel carries only tickets."""
         rows = self.config.max_num_batched_tokens
         for i in range(len(self.actors) - 1):
             if devices[i] is None or devices[i] != devices[i + 1]:
@@ -308,7 +308,7 @@ class RayPipeline:
     def _read_outputs(self) -> None:
         """Reads every submitted plan's output (results kept until collected): the last stage
         has then recorded the sampled ids of each, and the first stage's wait for them, issued
-        by the next plan, binds to those records (worker/overlap.py)."""
+        by the next plan, binds to those records (worker/graphs/overlap.py)."""
         while self.refs:
             result = self._read(self.refs.popleft())
             if result.step_id != NO_RESULT:

@@ -159,7 +159,7 @@ def _wait_polling(ref, deadline: float) -> None:
 def _transport(node, src: str | None, dst: str | None):
     """NCCL between two GPUs; shared memory between actors that share one (two NCCL ranks cannot
     live on one device: their rows go through a device link and the channel carries its ticket,
-    worker/device_link.py); plain shared memory on CPUs."""
+    worker/graphs/device_link.py); plain shared memory on CPUs."""
     if src is None or dst is None:
         return node
     return node.with_tensor_transport(transport="nccl" if src != dst else "shm")

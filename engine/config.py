@@ -25,7 +25,7 @@ WEIGHT_FORMATS = ("auto", "dequantized", "native")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a checkpoint folder, or a URI / Hugging Face id (model/sources.py)
+    model: str  # a checkpoint folder, or a URI / Hugging Face id (sources.py)
     pp_size: int = 1  # pipeline-parallel stages (Ray actors when > 1)
     kv_cache_dtype: str = "fp8"  # format of the KV pages
     max_total_tokens: int | None = None  # cap on logical full-token capacity of the device pools
@@ -58,7 +58,7 @@ class EngineConfig:
     # micro-batches in flight on stage actors without overlap scheduling (each plan takes its
     # share of the running decodes); None: one per stage; more makes the last stage lag
     pp_micro_batches: int | None = None
-    # prefill/decode disaggregation (engine/pd_core.py): > 0 runs a prefill pipeline of this many
+    # prefill/decode disaggregation (engine/pd/core.py): > 0 runs a prefill pipeline of this many
     # stages beside this one, which decodes
     prefill_pp_size: int = 0
     pd_protocol: str = "tcp"  # Mooncake transport: "tcp", or "rdma" where NICs have it
@@ -85,7 +85,7 @@ class EngineConfig:
         return config
 
     def check_model(self) -> None:
-        from dsv4ray.model.sources import is_remote
+        from dsv4ray.sources import is_remote
 
         if is_remote(str(self.model)):
             return  # fetched (and checked) where an engine is built

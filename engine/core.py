@@ -32,7 +32,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
 from dsv4ray.engine.stats import hisparse_totals
 from dsv4ray.engine.warm_up import warm_up
-from dsv4ray.model.tokenizer import Tokenizer
+from dsv4ray.text.tokenizer import Tokenizer
 
 log = logging.getLogger("dsv4ray.engine")
 

@@ -3,7 +3,7 @@
 A decode engine reserves ids for a request of n prompt tokens in its own index spaces and asks a
 prefill engine to prefill it into them. The prefill engine's stages write the pages with
 one-sided transfers, report what they wrote, and the decode stages check what they received
-(engine/handoff_plan.py says which rows move and how they are checked):
+(engine/pd/handoff_plan.py says which rows move and how they are checked):
 
     decode engine --PrefillRequest (KVDestination)--> prefill engine
     prefill stage i --KVSend in its step plan--> writes its layers --SendReport--> prefill engine
@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-PD_PROTOCOLS = ("tcp", "rdma")  # Mooncake transports (worker/transfer.py)
+PD_PROTOCOLS = ("tcp", "rdma")  # Mooncake transports (worker/pd/transfer.py)
 STATE_TRANSFERRED = -2  # NewRequest.state_copy_from: a handoff wrote the rings; keep them
 
 

@@ -11,7 +11,7 @@ import time
 from dsv4ray.engine.outputs import RequestMetrics, RequestOutput
 from dsv4ray.engine.request import FinishedRequest
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.text.tokenizer import StreamDecoder, Tokenizer
 
 
 class OutputProcessor:

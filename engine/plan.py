@@ -24,7 +24,7 @@ residual / topk, the rows of every position whose next token is known (accepted 
 whole prefill chunks, whose next token is plan.next_tokens), and the draft worker returns the
 result with its proposals in drafts. In process a replayed verification hands its rows over on
 the device instead (handoff), the proposals stay there (pending_drafts) and the next plan's
-draft_lookahead entries are filled from them (worker/draft_fill.py).
+draft_lookahead entries are filled from them (worker/spec/draft_fill.py).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ class StepPlan:
     next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
     # entries whose drafts the previous plan's draft pass proposed and that have not reached the
     # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device
-    # and writes them into token_ids before it settles the step (worker/draft_fill.py)
+    # and writes them into token_ids before it settles the step (worker/spec/draft_fill.py)
     draft_lookahead: list[str] = field(default_factory=list)
     # host tier copies, run before the step in this order (cache/hicache.py)
     host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
@@ -175,7 +175,7 @@ class StageResult:
 
     step_id: int
     # [T, hc * hidden] and [T, k] logical C4 positions (-1 = none); from the last stage to a
-    # draft worker: the rows of the positions it drafts from (worker/verify.py)
+    # draft worker: the rows of the positions it drafts from (worker/spec/verify.py)
     residual: torch.Tensor | None = None
     topk: torch.Tensor | None = None
     sampled: dict[str, int] = field(default_factory=dict)
@@ -195,19 +195,19 @@ class StageResult:
     # it into sampled / logprobs / errors; never set on a result that leaves the process
     pending: Any = None
     # a replayed verification's rows for the draft worker of the same process
-    # (worker/verify.Handoff); never set on a result that leaves the process
+    # (worker/spec/verify.Handoff); never set on a result that leaves the process
     handoff: Any = None
     # an in-process draft worker's proposals still on their way to the host
-    # (worker/draft.PendingDrafts): the next plan's entries take them on the device
+    # (worker/spec/draft.PendingDrafts): the next plan's entries take them on the device
     pending_drafts: Any = None
     # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
     resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
-    # overlap scheduling over several stages (worker/overlap.py): the last stage's sampled ids
-    # [R] for the first stage's table, and the step's token ids [T] as the first stage filled
-    # them, for the stages after it
+    # overlap scheduling over several stages (worker/graphs/overlap.py): the last stage's
+    # sampled ids [R] for the first stage's table, and the step's token ids [T] as the first
+    # stage filled them, for the stages after it
     samples: torch.Tensor | None = None
     token_ids: torch.Tensor | None = None
-    # stages on one GPU: where the rows above wait in device memory (worker/device_link.py's
+    # stages on one GPU: where the rows above wait in device memory (worker/graphs/device_link.py's
     # LinkTicket; residual, topk and token_ids are then None)
     link: Any = None
 

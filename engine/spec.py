@@ -23,7 +23,7 @@ In process the engine commits a step without waiting for its draft pass: each re
 drafted holds k PENDING_DRAFT ids (``Scheduler.expect_drafts``), the next plan schedules them as
 drafts (plan.draft_lookahead), the stages fill them from the proposals still on the device, and
 their values replace the placeholders (``Scheduler.keep_drafts``) before that step is settled and
-committed (worker/draft_fill.py). A plan that skips such a request reads its proposals first.
+committed (worker/spec/draft_fill.py). A plan that skips such a request reads its proposals first.
 
 Rings are doubled with speculation (C4 16 rows, C128 256): a step writes up to d rows past the
 commit point, and the rows the next step reads (the 7 C4 rows, or the C128 block's rows, before
@@ -106,7 +106,7 @@ def draft_len(req: Request, budget: int, max_model_len: int) -> int:
     budget left after its last token, the tokens it may still generate after the bonus one,
     or the room left below max_model_len; none when penalties count its tokens (a draft's
     penalties would count the drafts before it). A grammar's drafts are verified under the
-    mask that follows the drafts before them (worker/grammar.py)."""
+    mask that follows the drafts before them (worker/sampling/grammar.py)."""
     if req.num_tokens - req.num_computed_tokens != 1 or not req.draft_token_ids:
         return 0
     if req.sampling.penalizes:

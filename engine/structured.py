@@ -1,6 +1,6 @@
 """Structured output: a request's constraint (``SamplingParams.structured_output``) as a grammar
 of llguidance, the library whose matcher the last stage advances token by token and whose
-token mask it applies before each draw (worker/grammar.py).
+token mask it applies before each draw (worker/sampling/grammar.py).
 
     {"json": schema}        the output is JSON that the schema accepts (a dict or its text)
     {"json_object": True}   the output is a JSON object

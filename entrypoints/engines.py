@@ -13,7 +13,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import EngineCore
 from dsv4ray.model.checkpoint_check import check_checkpoint
 from dsv4ray.model.loader import missing_draft_tensors
-from dsv4ray.model.sources import fetch_model, is_remote
+from dsv4ray.sources import fetch_model, is_remote
 from dsv4ray.worker.local_pipeline import LocalPipeline
 
 

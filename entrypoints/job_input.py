@@ -279,7 +279,7 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
     """What makes the command unusable before any work starts, or None. On a cluster
     (``joined``) the checkpoint may live only on the nodes that run the replicas; a URI is
     fetched by each replica."""
-    from dsv4ray.model.sources import is_remote
+    from dsv4ray.sources import is_remote
 
     joined = joined or is_remote(model)
     if not joined and not os.path.isfile(os.path.join(model, "config.json")):

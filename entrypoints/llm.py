@@ -17,7 +17,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
-from dsv4ray.model.chat_encoding import prefix_state
+from dsv4ray.text.chat_encoding import prefix_state
 
 
 class LLM:

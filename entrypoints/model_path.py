@@ -20,12 +20,12 @@ def default_model() -> str:
 
 
 def model_path(path: str | None) -> str:
-    """The named checkpoint (a folder, URI or Hugging Face id: model/sources.py), or the
+    """The named checkpoint (a folder, URI or Hugging Face id: sources.py), or the
     default, checked when local (model/checkpoint_check.py); a usage error
     (one line, exit code 2) names the folder without config.json or the broken file."""
     from dsv4ray.model.checkpoint_check import check_checkpoint
-    from dsv4ray.model.sources import is_remote
     from dsv4ray.model.weights import CheckpointError
+    from dsv4ray.sources import is_remote
 
     path = path or default_model()
     if is_remote(path):

@@ -1,6 +1,6 @@
 """Tool calls for the chat entrypoints (the OpenAI server, batch jobs, ``LLM.chat``): a request's
 tools in OpenAI's shape, checked; the functions the chat format renders; the grammar that forces
-a call when the choice asks for one; the answer's calls parsed (model/dsml.py) and their
+a call when the choice asks for one; the answer's calls parsed (text/dsml.py) and their
 arguments checked against their tool's schema.
 
     tools                [{"type": "function", "function": {"name", "description",
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.structured import JSON_LAYOUT
-from dsv4ray.model import dsml
+from dsv4ray.text import dsml
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
 CHOICES = ("none", "auto", "required")

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dsv4ray.kernels import compress, hisparse_swap, indexer, transfer
+from dsv4ray.kernels import compress, hisparse_swap, indexer, sampler, transfer
 from dsv4ray.kernels import sparse_mqa as _sparse_mqa
 from dsv4ray.kernels import store_kv as _store_kv
 
@@ -133,3 +133,10 @@ def sparse_mqa(
         window_layout,
         comp_layout,
     )
+
+
+def gumbel_argmax(values, vocab_ids, key) -> torch.Tensor:
+    """See kernels/sampler.py. Picked by the tensors' device whatever the backend: the Triton
+    pass on CUDA, the torch reference elsewhere."""
+    fn = sampler.gumbel_argmax if values.is_cuda else sampler.gumbel_argmax_ref
+    return fn(values, vocab_ids, key)

@@ -1,7 +1,7 @@
 """The DeepSeek-V4 network in torch: dense reference, layers, weights, tiny checkpoints.
 
-``load_reference`` is imported on first use, so pure-Python users of the package (the engine's
-tokenizer, the scheduler) do not import torch.
+``load_reference`` is imported on first use, so pure-Python users of one of its modules do not
+import torch.
 """
 
 __all__ = ["load_reference"]

@@ -23,8 +23,8 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.model.mtp import MTPBlock
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.release import release_quant_fields, release_tensors, save_sharded
-from dsv4ray.model.tokenizer_files import write_byte_tokenizer
 from dsv4ray.model.weights import save_state
+from dsv4ray.text.tokenizer_files import write_byte_tokenizer
 
 log = logging.getLogger("dsv4ray.model")
 

@@ -20,7 +20,8 @@ import time
 import torch
 
 from dsv4ray.model.loader import load_reference
-from dsv4ray.model.train import (
+from dsv4ray.training.corpus import BOS_ID, BYTE_OFFSET, EOS_ID, load_corpus, sample_batch
+from dsv4ray.training.train import (
     BiasBalancer,
     TrainConfig,
     build_model,
@@ -28,7 +29,6 @@ from dsv4ray.model.train import (
     train,
     train_step,
 )
-from dsv4ray.model.train_data import BOS_ID, BYTE_OFFSET, EOS_ID, load_corpus, sample_batch
 
 
 def parse_args(argv=None) -> argparse.Namespace:

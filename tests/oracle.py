@@ -254,14 +254,14 @@ def random_release_tensors(shapes: dict, quant, seed: int = 0) -> dict:
 def sampling_row(seed: int = 7, **params):
     """A validated sampling row of the batched sampler, as the last stage builds it."""
     from dsv4ray import SamplingParams
-    from dsv4ray.worker.sampler import SamplingRow
+    from dsv4ray.worker.sampling.sampler import SamplingRow
 
     return SamplingRow.from_plan(SamplingParams(**params).to_dict(), seed)
 
 
 def sampled_tokens(logits, rows, positions) -> list[int]:
     """Token ids of one batched sampling pass over logits [R, V] (every row must succeed)."""
-    from dsv4ray.worker.sampler import sample_batch
+    from dsv4ray.worker.sampling.sampler import sample_batch
 
     out = sample_batch(logits, rows, positions, [None] * len(rows))
     assert all(o.error is None for o in out)

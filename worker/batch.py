@@ -74,7 +74,7 @@ class BatchMeta:
     ropes: RopeTables
     rope_len: int  # rope tables cover positions [0, rope_len)
     static: bool = False  # shapes fixed for a CUDA graph: only sync-free paths may run
-    hisparse_step: Any = None  # worker/hisparse_io.ScratchStep of a HiSparse prefill step
+    hisparse_step: Any = None  # worker/host/hisparse_io.ScratchStep of a HiSparse prefill step
     window_table: torch.Tensor | None = None  # [R, W]
     c128_cols: int = 1
     window_slots: torch.Tensor | None = None  # [T, 128]; None until `derive`

@@ -1,97 +1,23 @@
 """LocalPipeline: stage workers called in order in this process (the engine.pipeline protocol),
-then the draft worker when speculative decoding is on, and the pool sizing every pipeline
-shares: each stage sized by its own layer slice, the pipeline taking the minimum, since one page
-id names a page in every stage. With speculation every stage's compressor rings are doubled and
-the last stage, whose device the draft layer shares, prices it as one more layer.
+then the draft worker when speculative decoding is on; pools sized as every pipeline sizes them
+(worker/pool_sizing.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import torch
 
-from dsv4ray.cache.configurator import (
-    bytes_per_full_token,
-    pipeline_capacity,
-    share_devices,
-    size_stage,
-)
-from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cache.layout import KINDS, layout_for
-from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.draft import DraftWorker
-from dsv4ray.worker.draft_fill import DraftFill
+from dsv4ray.worker.pool_sizing import graph_shapes, pool_sizes, size_pipeline
+from dsv4ray.worker.spec.draft import DraftWorker
+from dsv4ray.worker.spec.draft_fill import DraftFill
 from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 from dsv4ray.worker.stage_worker import StageWorker
-
-
-def size_pipeline(cfg: ModelConfig, ec: EngineConfig, available: list[float | None],
-                  devices: list[str | None] | None = None):  # fmt: skip
-    """Pools of every stage from its own layer slice; the pipeline takes the minimum. devices:
-    each stage's GPU (stages on one GPU split the free memory they all measured)."""
-    entry_bytes = {k: layout_for(k, ec.kv_cache_dtype).bytes_per_entry for k in KINDS}
-    skip = [spec.skip_topk for spec in cfg.layers]
-    ranges = split_layers(cfg.num_hidden_layers, ec.pp_size)
-    speculative = ec.speculative_num_steps > 0  # the last stage's device holds the MTP layer
-    hot_rows = resolve_hot_rows(cfg.index_topk, ec.hisparse_hot_rows) if ec.enable_hisparse else 0
-    if devices is not None:
-        weights = [
-            bytes_per_full_token(
-                cfg.layer_ratios[s:e],
-                skip[s:e],
-                entry_bytes,
-                mtp=speculative and i == len(ranges) - 1,
-            )  # fmt: skip
-            for i, (s, e) in enumerate(ranges)
-        ]
-        available = share_devices(available, devices, weights)
-    caps = [
-        size_stage(
-            i,
-            start,
-            end,
-            cfg.layer_ratios,
-            skip,
-            entry_bytes,
-            available_bytes=available[i],
-            max_total_tokens=ec.resolved_max_total_tokens,
-            max_running_requests=ec.max_running_requests,
-            max_num_batched_tokens=ec.max_num_batched_tokens,
-            speculative=ec.ring_scale > 1,
-            hosts_draft=speculative and i == len(ranges) - 1,
-            hisparse_hot_rows=hot_rows,
-            hisparse_host_tokens=ec.hisparse_host_tokens,
-        )
-        for i, (start, end) in enumerate(ranges)
-    ]
-    return dataclasses.replace(pipeline_capacity(caps), hisparse_hot_rows=hot_rows)
-
-
-def pool_sizes(cap, ring_scale: int = 1) -> PoolSizes:
-    """The pools every stage (and the draft worker) allocates; ring_scale: EngineConfig's."""
-    return PoolSizes(
-        cap.num_pages,
-        cap.num_window_pages,
-        cap.num_state_slots,
-        cap.num_cached_state_slots,
-        ring_scale=ring_scale,
-        hisparse_hot_rows=cap.hisparse_hot_rows,
-    )
-
-
-def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | None:
-    """(largest batch, longest context) of the CUDA graphs every stage of a CUDA engine (and its
-    draft worker) captures once its pools are allocated; None on CPU or with cuda_graphs off."""
-    if not ec.cuda_graphs or torch.device(ec.device).type != "cuda":
-        return None
-    max_len = ec.max_model_len or cfg.max_position_embeddings
-    return ec.max_running_requests, min(max_len, cap.num_full_tokens)
 
 
 def draft_worker(ec: EngineConfig, cfg: ModelConfig) -> DraftWorker:

@@ -18,7 +18,7 @@ from dsv4ray.model.layers.attention import Attention
 from dsv4ray.model.layers.compressor import Compressor
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta
-from dsv4ray.worker.hisparse_io import c4_cache
+from dsv4ray.worker.host.hisparse_io import c4_cache
 
 
 def paged_block(

@@ -4,10 +4,12 @@ where the drawn ids go next.
 A request's ``SamplingRow`` is made when the stage first hears of it (or the reason its
 parameters were refused, so that one request cannot fail the batch); its controls live in
 ``LogitsProcessors``. A step samples every sampling entry in one batched pass over the logits
-of the entries' last rows (worker/sampler.py), after the controls; the drawn ids stay on the
-device (``StageResult.pending``) until the step is settled, and go on toward the first stage's
-table of sampled ids for the next plan's lookahead entries (worker/overlap.py). A step that
-verifies drafts samples every scored position (worker/verify.py).
+of the entries' last rows (worker/sampling/sampler.py), after the controls; the drawn ids stay on
+the device (``StageResult.pending``) until the step is settled, and go on toward the first
+stage's table of sampled ids for the next plan's lookahead entries (worker/graphs/overlap.py). A
+step that verifies drafts samples every scored position (worker/spec/verify.py). It stays beside
+StageWorker rather than in worker/sampling/ because it joins sampling with verification
+(worker/spec/), which samples through worker/sampling/ itself.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ import torch
 
 from dsv4ray.engine.plan import NewRequest, StageResult, StepPlan
 from dsv4ray.worker.batch import BatchMeta
-from dsv4ray.worker.grammar import Grammars
-from dsv4ray.worker.logits_processors import LogitsProcessors
-from dsv4ray.worker.overlap import SampledTokens
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async
-from dsv4ray.worker.verify import sample_with_drafts, verify_rows
+from dsv4ray.worker.graphs.overlap import SampledTokens
+from dsv4ray.worker.sampling.grammar import Grammars
+from dsv4ray.worker.sampling.logits_processors import LogitsProcessors
+from dsv4ray.worker.sampling.sampler import GREEDY, SamplingRow, sample_batch_async
+from dsv4ray.worker.spec.verify import sample_with_drafts, verify_rows
 
 PROMPT_LOGPROB_ROWS = 512  # prompt rows whose logits are computed at once
 
@@ -104,7 +106,7 @@ class StageSampling:
 
     def verify(self, plan: StepPlan, logits: torch.Tensor, row_of, draft_fill=None):
         """A replayed verification's sampling pass over logits [T', V] (row_of: the row of each
-        batch token), launched (worker/verify.PendingVerify). draft_fill: the plan's drafts
+        batch token), launched (worker/spec/verify.PendingVerify). draft_fill: the plan's drafts
         still on the device, read first when a grammar's masks follow them."""
         if draft_fill is not None and self.grammars.constrains(plan.draft_lookahead):
             draft_fill.resolve()
@@ -112,7 +114,7 @@ class StageSampling:
 
     def _share(self, plan: StepPlan, slots: list[int], token_ids, result: StageResult) -> None:
         """The drawn ids [R] (device) toward the first stage's table, for the next plan's
-        lookahead entries (worker/overlap.py)."""
+        lookahead entries (worker/graphs/overlap.py)."""
         if self.first is not None:  # this stage is also the first
             self.first.record(slots, token_ids)
         elif self.peer_tokens is not None:

@@ -24,19 +24,19 @@ from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, build_batch
-from dsv4ray.worker.device_link import DeviceLink
-from dsv4ray.worker.draft_fill import DraftFill
-from dsv4ray.worker.hisparse_io import scratch_step
-from dsv4ray.worker.host_io import HostIO, LayerEvents
-from dsv4ray.worker.kv_export import KVPort, run_handoffs
-from dsv4ray.worker.overlap import SampledTokens, fill_tokens, record_samples, take_samples
+from dsv4ray.worker.graphs.device_link import DeviceLink
+from dsv4ray.worker.graphs.overlap import SampledTokens, fill_tokens, record_samples, take_samples
+from dsv4ray.worker.graphs.stage_graphs import Staged, StageGraphs
+from dsv4ray.worker.host.hisparse_io import scratch_step
+from dsv4ray.worker.host.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
+from dsv4ray.worker.pd.kv_export import KVPort, run_handoffs
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.stage_graphs import Staged, StageGraphs
+from dsv4ray.worker.spec.draft_fill import DraftFill
+from dsv4ray.worker.spec.verify import Handoff, PendingVerify, hand_over
 from dsv4ray.worker.stage_sampling import StageSampling
 from dsv4ray.worker.stage_spec import StageSpec
-from dsv4ray.worker.verify import Handoff, PendingVerify, hand_over
 
 log = logging.getLogger("dsv4ray.worker")
 
@@ -180,7 +180,7 @@ class StageWorker:
         return out
 
     def open_transfer(self, transport) -> dict:
-        """Registers the pools with a transfer engine (worker/transfer.py) for prefill/decode
+        """Registers the pools with a transfer engine (worker/pd/transfer.py) for prefill/decode
         handoffs; returns the stage's endpoint (``engine.handoff.StageEndpoint`` as a dict)."""
         self.kv_port = KVPort(self.pools, transport)
         return to_dict(self.kv_port.endpoint)
@@ -254,7 +254,7 @@ class StageWorker:
         defer_sampling: return without waiting for the sampled ids (``finish`` reads them).
         handoff: a replayed verification step leaves its rows and tokens on the device for the
         draft worker of this process (``result.handoff``) and is settled by ``finish``.
-        draft_fill: the plan's drafts still on the device (worker/draft_fill.py)."""
+        draft_fill: the plan's drafts still on the device (worker/spec/draft_fill.py)."""
         plan = prepared.plan
         result = StageResult(plan.step_id)
         if inputs is not None and inputs.failed is not None:
@@ -385,7 +385,7 @@ class StageWorker:
 
     def open_link(self, depth: int, rows: int) -> dict:
         """A ring of depth slots of rows tokens that the stage before (on this GPU) writes its
-        rows into (worker/device_link.py) -> what it maps the ring with (``map_link``)."""
+        rows into (worker/graphs/device_link.py) -> what it maps the ring with (``map_link``)."""
         c = self.cfg
         has_topk = any(spec.compress_ratio == 4 for spec in c.layers[: self.model.start])
         self.in_link = DeviceLink.allocate(depth, rows, c.hc_mult * c.hidden_size,
@@ -405,7 +405,7 @@ class StageWorker:
         self.in_link.peer_fences(handles)
 
     def take(self, plan: StepPlan, result: StageResult) -> StageResult:
-        """The first stage, after the last stage of a lagged plan (worker/overlap.py)."""
+        """The first stage, after the last stage of a lagged plan (worker/graphs/overlap.py)."""
         return take_samples(self.sampled, plan, result, self.tables)
 
     def fill_tokens(self, plan: StepPlan, token_ids: torch.Tensor, inputs) -> None:

@@ -26,7 +26,7 @@ import uuid
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.tool_calls import ChatTools, finish, openai_call
-from dsv4ray.model.tokenizer_files import bytes_to_unicode
+from dsv4ray.text.tokenizer_files import bytes_to_unicode
 
 
 def sse(payload: dict | str) -> str:
@@ -260,7 +260,7 @@ class ChatFormat(_Format):
         self, *args, thinking: bool = False, start: str = "start", tools: ChatTools | None = None
     ) -> None:
         """thinking: the answer's reasoning is given back as ``reasoning_content``; start:
-        where the answer begins (model/chat_encoding.prefix_state); tools: the request's, whose
+        where the answer begins (text/chat_encoding.prefix_state); tools: the request's, whose
         calls are parsed out of the answer."""
         super().__init__(*args)
         self.start, self.thinking, self.tools = start, thinking, tools

@@ -22,7 +22,7 @@ TTFT_BOUNDARIES_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.
 TPOT_BOUNDARIES_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5]
 REQUEST_BOUNDARIES_S = [0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 STATUS_CLIENT_CLOSED = "499"
-PD_STATS = {  # engine stats key (engine/pd_core.py) -> the counter it feeds
+PD_STATS = {  # engine stats key (engine/pd/core.py) -> the counter it feeds
     "pd_transfer_bytes": "dsv4ray_pd_transfer_bytes",
     "pd_transfer_seconds": "dsv4ray_pd_transfer_seconds",
     "pd_checksum_failures": "dsv4ray_pd_checksum_failures",

@@ -10,13 +10,13 @@ one decides it (or ``finish`` releases it as reasoning, as ``split_reasoning`` w
 
 from __future__ import annotations
 
-from dsv4ray.model.chat_encoding import THINK_END, THINK_START
+from dsv4ray.text.chat_encoding import THINK_END, THINK_START
 
 
 class ReasoningSplitter:
     def __init__(self, state: str = "start") -> None:
         """state: "start" (a leading <think> may still come), "reasoning" or "content" (an
-        answer that continues a prefix: model/chat_encoding.prefix_state)."""
+        answer that continues a prefix: text/chat_encoding.prefix_state)."""
         self._state = state
         self._held = ""  # text that may be part of a tag, not yet given back
 

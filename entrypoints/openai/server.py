@@ -54,7 +54,7 @@ from dsv4ray.entrypoints.openai.streaming import (
 from dsv4ray.entrypoints.openai.tokenize import DetokenizeRequest, TokenizeRequest
 from dsv4ray.entrypoints.openai.vllm_metrics import CONTENT_TYPE as PROMETHEUS_CONTENT_TYPE
 from dsv4ray.entrypoints.tool_calls import constrained
-from dsv4ray.model.chat_encoding import prefix_state
+from dsv4ray.text.chat_encoding import prefix_state
 
 log = logging.getLogger("dsv4ray.serve")
 
@@ -68,7 +68,7 @@ ROUTE_PATHS += ("/metrics", "/tokenize", "/detokenize")
 @runtime_checkable
 class EngineClient(Protocol):
     """What the server needs from an engine (AsyncEngine provides it). ``tokenizer`` is a
-    ``dsv4ray.model.tokenizer.Tokenizer`` (``encode``, ``encode_chat``, ``decode``);
+    ``dsv4ray.text.tokenizer.Tokenizer`` (``encode``, ``encode_chat``, ``decode``);
     ``config.model`` the checkpoint folder (its ``tokenizer.json`` gives logprobs their token
     bytes, its ``config.json`` the vocabulary size)."""
 

@@ -15,7 +15,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from dsv4ray.worker.overlap import SampledTokens
+from dsv4ray.worker.graphs.overlap import SampledTokens
 from tests.oracle import reference_greedy
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dsv4ray import LLM
-from dsv4ray.worker.sampler import ReferenceSampler
+from dsv4ray.worker.sampling.sampler import ReferenceSampler
 from tests.oracle import sampled_tokens, sampling_row, seeded_alone_and_in_a_crowd
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -20,8 +20,8 @@ from ray import serve
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.entrypoints.openai.metrics import METRICS
 from dsv4ray.entrypoints.serve import APP_NAME
-from dsv4ray.model.chat_encoding import THINK_START, split_reasoning
-from dsv4ray.model.tokenizer import Tokenizer
+from dsv4ray.text.chat_encoding import THINK_START, split_reasoning
+from dsv4ray.text.tokenizer import Tokenizer
 
 API_KEY = "test-key-1"
 MODEL = "tiny-test"

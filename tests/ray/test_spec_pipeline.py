@@ -13,7 +13,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from dsv4ray.model.tokenizer import Tokenizer
+from dsv4ray.text.tokenizer import Tokenizer
 from tests.oracle import grammar_greedy, reference_greedy, sampled_tokens, sampling_row
 
 TRAINED = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")

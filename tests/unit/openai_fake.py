@@ -20,8 +20,8 @@ from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestMetrics, RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.model.tiny import tiny_config
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
-from dsv4ray.model.tokenizer_files import write_byte_tokenizer
+from dsv4ray.text.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.text.tokenizer_files import write_byte_tokenizer
 
 SAMPLED_LOGPROB = -0.05  # every scripted token is the most likely one (greedy)
 

@@ -14,7 +14,7 @@ from dsv4ray.worker.batch import (
     host_arrays,
     slotted_rows,
 )  # fmt: skip
-from dsv4ray.worker.cuda_graphs import context_buckets
+from dsv4ray.worker.graphs.cuda_graphs import context_buckets
 from dsv4ray.worker.req_table import ReqTable
 
 PER_TOKEN = ("token_ids", "positions", "seq_start", "state_slots", "req_rows", "window_store",

@@ -9,7 +9,7 @@ import torch
 
 from dsv4ray.__main__ import main
 from dsv4ray.model import load_reference
-from dsv4ray.model.tokenizer import Tokenizer
+from dsv4ray.text.tokenizer import Tokenizer
 
 
 def test_generate_streams_the_reference_greedy_text(tiny_ckpt, capsys):

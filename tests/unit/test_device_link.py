@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import StageResult
-from dsv4ray.worker.device_link import DeviceLink
+from dsv4ray.worker.graphs.device_link import DeviceLink
 
 HC_HIDDEN, K = 12, 5
 

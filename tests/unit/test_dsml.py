@@ -1,4 +1,4 @@
-"""DeepSeek-V4 tool calls (model/dsml.py, entrypoints/tool_calls.py): tools and calls rendered
+"""DeepSeek-V4 tool calls (text/dsml.py, entrypoints/tool_calls.py): tools and calls rendered
 in the V4 chat encoding, generated call blocks parsed however the stream cuts them, anything
 unreadable given back as the text it was, and the grammar that forces a call accepting exactly
 the calls the tools allow."""
@@ -13,11 +13,11 @@ from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.structured import grammar
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
-from dsv4ray.model import dsml
-from dsv4ray.model.chat_encoding import encode_messages
-from dsv4ray.model.tokenizer import Tokenizer
-from dsv4ray.worker.grammar import Grammars
-from dsv4ray.worker.sampler import GREEDY, sample_batch_async
+from dsv4ray.text import dsml
+from dsv4ray.text.chat_encoding import encode_messages
+from dsv4ray.text.tokenizer import Tokenizer
+from dsv4ray.worker.sampling.grammar import Grammars
+from dsv4ray.worker.sampling.sampler import GREEDY, sample_batch_async
 
 WEATHER = {
     "name": "get_weather",

@@ -1,6 +1,6 @@
-"""Structured output on the last stage (worker/grammar.py): the token mask of each draw follows
-the request's grammar as the tokens it drew are consumed, rows without one are untouched, a
-replayed request resumes where it was, and a bad grammar is refused by name."""
+"""Structured output on the last stage (worker/sampling/grammar.py): the token mask of each draw
+follows the request's grammar as the tokens it drew are consumed, rows without one are untouched,
+a replayed request resumes where it was, and a bad grammar is refused by name."""
 
 import json
 
@@ -10,9 +10,9 @@ import torch
 from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.structured import grammar
-from dsv4ray.model.tokenizer import Tokenizer
-from dsv4ray.worker.grammar import Grammars
-from dsv4ray.worker.sampler import GREEDY, sample_batch_async
+from dsv4ray.text.tokenizer import Tokenizer
+from dsv4ray.worker.sampling.grammar import Grammars
+from dsv4ray.worker.sampling.sampler import GREEDY, sample_batch_async
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
                                            "tag": {"enum": ["red", "blue"]}},

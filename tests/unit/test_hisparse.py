@@ -17,7 +17,7 @@ from dsv4ray.kernels import dispatch
 from dsv4ray.model.loader import load_stage
 from dsv4ray.model.tiny import tiny_config
 from dsv4ray.worker.batch import build_batch
-from dsv4ray.worker.hisparse_io import c4_cache, scratch_step
+from dsv4ray.worker.host.hisparse_io import c4_cache, scratch_step
 from dsv4ray.worker.paged import _compress
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables

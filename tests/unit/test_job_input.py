@@ -57,7 +57,7 @@ def test_a_chat_line_carries_tools_and_its_output_row_the_calls():
     from dsv4ray.engine.outputs import RequestOutput
     from dsv4ray.entrypoints.job_replica import output_row
     from dsv4ray.entrypoints.tool_calls import ChatTools
-    from dsv4ray.model import dsml
+    from dsv4ray.text import dsml
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": "hi"}]

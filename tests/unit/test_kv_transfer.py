@@ -8,10 +8,10 @@ import torch
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import DeviceIds, KVCheck, KVDestination, KVSend
-from dsv4ray.engine.handoff_plan import compare_checksums, layer_rows, trailing_windows
-from dsv4ray.worker.kv_export import KVPort, checksum
+from dsv4ray.engine.pd.handoff_plan import compare_checksums, layer_rows, trailing_windows
+from dsv4ray.worker.pd.kv_export import KVPort, checksum
+from dsv4ray.worker.pd.transfer import MooncakeTransport
 from dsv4ray.worker.req_table import ReqTable
-from dsv4ray.worker.transfer import MooncakeTransport
 
 SIZES = PoolSizes(num_pages=6, num_window_pages=6, num_state_slots=3, num_cached_state_slots=1)
 SPLITS = [([(0, 3), (3, 6)], [(0, 6)]), ([(0, 6)], [(0, 2), (2, 6)]), ([(0, 6)], [(0, 6)])]

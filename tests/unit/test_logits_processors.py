@@ -1,14 +1,14 @@
-"""Sampling controls on the last stage (worker/logits_processors.py) against a reference written
-from their definitions, one row at a time: logit_bias, min_tokens, the repetition, frequency and
-presence penalties, their counts kept on the device as tokens are drawn, and rows rebuilt from a
-request's tokens after a preemption."""
+"""Sampling controls on the last stage (worker/sampling/logits_processors.py) against a reference
+written from their definitions, one row at a time: logit_bias, min_tokens, the repetition,
+frequency and presence penalties, their counts kept on the device as tokens are drawn, and rows
+rebuilt from a request's tokens after a preemption."""
 
 import pytest
 import torch
 
 from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.worker.logits_processors import LogitsProcessors
+from dsv4ray.worker.sampling.logits_processors import LogitsProcessors
 
 V, SLOTS = 40, 6
 

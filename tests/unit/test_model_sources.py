@@ -9,7 +9,7 @@ import os
 import pytest
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.model.sources import MANIFEST, ModelSourceError, fetch_model, is_remote
+from dsv4ray.sources import MANIFEST, ModelSourceError, fetch_model, is_remote
 
 
 def test_a_file_uri_is_copied_into_a_fresh_cache_then_reused(tiny_ckpt, tmp_path, caplog):

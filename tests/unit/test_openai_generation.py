@@ -10,7 +10,7 @@ from starlette.testclient import TestClient
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
-from dsv4ray.model.chat_encoding import THINK_END, THINK_START, split_reasoning
+from dsv4ray.text.chat_encoding import THINK_END, THINK_START, split_reasoning
 from tests.unit.openai_fake import SAMPLED_LOGPROB, FakeEngine
 
 MODEL = "tiny-test"

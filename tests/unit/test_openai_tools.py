@@ -11,7 +11,7 @@ from starlette.testclient import TestClient
 
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
-from dsv4ray.model.chat_encoding import THINK_END
+from dsv4ray.text.chat_encoding import THINK_END
 from tests.unit.openai_fake import FakeEngine
 
 MODEL = "tiny-test"

@@ -8,8 +8,8 @@ from collections import deque
 
 import pytest
 
-from dsv4ray.engine.handoff_plan import trailing_windows
-from dsv4ray.engine.pd_scheduler import DecodeScheduler
+from dsv4ray.engine.pd.handoff_plan import trailing_windows
+from dsv4ray.engine.pd.scheduler import DecodeScheduler
 from dsv4ray.engine.sampling import SamplingParams
 from tests.unit.scheduler_harness import (
     FakeStage,

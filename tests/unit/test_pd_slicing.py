@@ -13,7 +13,7 @@ from dsv4ray.engine.handoff import (
     SendReport,
     StageEndpoint,
 )
-from dsv4ray.engine.handoff_plan import (
+from dsv4ray.engine.pd.handoff_plan import (
     HandoffError,
     check_reports,
     coalesce,

@@ -7,15 +7,13 @@ from dataclasses import asdict
 import pytest
 import torch
 
-from dsv4ray.worker.sampler import (
+from dsv4ray.kernels.sampler import gumbel_argmax, gumbel_noise, mix32
+from dsv4ray.worker.sampling.sampler import (
     ReferenceSampler,
     SamplingRow,
-    gumbel_noise,
-    mix32,
     reference_logprobs,
     sample_batch,
 )
-from dsv4ray.worker.sampler_kernel import gumbel_argmax
 from tests.oracle import sampled_tokens, sampling_row
 
 V = 16

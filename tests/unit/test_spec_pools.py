@@ -9,7 +9,7 @@ from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.cluster.pd import prefill_config
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
-from dsv4ray.worker.local_pipeline import pool_sizes, size_pipeline
+from dsv4ray.worker.pool_sizing import pool_sizes, size_pipeline
 
 GIB = 2**30
 

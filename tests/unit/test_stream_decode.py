@@ -10,8 +10,8 @@ import pytest
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.request import FinishedRequest
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.model.tokenizer import StreamDecoder, Tokenizer
-from dsv4ray.model.tokenizer_files import ROLE_TOKEN_IDS, write_byte_tokenizer
+from dsv4ray.text.tokenizer import StreamDecoder, Tokenizer
+from dsv4ray.text.tokenizer_files import ROLE_TOKEN_IDS, write_byte_tokenizer
 
 SPECIAL_IDS = [0, 1, *ROLE_TOKEN_IDS.values()]  # bos, eos (skipped), role and think tokens
 TEXT = "ab€ 日本語 ✓ 😀 naïve Ωmega\n"

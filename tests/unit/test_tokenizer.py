@@ -1,14 +1,14 @@
 """Chat rendering: the DeepSeek-V4 format byte for byte (vectors written from the format's
-definition in model/chat_encoding.py), jinja templates as transformers renders them, the
+definition in text/chat_encoding.py), jinja templates as transformers renders them, the
 reasoning split, and the tiny tokenizer's special tokens."""
 
 import json
 
 import pytest
 
-from dsv4ray.model.chat_encoding import split_reasoning
-from dsv4ray.model.tokenizer import Tokenizer
-from dsv4ray.model.tokenizer_files import bytes_to_unicode, write_byte_tokenizer
+from dsv4ray.text.chat_encoding import split_reasoning
+from dsv4ray.text.tokenizer import Tokenizer
+from dsv4ray.text.tokenizer_files import bytes_to_unicode, write_byte_tokenizer
 
 B, E = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"

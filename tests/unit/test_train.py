@@ -10,8 +10,8 @@ import torch
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
-from dsv4ray.model.train import TrainConfig, build_model, evaluate, train, training_logits
-from dsv4ray.model.train_data import eval_windows, is_held_out, load_corpus
+from dsv4ray.training.corpus import eval_windows, is_held_out, load_corpus
+from dsv4ray.training.train import TrainConfig, build_model, evaluate, train, training_logits
 from tests.oracle import reference_greedy
 
 MICRO = TrainConfig(

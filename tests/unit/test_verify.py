@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dsv4ray.engine.plan import BatchEntry, StageResult, StepPlan
-from dsv4ray.worker.sampler import ReferenceSampler, SamplingRow
-from dsv4ray.worker.verify import verify
+from dsv4ray.worker.sampling.sampler import ReferenceSampler, SamplingRow
+from dsv4ray.worker.spec.verify import verify
 
 NUM_REQUESTS = 12000
 VOCAB = 10

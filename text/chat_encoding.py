@@ -20,7 +20,7 @@
   ``<｜end▁of▁sentence｜>``, so the answer continues its text; in thinking mode an empty text
   leaves its reasoning open (no ``</think>``), so the answer continues the reasoning.
 
-- Tools (model/dsml.py): the functions are rendered after the first message's text when it is a
+- Tools (text/dsml.py): the functions are rendered after the first message's text when it is a
   system message (a blank line between), else as a system message of their own before it. An
   assistant message's ``tool_calls`` follow its text after a blank line, as a DSML call block.
   ``tool`` messages become a user turn of ``<tool_result>`` blocks (in the order of the calls
@@ -36,7 +36,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from dsv4ray.model import dsml
+from dsv4ray.text import dsml
 
 BOS = "<｜begin▁of▁sentence｜>"
 EOS = "<｜end▁of▁sentence｜>"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-from dsv4ray.model.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
+from dsv4ray.text.chat_encoding import ASSISTANT, BOS, EOS, THINK_END, THINK_START, USER
 
 ROLE_TOKEN_IDS = {USER: 258, ASSISTANT: 259, THINK_START: 260, THINK_END: 261}
 

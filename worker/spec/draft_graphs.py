@@ -13,7 +13,7 @@ step at fixed shapes, all its index fields in one int64 buffer:
 
 The graph counts each request's accepted drafts a (leading rows whose next token equals its
 draft) and starts the chain at row a, its k - 1 steps' index fields computed on the device from
-the exact pass's (worker/draft_chain.py). Fed from the host, the next tokens are known and the
+the exact pass's (worker/spec/draft_chain.py). Fed from the host, the next tokens are known and the
 drafts are those tokens, so a is the last exact row. Fed from a replayed verification on the
 device (``run_verified``), every position of the step is an exact row with the target's token
 as its next token, and a is the accepted count the host learns only later: rows past it write
@@ -46,16 +46,16 @@ from dsv4ray.worker.batch import (
     slotted_rows,
     unpack,
 )  # fmt: skip
-from dsv4ray.worker.cuda_graphs import (
+from dsv4ray.worker.graphs.cuda_graphs import (
     VERIFY_MAX_BATCH,
     GraphBucket,
     batch_buckets,
     capture_bucket,
     context_buckets,
 )
-from dsv4ray.worker.draft_chain import chain_metas
-from dsv4ray.worker.draft_fill import DraftFill
-from dsv4ray.worker.verify import DraftSpan, Handoff
+from dsv4ray.worker.spec.draft_chain import chain_metas
+from dsv4ray.worker.spec.draft_fill import DraftFill
+from dsv4ray.worker.spec.verify import DraftSpan, Handoff
 
 log = logging.getLogger("dsv4ray.draft")
 

@@ -6,7 +6,7 @@ step (``execute(plan, last_stage_result)``):
 
 1. Bookkeeping, as a stage: drop finished and preempted requests, create new ones (rings reset,
    or copied from a prefix hit's snapshot), apply diffs (a rollback cuts the page table).
-2. The exact pass: every position whose next token is known after the step (worker/verify.py's
+2. The exact pass: every position whose next token is known after the step (worker/spec/verify.py's
    draft spans: accepted positions, whole prefill chunks) runs through the block with the
    target's pre-head residual row and the next token, x = e_proj(enorm(embed(next))) +
    h_proj(hnorm(h)), writing the draft layer's window KV (and C4 entries) at real slots; a
@@ -17,10 +17,10 @@ step (``execute(plan, last_stage_result)``):
    its logits give draft j + 1. Chain steps write their window KV to the request's scratch page,
    complete no C4 entry, and (DSA-style) reuse step 0's top-k: the top-k of the last exact
    position (``stats["num_topk_reuse_rows"]`` counts the rows that reused it). Their index
-   fields are computed on the device from the exact pass's (worker/draft_chain.py).
+   fields are computed on the device from the exact pass's (worker/spec/draft_chain.py).
 
 Decode steps (every span sampled, at most k + 1 positions) replay one CUDA graph for the exact
-pass and the chain together (worker/draft_graphs.py); others run eagerly. After a replayed
+pass and the chain together (worker/spec/draft_graphs.py); others run eagerly. After a replayed
 verification in the same process the graph takes the step's rows and the target's tokens on
 the device and finds the accepted drafts itself, so the host waits once per step, after
 drafting.
@@ -44,14 +44,14 @@ from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import HostStage, build_batch
-from dsv4ray.worker.draft_chain import chain_metas
-from dsv4ray.worker.draft_fill import DraftFill, PendingDrafts
-from dsv4ray.worker.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
+from dsv4ray.worker.spec.draft_chain import chain_metas
+from dsv4ray.worker.spec.draft_fill import DraftFill, PendingDrafts
+from dsv4ray.worker.spec.draft_graphs import DraftGraphs, verified_spans
+from dsv4ray.worker.spec.verify import DraftSpan, draft_spans, settle_handoff
 from dsv4ray.worker.stage_spec import DraftSpec
-from dsv4ray.worker.verify import DraftSpan, draft_spans, settle_handoff
 
 log = logging.getLogger("dsv4ray.draft")
 
@@ -141,8 +141,8 @@ class DraftWorker:
 
     # ------------------------------------------------------------------ the passes
     def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
-        """Graphs of decode steps' passes (after allocate; worker/draft_graphs.py); capture=False
-        runs the same static buckets eagerly (any device; for tests)."""
+        """Graphs of decode steps' passes (after allocate; worker/spec/draft_graphs.py);
+        capture=False runs the same static buckets eagerly (any device; for tests)."""
         self.graphs = DraftGraphs(self, max_batch, max_len, capture)
         self.graphs.capture_all()
 

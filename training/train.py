@@ -32,9 +32,9 @@ from dsv4ray.model.loader import load_reference
 from dsv4ray.model.mtp import MTPBlock
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.tiny import randomise, tiny_config
-from dsv4ray.model.tokenizer_files import write_byte_tokenizer
-from dsv4ray.model.train_data import Corpus, eval_windows, sample_batch
 from dsv4ray.model.weights import save_state
+from dsv4ray.text.tokenizer_files import write_byte_tokenizer
+from dsv4ray.training.corpus import Corpus, eval_windows, sample_batch
 
 log = logging.getLogger("dsv4ray.train")
 

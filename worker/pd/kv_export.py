@@ -1,4 +1,4 @@
-"""A stage's side of prefill/decode handoffs (engine/handoff_plan.py plans them).
+"""A stage's side of prefill/decode handoffs (engine/pd/handoff_plan.py plans them).
 
 ``KVPort`` registers every pool buffer of the stage with a transport once and reports the
 stage's endpoint. On a prefill stage it runs a plan's KVSends after the step computed (the
@@ -30,7 +30,7 @@ from dsv4ray.engine.handoff import (
     SendReport,
     StageEndpoint,
 )
-from dsv4ray.engine.handoff_plan import (
+from dsv4ray.engine.pd.handoff_plan import (
     HandoffError,
     WritePlan,
     layer_rows,

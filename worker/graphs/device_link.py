@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4ray.engine.plan import StageResult
-from dsv4ray.worker.ipc import export_tensor, open_tensor
+from dsv4ray.worker.graphs.ipc import export_tensor, open_tensor
 
 
 @dataclass(frozen=True)

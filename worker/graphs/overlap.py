@@ -33,8 +33,8 @@ import logging
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.ipc import export_tensor, open_tensor
-from dsv4ray.worker.sampler import to_device
+from dsv4ray.worker.graphs.ipc import export_tensor, open_tensor
+from dsv4ray.worker.sampling.sampler import to_device
 
 log = logging.getLogger("dsv4ray.worker")
 

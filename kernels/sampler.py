@@ -1,10 +1,12 @@
-"""Gumbel-max in one Triton pass per row (CUDA): the noise, the add and the argmax fused.
+"""Gumbel-max draws: the noise, the add and the argmax fused in one Triton pass per row (CUDA),
+and the torch reference that runs elsewhere.
 
 ``gumbel_argmax(values [S, V] fp32, vocab_ids [S, V] int64 or None, key [S] int64)`` -> [S]
-int64 column of the largest ``values + G(key, vocab id)`` (the first on ties). G is the noise
-of ``sampler.gumbel_noise``: the same 32-bit hash (uint32 arithmetic wraps as the int64 torch
-version masks) and the same odd multiples of 2**-24, so only fp32 log's last bit can differ
-from the torch reference, which runs where there is no GPU.
+int64 column of the largest ``values + G(key, vocab id)`` (the first on ties); ``gumbel_argmax_ref``
+is the same in torch. G is ``gumbel_noise``: a 32-bit hash (``mix32``, which also makes the
+sampler's row keys) of the key and the vocab id, as the odd multiples of 2**-24 in (0, 1). The
+kernel's uint32 arithmetic wraps as the int64 torch version masks, so only fp32 log's last bit
+can differ between the two. ``dispatch.gumbel_argmax`` picks by the tensors' device.
 """
 
 from __future__ import annotations
@@ -14,6 +16,10 @@ import triton
 import triton.language as tl
 
 BLOCK = 2048
+MASK32 = 0xFFFFFFFF
+# odd multipliers below 2**31: x * m < 2**63 for x < 2**32, so int64 products never overflow
+_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995, 0x27D4EB2D)
+_GOLDEN = 0x9E3779B9  # spreads consecutive vocab ids before they meet the row key
 
 
 @triton.jit
@@ -85,3 +91,27 @@ def gumbel_argmax(values: torch.Tensor, vocab_ids: torch.Tensor | None, key: tor
         BLOCK=BLOCK,
     )
     return out
+
+
+def gumbel_argmax_ref(values: torch.Tensor, vocab_ids: torch.Tensor | None, key: torch.Tensor):
+    """The torch reference of ``gumbel_argmax`` (any device)."""
+    if vocab_ids is None:
+        vocab_ids = torch.arange(values.shape[-1], device=values.device)[None, :]
+    return (values + gumbel_noise(key, vocab_ids)).argmax(-1)
+
+
+def mix32(x):
+    """A bijective hash of values in [0, 2**32), Python ints or int64 tensors alike
+    (xor-shift-multiply rounds)."""
+    for mult in _MULTIPLIERS:
+        x = x ^ (x >> 16)
+        x = (x * mult) & MASK32
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(key: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
+    """key [S] row keys, vocab_ids [S or 1, V] -> [S, V] fp32 Gumbel noise. Uniforms are the
+    odd multiples of 2**-24 in (0, 1): exact in fp32, never 0 or 1, so the noise is finite."""
+    bits = mix32(key[:, None] ^ ((vocab_ids * _GOLDEN) & MASK32)) >> 9  # 23 bits
+    uniform = (bits * 2 + 1).float() * 2.0**-24
+    return -torch.log(-torch.log(uniform))

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
-from dsv4ray.worker.sampler import to_device
+from dsv4ray.worker.sampling.sampler import to_device
 
 
 class PendingDrafts:

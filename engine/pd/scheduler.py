@@ -24,8 +24,8 @@ import itertools
 from dataclasses import dataclass
 
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, DeviceIds
-from dsv4ray.engine.handoff_plan import trailing_windows
 from dsv4ray.engine.kv_manager import cdiv
+from dsv4ray.engine.pd.handoff_plan import trailing_windows
 from dsv4ray.engine.request import FinishedRequest, Request, Status
 from dsv4ray.engine.scheduler import Scheduler, _Step
 

@@ -13,10 +13,10 @@ softmax(filtered(logits / T))[v]). No generator state lives between steps: a req
 depend only on its own logits, seed and positions, not on its row, on what else shares the
 batch, or on preemption and recompute.
 
-On CUDA the noise, the add and the argmax run fused in one Triton pass (``sampler_kernel``);
-``gumbel_noise`` is its torch reference and runs elsewhere. ``ReferenceSampler`` and
-``reference_logprobs`` are the per-request torch reference the batched pass is tested against
-(the same filtering rules, ``torch.multinomial`` draws).
+On CUDA the noise, the add and the argmax run fused in one Triton pass (kernels/sampler.py);
+its torch reference there (``gumbel_noise`` over the ``mix32`` hash) runs elsewhere.
+``ReferenceSampler`` and ``reference_logprobs`` are the per-request torch reference the batched
+pass is tested against (the same filtering rules, ``torch.multinomial`` draws).
 """
 
 from __future__ import annotations
@@ -29,13 +29,10 @@ from dataclasses import dataclass
 import torch
 
 from dsv4ray.engine.sampling import GREEDY_BELOW, INT64
+from dsv4ray.kernels import dispatch
+from dsv4ray.kernels.sampler import MASK32, mix32
 
 log = logging.getLogger("dsv4ray.worker")
-
-MASK32 = 0xFFFFFFFF
-# odd multipliers below 2**31: x * m < 2**63 for x < 2**32, so int64 products never overflow
-_MULTIPLIERS = (0x7FEB352D, 0x5BD1E995, 0x27D4EB2D)
-_GOLDEN = 0x9E3779B9  # spreads consecutive vocab ids before they meet the row key
 
 
 @dataclass(frozen=True)
@@ -137,7 +134,7 @@ class PendingSample:
 
 def sample_batch_async(logits, rows, positions, num_top, raw=None) -> PendingSample:
     """``sample_batch`` without waiting for the device: the host copy is issued, not awaited.
-    raw: the logits before sampling controls (worker/logits_processors.py), which logprobs
+    raw: the logits before sampling controls (worker/sampling/logits_processors.py), which logprobs
     report; None: logits themselves."""
     raw = logits if raw is None else raw
     try:
@@ -225,14 +222,9 @@ def _min_p(scaled: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 def _argmax_noised(values: torch.Tensor, vocab_ids: torch.Tensor | None, key: torch.Tensor):
     """[S] column of the largest values + G(key, vocab id) per row (vocab id = column when
-    vocab_ids is None): one fused Triton pass on CUDA, this torch reference elsewhere."""
-    if values.is_cuda:
-        from dsv4ray.worker.sampler_kernel import gumbel_argmax
-
-        return gumbel_argmax(values, vocab_ids, key)
-    if vocab_ids is None:
-        vocab_ids = torch.arange(values.shape[-1], device=values.device)[None, :]
-    return (values + gumbel_noise(key, vocab_ids)).argmax(-1)
+    vocab_ids is None): one fused Triton pass on CUDA, its torch reference elsewhere
+    (kernels/sampler.py)."""
+    return dispatch.gumbel_argmax(values, vocab_ids, key)
 
 
 def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor):
@@ -247,23 +239,6 @@ def _filter_sorted(values: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tenso
     drop = (probs.cumsum(-1) - probs >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop[:, 0] = False
     return values.masked_fill(drop, float("-inf"))
-
-
-def mix32(x):
-    """A bijective hash of values in [0, 2**32), Python ints or int64 tensors alike
-    (xor-shift-multiply rounds)."""
-    for mult in _MULTIPLIERS:
-        x = x ^ (x >> 16)
-        x = (x * mult) & MASK32
-    return x ^ (x >> 16)
-
-
-def gumbel_noise(key: torch.Tensor, vocab_ids: torch.Tensor) -> torch.Tensor:
-    """key [S] row keys, vocab_ids [S or 1, V] -> [S, V] fp32 Gumbel noise. Uniforms are the
-    odd multiples of 2**-24 in (0, 1): exact in fp32, never 0 or 1, so the noise is finite."""
-    bits = mix32(key[:, None] ^ ((vocab_ids * _GOLDEN) & MASK32)) >> 9  # 23 bits
-    uniform = (bits * 2 + 1).float() * 2.0**-24
-    return -torch.log(-torch.log(uniform))
 
 
 def _logprob_columns(logits: torch.Tensor, token_ids: torch.Tensor, num_top: list) -> torch.Tensor:

@@ -28,7 +28,7 @@ import torch
 
 from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.structured import grammar
-from dsv4ray.worker.sampler import to_device
+from dsv4ray.worker.sampling.sampler import to_device
 
 
 class Grammars:

@@ -1,6 +1,7 @@
 """The captured decode and verification steps of one pipeline stage, whatever its layer range.
 
-A stage replays one graph per (batch, context) bucket (worker/cuda_graphs.py) over its own layers:
+A stage replays one graph per (batch, context) bucket (worker/graphs/cuda_graphs.py) over its own
+layers:
 
     first stage   embeds the bucket's token ids (lookahead and draft tokens written into them on
                   the device before the replay)
@@ -27,12 +28,12 @@ import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
 from dsv4ray.worker.batch import BatchMeta, slotted_rows
-from dsv4ray.worker.cuda_graphs import DecodeGraphs
-from dsv4ray.worker.host_io import LayerEvents
-from dsv4ray.worker.sampler import to_device
+from dsv4ray.worker.graphs.cuda_graphs import DecodeGraphs
+from dsv4ray.worker.host.host_io import LayerEvents
+from dsv4ray.worker.sampling.sampler import to_device
 
 if TYPE_CHECKING:
-    from dsv4ray.worker.draft_fill import DraftFill
+    from dsv4ray.worker.spec.draft_fill import DraftFill
     from dsv4ray.worker.stage_worker import StageWorker
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 import os
 
-from dsv4ray.model import chat_encoding
-from dsv4ray.model.chat_template import render
+from dsv4ray.text import chat_encoding
+from dsv4ray.text.chat_template import render
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

@@ -22,7 +22,7 @@ their pre-head residual rows (and top-k rows) to the draft worker in this order.
 A replayed verification step in process can instead leave everything on the device
 (``Handoff``): the target's token at every position, and the residual and top-k rows of every
 position. The draft worker's graph then counts the accepted drafts itself and drafts from there
-(worker/draft_graphs.py), and the host settles the verification (``PendingVerify``) only when
+(worker/spec/draft_graphs.py), and the host settles the verification (``PendingVerify``) only when
 the step is collected: one wait per step instead of one before drafting and one after.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StageResult, StepPlan
-from dsv4ray.worker.sampler import GREEDY, SamplingRow, sample_batch_async, to_device
+from dsv4ray.worker.sampling.sampler import GREEDY, SamplingRow, sample_batch_async, to_device
 
 
 @dataclass(frozen=True)

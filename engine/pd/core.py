@@ -2,7 +2,7 @@
 
 ``PrefillCore`` serves PrefillRequests: each prompt runs to its first token, and the plan of the
 step that samples it carries a KVSend with the request's destination, so every prefill stage
-writes its own layers right after computing them (worker/kv_export.py). The answer holds the
+writes its own layers right after computing them (worker/pd/kv_export.py). The answer holds the
 first token, its logprobs and every stage's SendReport.
 
 ``DecodeCore`` is an EngineCore whose requests are prefilled by a prefill engine:
@@ -39,8 +39,8 @@ from dsv4ray.engine.handoff import (
     PrefillResult,
     SendReport,
 )
-from dsv4ray.engine.handoff_plan import check_reports, compare_checksums
-from dsv4ray.engine.pd_scheduler import DecodeScheduler
+from dsv4ray.engine.pd.handoff_plan import check_reports, compare_checksums
+from dsv4ray.engine.pd.scheduler import DecodeScheduler
 from dsv4ray.engine.sampling import SamplingParams
 
 log = logging.getLogger("dsv4ray.pd")

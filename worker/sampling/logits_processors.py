@@ -11,9 +11,10 @@ are those of the raw logits, taken before):
     frequency_penalty   minus the penalty once per time a token was generated so far
     presence_penalty    minus the penalty for every token generated so far
 
-min_p acts after temperature, inside the draw (worker/sampler.py). The penalties read a table
-on this stage's device: per state slot, how often each token was generated (int32 [S, V]) and
-whether it is in the prompt (bool [S, V]); made when the first request with a penalty arrives.
+min_p acts after temperature, inside the draw (worker/sampling/sampler.py). The penalties read a
+table on this stage's device: per state slot, how often each token was generated (int32 [S, V])
+and whether it is in the prompt (bool [S, V]); made when the first request with a penalty
+arrives.
 A request's rows start from the tokens it has (``NewRequest.history``: the prompt, and what it
 generated before a preemption), and every token it samples is counted on the device right
 after the draw, in stream order before its next step samples, so no host round trip sits
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4ray.engine.plan import NewRequest
-from dsv4ray.worker.sampler import to_device
+from dsv4ray.worker.sampling.sampler import to_device
 
 
 @dataclass(frozen=True)
