@@ -1,4 +1,4 @@
-"""The Ray Serve application: an OpenAI-compatible API where each replica owns one pipeline.
+"""The Ray Serve application: an OpenAI-compatible API in front of engine replicas.
 
 ``build_app(config)`` is the Serve entry point (``serve run dsv4ray.entrypoints.serve:build_app`` or
 ``import_path`` in deploy/serve.yaml); ``run_server`` backs ``dsv4ray serve``. Config keys:
@@ -18,19 +18,33 @@
     api_key_file         a file holding the key (stripped), instead of api_key (default:
                          $DSV4RAY_API_KEY_FILE); a key given both ways is an error
     max_body_bytes       larger request bodies get 413 (default 1 MiB)
-    max_pending_requests generation requests per replica before 503s (default 256)
-    num_replicas | autoscaling_config   passed to the deployment as they are
+    max_pending_requests generation requests per ingress replica before 503s (default 256)
+    num_replicas | autoscaling_config   passed to the engine deployment as they are
     pp_size, kv_cache_dtype, max_total_tokens, ... any other EngineConfig option (use_ray is
                          always True: the stages are Ray actors in the replica's placement group)
     prefill_pp_size      > 0: the replica owns a prefill engine too (a prefill actor with its own
                          placement group of that many stages); its pipeline decodes
                          (cluster/pd.py)
 
-Each replica is a FastAPI ingress (``@serve.ingress``): the app that ``OpenAIServer`` builds over
-the replica's engine (entrypoints/openai/api.py: routes, caller check, OpenAI error bodies) is
-handed to Serve once the engine is up (``__serve_build_asgi_app__``).
+Two deployments, so that the process holding the client connections is not the one running the
+engine (as Ray Serve LLM splits them):
 
-Placement: the deployment declares ``placement_group_bundles`` = [bundle 0: stage 0 + the
+- ``OpenAIDeployment`` (the engine; its name and options are the ones the single deployment had,
+  so ``deployments`` entries of Serve config files apply to it): AsyncEngine over stage actors in
+  the replica's placement group; ``generate`` streams a request's ``RequestUpdate``s (a caller
+  that cancels aborts the request), ``stats``, ``info``, ``check_health``.
+- ``OpenAIIngress`` (``@serve.ingress``, ``INGRESS_CPUS``, no placement group): the FastAPI app
+  that ``OpenAIServer`` builds (entrypoints/openai/api.py: routes, caller check, OpenAI error
+  bodies) over a ``RemoteEngine`` (entrypoints/remote_engine.py) calling the engine's handle. It
+  loads the tokenizer from the model path itself and takes ``max_model_len`` and the engine's
+  config from the engine's ``info()``; metrics live here (engine gauges from the ``stats`` poll,
+  which pauses while the engine is idle and nothing is pending, so an engine that autoscales to
+  zero is not kept up). Replicas: the engine's ``num_replicas`` when it is fixed, else the
+  engine's ``autoscaling_config`` with min/initial/max replicas at least 1 (serve_config.py
+  ``ingress_options``). When an engine replica dies, the ingress ends each open stream with an
+  error event (503 ``engine_unavailable``) and ``[DONE]``; other requests get that 503.
+
+Placement: the engine deployment declares ``placement_group_bundles`` = [bundle 0: stage 0 + the
 replica's CPU, then one bundle per further stage] with strategy PACK, and the replica hands
 ``get_current_placement_group()`` to AsyncEngine, so stage i lands in bundle i.
 """
@@ -38,6 +52,7 @@ replica's CPU, then one bundle per further stage] with strategy PACK, and the re
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import signal
@@ -47,26 +62,41 @@ from collections.abc import Mapping
 
 import ray
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from dsv4ray.cluster.channel_files import sweep_dead_raylets
 from dsv4ray.cluster.placement import bundle_device, ensure_ray
+from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.openai.edge import is_loopback
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer
-from dsv4ray.entrypoints.serve_config import ServeSettings, demo_warning, resolve_api_key
+from dsv4ray.entrypoints.remote_engine import RemoteEngine
+from dsv4ray.entrypoints.serve_config import (
+    ServeSettings,
+    demo_warning,
+    ingress_options,
+    resolve_api_key,
+)
+from dsv4ray.sources import fetch_model, is_remote
 
 log = logging.getLogger("dsv4ray.serve")
 
 APP_NAME = "dsv4ray"
-__all__ = ["APP_NAME", "OpenAIDeployment", "ServeSettings", "build_app", "run_server"]
+__all__ = [
+    "APP_NAME",
+    "OpenAIDeployment",
+    "OpenAIIngress",
+    "ServeSettings",
+    "build_app",
+    "run_server",
+]
 
 
 @serve.deployment
-@serve.ingress()
 class OpenAIDeployment:
-    """A thin shell: the engine in this replica's placement group, HTTP to OpenAIServer's app."""
+    """The engine: AsyncEngine over stage actors in this replica's placement group."""
 
     def __init__(self, settings: ServeSettings) -> None:
         self.settings = settings
@@ -79,14 +109,15 @@ class OpenAIDeployment:
             device=bundle_device(placement.bundle_specs),
             **settings.engine_options,
         )
-        metrics = ServeMetrics(settings.served_model_name)
-        self.server = OpenAIServer(self.engine, settings.server_options(), metrics)
 
-    def __serve_build_asgi_app__(self):
-        return self.server.app
+    async def generate(self, prompt, params: SamplingParams, request_id: str):
+        """The request's RequestUpdates as the engine makes them (a streaming call); a caller
+        that cancels (its client went away) aborts the request."""
+        async for update in self.engine.generate(prompt, params, request_id=request_id):
+            yield update
 
     async def info(self) -> dict:
-        """What the startup log prints, and where the stages run."""
+        """What the startup log prints, where the stages run, and the engine's config."""
         config = self.engine.config
         return {
             "placement_group_id": ray.util.get_current_placement_group().id.hex(),
@@ -100,6 +131,8 @@ class OpenAIDeployment:
             "device": config.device,
             "max_model_len": self.engine.max_model_len,
             "demo_model": self.settings.demo_model,
+            "config": config,
+            "engine_pid": os.getpid(),
         }
 
     async def stats(self) -> dict:
@@ -109,10 +142,46 @@ class OpenAIDeployment:
         await asyncio.wait_for(self.engine.stats(), timeout=30)
 
     def __del__(self) -> None:
+        if hasattr(self, "engine"):  # absent when the constructor failed
+            self.engine.shutdown()
+
+
+@serve.deployment
+@serve.ingress()
+class OpenAIIngress:
+    """The HTTP side: OpenAIServer's app over a RemoteEngine (the engine deployment's handle).
+    Its health is its own: an engine replica that dies is replaced without this one."""
+
+    async def __init__(self, engine: DeploymentHandle, settings: ServeSettings) -> None:
+        self.handle = engine
+        info = await engine.info.remote()  # waits for an engine replica
+        model = await asyncio.to_thread(local_model, settings.model)
+        self.engine = await asyncio.to_thread(RemoteEngine, engine, info, model)
+        metrics = ServeMetrics(settings.served_model_name)
+        options = dataclasses.replace(settings.server_options(), poll_idle_engine=False)
+        self.server = OpenAIServer(self.engine, options, metrics)
+
+    def __serve_build_asgi_app__(self):
+        return self.server.app
+
+    async def info(self) -> dict:
+        """The engine's ``info()`` (one engine replica's)."""
+        return await self.handle.info.remote()
+
+    async def stats(self) -> dict:
+        return await self.handle.stats.remote()
+
+    def __del__(self) -> None:
         if hasattr(self, "server"):  # absent when the constructor failed
             self.server.close()
-        if hasattr(self, "engine"):
-            self.engine.shutdown()
+
+
+def local_model(model: str) -> str:
+    """The checkpoint folder on this node, as the engine resolves it (a URI or a Hugging Face
+    id is fetched once per machine: sources.py)."""
+    if is_remote(model):
+        return fetch_model(model)
+    return model
 
 
 def build_app(config: Mapping | None = None):
@@ -126,7 +195,8 @@ def application(config: Mapping | None = None, deployment: Mapping | None = None
     as ``serve run`` applies them)."""
     settings = ServeSettings.from_config(dict(config or {}))
     options = {**settings.deployment_options(), **(deployment or {})}
-    return OpenAIDeployment.options(**options).bind(settings)
+    engine = OpenAIDeployment.options(**options).bind(settings)
+    return OpenAIIngress.options(**ingress_options(options)).bind(engine, settings)
 
 
 def run_server(

@@ -23,7 +23,9 @@ log = logging.getLogger("dsv4ray.serve")
 
 API_KEY_ENV = "DSV4RAY_API_KEY"
 API_KEY_FILE_ENV = "DSV4RAY_API_KEY_FILE"
-DEPLOYMENT_NAME = "OpenAIDeployment"
+DEPLOYMENT_NAME = "OpenAIDeployment"  # the engine deployment
+INGRESS_NAME = "OpenAIIngress"  # the HTTP deployment in front of it
+INGRESS_CPUS = 0.25  # HTTP, tokenizing and SSE rendering; no placement group
 REPLICA_CPUS = {True: 1.0, False: 0.5}  # by use_gpu; a GPU bundle already has room for it
 ONGOING_HEADROOM = 16  # health, models and stats calls beside max_pending_requests generations
 _SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests")
@@ -130,6 +132,28 @@ class ServeSettings:
             max_body_bytes=self.max_body_bytes,
             max_pending_requests=self.max_pending_requests,
         )
+
+
+def ingress_options(engine: Mapping) -> dict:
+    """The ingress deployment's options, from the engine deployment's (``engine``: its
+    options with any overrides applied): as many replicas as a fixed engine count, else
+    the engine's autoscaling with at least one replica (clients need something to connect to
+    while the engine scales from zero); the same ``max_ongoing_requests``."""
+    options = {
+        "name": INGRESS_NAME,
+        "ray_actor_options": {"num_cpus": INGRESS_CPUS},
+        "max_ongoing_requests": engine["max_ongoing_requests"],
+    }
+    scaling = engine.get("autoscaling_config")
+    if scaling is not None:
+        scaling = dict(scaling if isinstance(scaling, Mapping) else scaling.dict())
+        for key in ("min_replicas", "max_replicas", "initial_replicas"):
+            if scaling.get(key) is not None:
+                scaling[key] = max(1, scaling[key])
+        options["autoscaling_config"] = scaling
+    elif engine.get("num_replicas") is not None:
+        options["num_replicas"] = engine["num_replicas"]
+    return options
 
 
 def _accelerator(accelerator: object, device: object) -> str:

@@ -16,7 +16,7 @@ _APP_KEYS = ("name", "route_prefix", "import_path", "args", "deployments")
 @dataclass(frozen=True)
 class ServeFile:
     args: dict  # build_app's config
-    deployment: dict = field(default_factory=dict)  # further options of OpenAIDeployment
+    deployment: dict = field(default_factory=dict)  # options of OpenAIDeployment, the engine
     serve_options: dict = field(default_factory=dict)  # serve.start's (http_options included)
 
 

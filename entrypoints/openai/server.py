@@ -89,12 +89,16 @@ class ServerOptions:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_pending_requests: int = 256  # generation requests in the replica before 503s
+    # False: no stats poll while nothing is pending and the engine was idle at the last one
+    # (an engine deployment that autoscales to zero is not kept up by the poll)
+    poll_idle_engine: bool = True
 
 
 class OpenAIServer:
     def __init__(self, engine: EngineClient, options: ServerOptions, metrics: ServeMetrics):
         self.engine, self.options, self.metrics = engine, options, metrics
         self.num_pending = 0
+        self.num_started = 0  # generation requests so far (the stats poll's activity)
         self.token_bytes = TokenBytes(engine.config.model)
         self.vocab_size = ModelConfig.from_hf(engine.config.model).vocab_size
         self.created = int(time.time())
@@ -117,11 +121,21 @@ class OpenAIServer:
             self._poller.cancel()
 
     async def _poll_stats(self) -> None:
+        idle, seen = False, -1
         while True:
-            try:
-                self.metrics.engine_stats(await self.engine.stats(), self.num_pending)
-            except Exception:
-                log.exception("engine stats poll failed")
+            # without poll_idle_engine, skipped while the engine was idle at the last poll
+            # and no generation has started since
+            if self.options.poll_idle_engine or not idle or self.num_started != seen:
+                seen = self.num_started
+                try:
+                    stats = await self.engine.stats()
+                    self.metrics.engine_stats(stats, self.num_pending)
+                    busy = stats.get("num_running", 0) or stats.get("num_waiting", 0)
+                    idle = not (busy or self.num_pending)
+                except APIError as exc:  # the engine replica is down or being replaced
+                    log.warning("engine stats poll: %s", exc.message)
+                except Exception:
+                    log.exception("engine stats poll failed")
             await asyncio.sleep(STATS_POLL_S)
 
     def response_started(self, path: str, status: int) -> None:
@@ -308,6 +322,7 @@ class OpenAIServer:
             raise APIError(
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"
             )
+        self.num_started += 1
         await self._start(endpoint, [r for r in runs if r.leader], runs)
         leader = None
         for run in runs:  # the others of a prompt share its leader's prompt logprobs

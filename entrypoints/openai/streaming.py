@@ -24,6 +24,7 @@ from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.edge import aborted, internal_error
+from dsv4ray.entrypoints.openai.errors import APIError
 from dsv4ray.entrypoints.openai.format import SSE_DONE, sse
 from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
@@ -146,6 +147,10 @@ async def stream(runs: list[Run], usage: StreamUsage):
         _close_all(runs, 500)
         log.warning("stream %s aborted: %s", fmt.request_id, exc)
         yield sse(aborted(str(exc)).body())
+    except APIError as exc:  # the engine became unavailable (entrypoints/remote_engine.py)
+        _close_all(runs, exc.status)
+        log.warning("stream %s failed: %s", fmt.request_id, exc.message)
+        yield sse(exc.body())
     except Exception:
         log.exception("stream %s failed", fmt.request_id)
         _close_all(runs, 500)

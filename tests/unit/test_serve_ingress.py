@@ -1,0 +1,61 @@
+"""The ingress deployment's options follow the engine deployment's, and Ray's failures of the
+engine deployment become the API's errors (entrypoints/remote_engine.py)."""
+
+import pytest
+import ray.exceptions
+from ray.serve import exceptions as serve_exceptions
+
+from dsv4ray.entrypoints.openai.errors import APIError
+from dsv4ray.entrypoints.remote_engine import api_error
+from dsv4ray.entrypoints.serve_config import INGRESS_CPUS, INGRESS_NAME, ingress_options
+
+ENGINE = {"name": "OpenAIDeployment", "max_ongoing_requests": 272}
+
+
+def test_the_ingress_has_a_small_cpu_and_the_engines_ongoing_limit():
+    options = ingress_options(ENGINE)
+    assert options == {
+        "name": INGRESS_NAME,
+        "ray_actor_options": {"num_cpus": INGRESS_CPUS},
+        "max_ongoing_requests": 272,
+    }
+    assert 0.1 <= INGRESS_CPUS <= 0.5
+    assert "placement_group_bundles" not in options
+
+
+def test_the_ingress_follows_a_fixed_replica_count():
+    assert ingress_options({**ENGINE, "num_replicas": 3})["num_replicas"] == 3
+
+
+def test_the_ingress_autoscales_like_the_engine_but_never_below_one_replica():
+    scaling = {"min_replicas": 0, "initial_replicas": 0, "max_replicas": 2,
+               "target_ongoing_requests": 1}  # fmt: skip
+    options = ingress_options({**ENGINE, "autoscaling_config": scaling})
+    assert options["autoscaling_config"] == {**scaling, "min_replicas": 1, "initial_replicas": 1}
+    assert "num_replicas" not in options
+    assert scaling["min_replicas"] == 0  # the engine's own is untouched
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ray.exceptions.ActorDiedError(),
+        ray.exceptions.RayActorError(),
+        serve_exceptions.DeploymentUnavailableError("OpenAIDeployment"),
+    ],
+)
+def test_a_dead_or_missing_engine_is_a_503(exc):
+    error = api_error(exc)
+    assert isinstance(error, APIError)
+    assert (error.status, error.type, error.code) == (503, "server_error", "engine_unavailable")
+
+
+def test_an_engine_side_value_error_stays_a_value_error():
+    wrapped = ray.exceptions.RayTaskError("generate", "Traceback ...", ValueError("too long"))
+    error = api_error(wrapped)
+    assert type(error) is ValueError and str(error) == "too long"
+
+
+def test_other_failures_pass_through():
+    exc = RuntimeError("a bug")
+    assert api_error(exc) is exc
