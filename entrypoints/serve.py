@@ -136,7 +136,10 @@ class OpenAIDeployment:
         }
 
     async def stats(self) -> dict:
-        return await self.engine.stats()
+        """The engine's counters, with ``engine_id`` (this replica: the ingress's metrics keep
+        the totals of each engine replica apart)."""
+        stats = await self.engine.stats()
+        return {**stats, "engine_id": serve.get_replica_context().replica_id.unique_id}
 
     async def check_health(self) -> None:
         await asyncio.wait_for(self.engine.stats(), timeout=30)

@@ -134,8 +134,9 @@ class ServeMetrics:
         self._model = model_name
         self.m = {spec.name: _make(spec, model_name) for spec in METRICS}
         self.vllm: VllmMetrics | None = None
-        self._preemptions_seen = 0
-        self._pd_seen: dict[str, float] = {}
+        # engine totals seen so far, per engine (``engine_id`` in the stats: an ingress polls
+        # whichever engine replica answers, and a replaced replica counts from zero again)
+        self._seen: dict[object, dict[str, float]] = {}
 
     def bind_engine(self, max_model_len: int, speculative: bool) -> None:
         """Builds the vLLM-named series, which need the engine's context length (the buckets of
@@ -198,12 +199,13 @@ class ServeMetrics:
         self._set("dsv4ray_kv_cache_usage", 1.0 - free / max(1, stats["num_pages"]))
         self.m["dsv4ray_free_kv_pages"].set(free)
         self.m["dsv4ray_pending_http_requests"].set(num_pending)
-        self._inc("dsv4ray_preemptions", stats["num_preemptions"] - self._preemptions_seen)
-        self._preemptions_seen = stats["num_preemptions"]
+        seen = self._seen.setdefault(stats.get("engine_id"), {})
+        self._inc("dsv4ray_preemptions", stats["num_preemptions"] - seen.get("preemptions", 0))
+        seen["preemptions"] = stats["num_preemptions"]
         for key, name in PD_STATS.items():  # engine totals -> counter increments
-            if stats.get(key, 0) > self._pd_seen.get(key, 0):
-                self.m[name].inc(float(stats[key] - self._pd_seen.get(key, 0)))
-                self._pd_seen[key] = stats[key]
+            if stats.get(key, 0) > seen.get(key, 0):
+                self.m[name].inc(float(stats[key] - seen.get(key, 0)))
+                seen[key] = stats[key]
 
     # one event, both exports: Ray's series and its vLLM twin (VLLM_NAMES), if it has one
     def _inc(self, name: str, count: float) -> None:
