@@ -254,10 +254,10 @@ class EngineCore:
                 out = self._end(req_id, f"output handling failed: {type(exc).__name__}")
                 updates[req_id] = RequestUpdate(req_id, output=out)
                 continue
-            recorded = self.outputs.outputs[req_id].logprobs  # the tokens' are its last ones
-            logprobs = None if recorded is None else recorded[len(recorded) - len(tokens) :]
-            updates[req_id] = RequestUpdate(req_id, tokens, delta, logprobs=logprobs)
             out = self.outputs.outputs[req_id]
+            recorded = out.logprobs  # the tokens' are its last ones
+            logprobs = None if recorded is None else recorded[len(recorded) - len(tokens) :]
+            updates[req_id] = RequestUpdate(req_id, tokens, delta, None, logprobs)
             if out.prompt_logprobs is not None and len(out.token_ids) == len(tokens):
                 updates[req_id].prompt_logprobs = out.prompt_logprobs  # with the first tokens
             if stop and not any(f.req_id == req_id for f in finished):
@@ -276,6 +276,9 @@ class EngineCore:
     def _feed(self, req_id: str, tokens: list[int], result) -> tuple[list[int], str, bool]:
         """Hands a step's tokens of a request to its output one by one, up to a stop string:
         (the tokens taken, their text, whether a stop string ended the request)."""
+        if len(tokens) == 1:  # a decode's one token (no drafts accepted)
+            delta, stop = self.outputs.on_token(req_id, tokens[0], result.logprobs.get(req_id))
+            return tokens, delta, stop
         logprobs = result.accepted_logprobs.get(req_id) or [None] * (len(tokens) - 1)
         logprobs = [*logprobs, result.logprobs.get(req_id)]
         text = ""

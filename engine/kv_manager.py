@@ -85,12 +85,10 @@ class KVCacheManager:
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Give the request the pages its next num_tokens tokens touch (all or nothing)."""
         start = req.num_computed_tokens
-        num_new_pages = cdiv(start + num_tokens, self.page_size) - len(req.page_ids)
-        if num_new_pages <= 0 and num_tokens == 1:  # a decode token: the step's usual case
-            first = max(0, start - self.window_size + 1) // self.window_size
-            if first in req.window_pages and start // self.window_size in req.window_pages:
-                return True  # inside its page, and the window pages it reads are resident
+        num_new_pages = max(0, cdiv(start + num_tokens, self.page_size) - len(req.page_ids))
         window_idxs = self._missing_windows(req, start, num_tokens)
+        if not (num_new_pages or window_idxs):
+            return True  # a decode's usual step: its page and window pages are there
         if not self.ensure_free(num_new_pages, len(window_idxs)):
             return False
         req.page_ids.extend(self.pages.alloc(num_new_pages))

@@ -177,6 +177,7 @@ class Scheduler:
         del self._in_flight[plan.step_id]
         self.kv.confirm_host_ops(plan.step_id)
         outcome = StepOutcome(frozenset(req.req_id for req, _, _ in entries), {}, [])
+        accepted, drafts = accepted or {}, drafts or {}
         for req, start, num_tokens in entries:
             lookahead.promote(req)
             if start + num_tokens < req.num_tokens:  # a prefill chunk: nothing sampled
@@ -184,9 +185,9 @@ class Scheduler:
                 self.kv.promote_snapshot(req)
                 self.kv.free_old_windows(req)
                 continue
-            got, token = (accepted or {}).get(req.req_id, ()), sampled[req.req_id]
+            got, token = accepted.get(req.req_id, ()), sampled[req.req_id]
             self._append(req, start + num_tokens, got, token, outcome)
-            req.draft_token_ids = list((drafts or {}).get(req.req_id, ()))
+            req.draft_token_ids = list(drafts.get(req.req_id, ()))
             self.kv.adopt_later_snapshot(req)
         return outcome
 
@@ -215,7 +216,7 @@ class Scheduler:
     def _append(self, req: Request, end: int, accepted, token: int, outcome) -> None:
         """Appends the accepted drafts, then the sampled token, checking stop conditions after
         each; what the step wrote past the verified positions (up to end) is rolled back."""
-        if list(accepted) != req.draft_token_ids[: len(accepted)]:
+        if accepted and list(accepted) != req.draft_token_ids[: len(accepted)]:
             raise ValueError(f"request {req.req_id!r}: accepted tokens are not its drafts")
         verify = end > req.num_tokens
         req.num_computed_tokens = req.num_tokens + len(accepted)
@@ -327,8 +328,9 @@ class Scheduler:
         plan.new_requests = [sync.new_request(req, eos) for req in step.admitted]
         plan.diffs = [diff for req in self._running if (diff := sync.pop_diff(req)) is not None]
         plan.draft = self.config.num_speculative_steps > 0
+        lookahead_reqs = set(step.lookahead)
         for req, start, num_tokens in step.entries:
-            if req in step.lookahead:
+            if req in lookahead_reqs:
                 plan.batch.append(BatchEntry(req.req_id, start, 1, True))
                 plan.token_ids.append(LOOKAHEAD_TOKEN)
                 plan.lookahead.append(req.req_id)

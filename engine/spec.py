@@ -122,9 +122,9 @@ def append_verified(
     """Appends verified tokens one at a time until one meets a stop condition; returns the
     tokens appended and the stop reason (None if none stopped)."""
     appended = []
-    for token in tokens:
-        req.token_ids.append(int(token))
-        appended.append(int(token))
+    for token in map(int, tokens):
+        req.token_ids.append(token)
+        appended.append(token)
         reason = stop_reason(req)
         if reason is not None:
             return appended, reason

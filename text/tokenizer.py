@@ -15,11 +15,13 @@ incrementally for streaming. Chat rendering, in order of precedence:
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 
 from dsv4ray.text import chat_encoding
 from dsv4ray.text.chat_template import render
+from dsv4ray.text.tokenizer_files import bytes_to_unicode
 
 DEFAULT_CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -30,6 +32,7 @@ DEFAULT_CHAT_TEMPLATE = (
 class Tokenizer:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer as HFTokenizer
+        from tokenizers import decoders
 
         file = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(file):
@@ -50,6 +53,12 @@ class Tokenizer:
         self.chat_format = "jinja" if self.chat_template else ("dsv4" if dsv4 else "default")
         if self.chat_format == "default":
             self.chat_template = DEFAULT_CHAT_TEMPLATE
+        # a ByteLevel decoder alone: streams decode each token's bytes (``token_bytes``)
+        self.byte_level = type(self._tok.decoder) is decoders.ByteLevel
+        self._byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
+        added = self._tok.get_added_tokens_decoder()
+        self._special_ids = {idx for idx, token in added.items() if token.special}
+        self._token_bytes: dict[int, bytes] = {}
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -60,6 +69,28 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, ids: list[int]) -> bytes:
+        """The bytes a byte-level decoder turns ids into (``byte_level`` tokenizers only):
+        ``decode(ids)`` is them decoded as UTF-8 with each invalid sequence replaced by U+FFFD.
+        Special tokens and ids outside the vocabulary give none. Each id's bytes are worked out
+        once, when it is first seen."""
+        cache, out = self._token_bytes, []
+        for idx in ids:
+            data = cache.get(idx)
+            if data is None:
+                data = cache[idx] = self._bytes_of(idx)
+            out.append(data)
+        return b"".join(out)
+
+    def _bytes_of(self, idx: int) -> bytes:
+        token = self._tok.id_to_token(idx) if idx >= 0 else None
+        if token is None or idx in self._special_ids:
+            return b""
+        try:
+            return bytes([self._byte_of[ch] for ch in token])
+        except KeyError:  # a character outside the byte alphabet: the token's own UTF-8
+            return token.encode()
 
     def apply_chat_template(
         self,
@@ -142,8 +173,10 @@ def _token_text(tok) -> str | None:
 class StreamDecoder:
     """Turns a growing list of token ids into text deltas in time linear in the output.
 
-    The tokenizers library's ``DecodeStream`` decodes only a short window of recent ids per
-    token and holds back an unfinished UTF-8 sequence (a window ending in U+FFFD). Invariant,
+    A byte-level tokenizer (DeepSeek's) streams each token's bytes through an incremental UTF-8
+    decoder, which holds back an unfinished sequence. Other decoders go through the tokenizers
+    library's ``DecodeStream``, which decodes only a short window of recent ids per token and
+    holds back an unfinished UTF-8 sequence (a window ending in U+FFFD). Invariant,
     for decoders where a byte's text is fixed once its character is complete (byte-level BPE,
     as DeepSeek's): the deltas ``push`` returns, followed by ``flush()``, concatenate to
     ``tokenizer.decode(ids)``. A byte-fallback decoder re-decodes a whole run of byte tokens as
@@ -159,9 +192,14 @@ class StreamDecoder:
         self.ids: list[int] = []
         self.num_chars = 0  # length of the text handed out so far
         self._stream = DecodeStream(skip_special_tokens=True)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
+        if self.tokenizer.byte_level:
+            delta = self._utf8.decode(self.tokenizer.token_bytes(token_ids))
+            self.num_chars += len(delta)
+            return delta
         if self._stream is not None:
             try:
                 delta = self._stream.step(self.tokenizer._tok, list(token_ids)) or ""

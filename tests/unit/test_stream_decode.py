@@ -126,3 +126,28 @@ def test_a_byte_fallback_decoder_that_rewrites_earlier_bytes_does_not_break_the_
     ids = [pieces.index(p) for p in ["<0x41>", "<0x41>", "<0xE2>", "<0xAC>", "▁", "<0x41>", "a"]]
     text, streamed, stopped = _run(tok, ids, SamplingParams(max_tokens=len(ids)))
     assert text == tok.decode(ids) == "\ufffd" * 4 + " Aa" and streamed.endswith(" Aa")
+
+
+def test_a_trained_byte_level_bpe_streams_through_its_byte_table(tmp_path):
+    """Merged multi-byte tokens, an added token outside the byte alphabet and a special token:
+    the byte table (the streaming path of byte-level tokenizers) gives decode()'s text."""
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer(models.BPE())
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=alphabet, special_tokens=["<s>"])
+    hf.train_from_iterator([TEXT * 3, "naïve naïve 日本語 日本 ✓✓ ab ab €€"] * 20, trainer)
+    hf.add_tokens([AddedToken("two words ✓", special=False, normalized=False)])
+    hf.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer(str(tmp_path))
+    assert tok.byte_level
+    vocab = hf.get_vocab_size(with_added_tokens=True)
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(vocab + 3) for _ in range(rng.randrange(1, 16))]  # some unknown
+        for chunk in (1, 2):
+            deltas, rest = _stream(tok, ids, chunk)
+            assert "".join(deltas) + rest == tok.decode(ids)
