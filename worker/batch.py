@@ -123,7 +123,7 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
                            padding.page_cols if padding else None)  # fmt: skip
     window_table = pad_lists([r.window_page_ids.view() for r in reqs],
                              padding.window_cols if padding else None)  # fmt: skip
-    _check_windows(entries, reqs)
+    _check_windows(entries, window_table, starts, counts)
     visible = (pos + 1) // 128
     c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
     if int(visible.max(initial=0)) > c128_cols:
@@ -283,24 +283,35 @@ class HostStage:
 def pad_lists(lists: list, width: int | None) -> np.ndarray:
     """[len(lists), width (None: the longest, at least 1)] int64, -1 past each list (lists of
     ints or int64 arrays)."""
-    longest = max((len(x) for x in lists), default=0)
+    lengths = np.array([len(x) for x in lists], dtype=np.int64)
+    longest = int(lengths.max(initial=0))
     if width is not None and longest > width:
         raise ValueError(f"{longest} pages do not fit a padded page table of {width} columns")
     out = np.full((len(lists), max(width or longest, 1)), -1, dtype=np.int64)
-    for i, ids in enumerate(lists):
-        out[i, : len(ids)] = ids
+    if longest:  # one scatter of every id (a row-by-row copy costs a call per request)
+        rows = np.repeat(np.arange(len(lists)), lengths)
+        cols = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[rows, cols] = np.concatenate([np.asarray(x, dtype=np.int64) for x in lists])
     return out
 
 
-def _check_windows(entries, reqs) -> None:
-    """Every window page a step's tokens read (positions p-127..p) is resident; a missing one is
-    a bookkeeping bug."""
-    for entry, req in zip(entries, reqs):
-        first = max(0, entry.start_pos - WINDOW + 1) // WINDOW
-        last = (entry.start_pos + entry.num_tokens - 1) // WINDOW
-        ids = req.window_page_ids.view()
-        if last >= len(ids) or ids[first : last + 1].min() < 0:
-            raise RuntimeError(f"{entry.req_id}: a window page of its last 128 positions is gone")
+def _check_windows(entries, window_table: np.ndarray, starts, counts) -> None:
+    """Every window page a step's tokens read (positions p-127..p) is resident (window_table:
+    [R, W], -1 where none); a missing one is a bookkeeping bug."""
+    first = np.maximum(starts - WINDOW + 1, 0) // WINDOW
+    last = (starts + counts - 1) // WINDOW
+    width, rows = window_table.shape[1], np.arange(len(entries))
+    bad = last >= width
+    ends = (
+        window_table[rows, np.minimum(first, width - 1)],
+        window_table[rows, np.minimum(last, width - 1)],
+    )
+    bad |= (ends[0] < 0) | (ends[1] < 0)
+    for i in np.flatnonzero((last - first > 1) & ~bad):  # a long chunk: the pages in between
+        bad[i] = window_table[i, first[i] : last[i] + 1].min() < 0
+    if bad.any():
+        req_id = entries[int(np.flatnonzero(bad)[0])].req_id
+        raise RuntimeError(f"{req_id}: a window page of its last 128 positions is gone")
 
 
 def _window_slots_t(window_table, req_rows, positions) -> torch.Tensor:

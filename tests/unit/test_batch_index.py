@@ -114,9 +114,25 @@ def test_top_k_positions_map_to_their_requests_c4_slots(seed):
         assert slots[t] == [_full_slot(table, e, 64) if e >= 0 else -1 for e in topk[t]]
 
 
-def test_a_missing_window_page_is_a_bookkeeping_error():
-    plan, tables = _random_step(random.Random(7))
-    e = next(e for e in plan.batch if e.start_pos + e.num_tokens > 1)
-    tables[e.req_id].window_page_ids.set((e.start_pos + e.num_tokens - 1) // WINDOW, -1)
-    with pytest.raises(RuntimeError, match="window page of its last 128 positions is gone"):
-        host_arrays(plan, tables)
+@pytest.mark.parametrize("which", ["first", "middle", "last", "never set"])
+def test_a_missing_window_page_is_a_bookkeeping_error_naming_its_request(which):
+    """Any window page an entry reads (positions p-127..p of each of its tokens), also one in
+    the middle of a long chunk, or one past the request's row, is an error naming it."""
+    rng = random.Random(7)
+    for _ in range(20):
+        plan, tables = _random_step(rng)
+        for e in plan.batch:
+            first = max(0, e.start_pos - WINDOW + 1) // WINDOW
+            last = (e.start_pos + e.num_tokens - 1) // WINDOW
+            if which == "middle" and last - first < 2:
+                continue
+            idx = {"first": first, "middle": first + 1, "last": last}.get(which)
+            row = tables[e.req_id].window_page_ids
+            if idx is None:
+                row.truncate(last)
+            else:
+                row.set(idx, -1)
+            with pytest.raises(RuntimeError, match=f"{e.req_id}: a window page of its last 128"):
+                host_arrays(plan, tables)
+            return
+    pytest.fail(f"no step had an entry to take a {which} window page from")
