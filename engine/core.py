@@ -1,15 +1,17 @@
 """EngineCore: the synchronous heart shared by ``LLM``, ``AsyncEngine``, the job runner and Serve.
 
-It owns the scheduler and a pipeline (in-process stages or Ray stage actors) and turns one call
-of ``step()`` into a list of per-request updates (new tokens, text deltas, finished outputs).
-Up to ``pipeline.depth`` plans are in flight (micro-batches); the scheduler never schedules a
-request that is in flight, and stages apply plans in order. If a stage dies, every unfinished
+It owns the scheduler and a pipeline (in-process stages or Ray stage actors) and turns one call of
+``step()`` into a list of per-request updates (new tokens, text deltas, finished outputs). Up to
+``pipeline.depth`` plans are in flight (micro-batches); the scheduler never schedules a request
+that is in flight, and stages apply plans in order. With overlap scheduling a step's commit submits
+the next plan as soon as the scheduler has taken the step's tokens, and only then detokenises them
+and builds the updates, so the stages never wait for that work. If a stage dies, every unfinished
 request ends with finish_reason "abort" and an error saying so, in the step that saw the failure;
 the next step rebuilds the pipeline with fresh pools before it schedules anything, and the engine
 keeps serving. A rebuild that fails ends the requests then waiting with an error (no caller waits
 on a pipeline that is not there) and is tried again at the next step. If only the draft worker
-died, no request ends: each resumes on the rebuilt pipeline from the tokens it has (recomputed
-as its prompt, with its seed), so its output is the one an undisturbed run gives.
+died, no request ends: each resumes on the rebuilt pipeline from the tokens it has (recomputed as
+its prompt, with its seed), so its output is the one an undisturbed run gives.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class EngineCore:
         self.spec_stats = dict.fromkeys(spec.STAT_NAMES, 0)
         # the last committed step's proposals still on the device (in-process draft worker)
         self.pending_drafts = None
+        self._fill_in_commit = False  # a step's commit submits the next plan (overlap only)
         if config.device == "cuda":
             warm_up(self)
 
@@ -186,6 +189,26 @@ class EngineCore:
                 return self.abort_all("the pipeline could not be restarted after a stage failed")
             if refused:
                 return refused
+        failure = self._fill()
+        if failure is not None:
+            return self._recover(failure)
+        if not self.in_flight:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError("the scheduler has unfinished requests but nothing to run")
+            return []
+        plan, handle = self.in_flight.popleft()
+        try:
+            result = self.pipeline.collect(handle)
+        except PipelineFailure as exc:
+            return self._recover(exc)
+        self._fill_in_commit = self.config.uses_overlap
+        try:
+            return self._commit(plan, result)
+        finally:
+            self._fill_in_commit = False
+
+    def _fill(self) -> PipelineFailure | None:
+        """Schedules and submits plans up to the pipeline depth; the failure of a submit."""
         while len(self.in_flight) < self.pipeline.depth:
             plan = self.scheduler.schedule()
             self._settle_skipped_drafts(plan)
@@ -197,17 +220,8 @@ class EngineCore:
             try:
                 self.in_flight.append((plan, self.pipeline.submit(plan)))
             except PipelineFailure as exc:
-                return self._recover(exc)
-        if not self.in_flight:
-            if self.scheduler.has_unfinished():
-                raise RuntimeError("the scheduler has unfinished requests but nothing to run")
-            return []
-        plan, handle = self.in_flight.popleft()
-        try:
-            result = self.pipeline.collect(handle)
-        except PipelineFailure as exc:
-            return self._recover(exc)
-        return self._commit(plan, result)
+                return exc
+        return None
 
     def _settle_skipped_drafts(self, plan) -> None:
         """Pending proposals go to the next plan, which fills them on the device; those of
@@ -238,6 +252,15 @@ class EngineCore:
         outcome = self.scheduler.commit(plan, result.sampled, result.accepted, result.drafts)
         finished = outcome.finished
         spec.count_drafts(plan, outcome, result, self.outputs.outputs, self.spec_stats)
+        if result.pending_drafts is not None:  # the next plan takes them on the device
+            k = self.config.speculative_num_steps
+            self.scheduler.expect_drafts(result.pending_drafts.req_ids, k)
+            self.pending_drafts = result.pending_drafts
+        # With overlap the next plan goes out now, before this step's tokens are detokenised
+        # and handed over: the stages start it while the host makes the outputs. A stop string
+        # found below ends its request after that plan took it, like a request that ends while
+        # its lookahead step runs (the entry is skipped at commit).
+        failure = self._fill() if self._fill_in_commit else None
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
                 self.outputs.logits.setdefault(req_id, []).append(logits)
@@ -267,10 +290,9 @@ class EngineCore:
             update = updates.setdefault(f.req_id, RequestUpdate(f.req_id))
             update.output = self.outputs.on_finish(f)
             self.scoring.discard(f.req_id)
-        if result.pending_drafts is not None:  # the next plan takes them on the device
-            k = self.config.speculative_num_steps
-            self.scheduler.expect_drafts(result.pending_drafts.req_ids, k)
-            self.pending_drafts = result.pending_drafts
+        if failure is not None:  # the next plan's submit found a dead stage
+            for update in self._recover(failure):
+                updates.setdefault(update.request_id, update).output = update.output
         return list(updates.values())
 
     def _feed(self, req_id: str, tokens: list[int], result) -> tuple[list[int], str, bool]:

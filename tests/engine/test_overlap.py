@@ -66,6 +66,31 @@ def test_stops_in_the_middle_of_lookahead_end_like_plain_decoding(tiny_ckpt, ove
     _no_leaks(overlap_llm)
 
 
+def test_stop_strings_found_after_the_next_plan_went_out_end_like_plain_decoding(
+    tiny_ckpt, overlap_llm
+):
+    """A commit submits the next plan before it detokenises the step's tokens, so a request a
+    stop string ends has entries in two plans then; it ends with plain decoding's tokens and
+    text, the requests beside it run on unchanged, and no page is left behind."""
+    prompts = _prompts([40, 70, 5, 90, 130, 17], seed=9)
+    plain = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=False, max_total_tokens=8192)
+    try:
+        base = plain.generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+        # two characters of each even request's own text (the tiny model's bytes are mostly
+        # invalid UTF-8, so some hold U+FFFD and may never appear in the streamed text)
+        stops = [out.text[2 + i : 4 + i] if i % 2 == 0 else "" for i, out in enumerate(base)]
+        params = [SamplingParams(max_tokens=16, ignore_eos=True, stop=[s] if s else None)
+                  for s in stops]  # fmt: skip
+        want = plain.generate(prompts, params)
+    finally:
+        plain.shutdown()
+    assert any(w.finish_reason == "stop" for w in want)  # a stop string does end a request
+    got = overlap_llm.generate(prompts, params)
+    for w, g in zip(want, got):
+        assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+    _no_leaks(overlap_llm)
+
+
 def test_seeded_sampling_and_logprobs_equal_plain_scheduling(tiny_ckpt, overlap_llm):
     prompts = _prompts([33, 90, 2], seed=5)
     params = [
