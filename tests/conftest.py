@@ -78,7 +78,10 @@ def pytest_collection_modifyitems(session, config, items):
     """The suite runs on two xdist workers (pyproject's addopts: -n 2 --dist loadfile), each
     taking whole files in collection order: the files of tests/ray (actors, Serve apps, Ray
     heads of their own; most of the suite's time) go first, so that short files fill the end
-    of the run on both workers rather than one long file on one."""
+    of the run on both workers rather than one long file on one. The order holds only with
+    --no-loadscope-reorder (also in addopts): by default xdist queues the files with the most
+    tests first, which puts the long one-test files of tests/ray last, and a worker takes its
+    next file while two tests of the current one remain, so both end on long files."""
     order = ("tests/ray/", "tests/engine/", "tests/kernels/", "tests/unit/")
 
     def rank(item) -> int:
