@@ -80,23 +80,6 @@ def test_drafts_with_the_host_tier_give_the_reference_tokens(ray_session, tiny_c
     assert again.token_ids == reference_greedy(tiny_model, a + [9, 10], 8)
 
 
-def test_restarted_stage_reloads_prefixes_from_the_host_tier(ray_session, tiny_ckpt, tiny_model):
-    a, b, _ = _prompts(5)
-    llm = _engine(tiny_ckpt, pp_size=2)
-    try:
-        llm.generate([a], GREEDY)
-        llm.generate([b], GREEDY)
-        ray.kill(llm.core.pipeline.actors[1], no_restart=True)
-        lost = llm.generate([b + [3]], GREEDY)[0]  # in flight when the stage is found dead
-        assert lost.finish_reason == "abort" and "stage" in lost.error
-        again = llm.generate([a + [4]], GREEDY)[0]
-    finally:
-        llm.shutdown()
-    assert again.finish_reason == "length"
-    assert again.metrics.num_host_cached_tokens > 0
-    assert again.token_ids == reference_greedy(tiny_model, a + [4], 4)
-
-
 def test_dead_host_tier_drops_residency_and_keeps_serving(
     ray_session, tiny_ckpt, tiny_model, caplog
 ):
@@ -120,31 +103,6 @@ def test_dead_host_tier_drops_residency_and_keeps_serving(
     assert later.token_ids == reference_greedy(tiny_model, c + [3], 4)
 
 
-def test_a_rebuild_that_finds_a_new_host_tier_forgets_the_old_host_copies(
-    ray_session, tiny_ckpt, tiny_model, caplog
-):
-    # the tier and a stage die together; the rebuild creates a new tier whose regions are
-    # zeros, so nothing may be served from the host copies the index remembered
-    a, b, c = _prompts(8)
-    llm = _engine(tiny_ckpt, pp_size=2)
-    try:
-        for prompt in (a, b, c):
-            llm.generate([prompt], GREEDY)
-        llm.generate([[7] * 10], GREEDY)  # carries the last backups while the tier lives
-        for tier in llm.core.pipeline.tiers:
-            ray.kill(tier, no_restart=True)
-        ray.kill(llm.core.pipeline.actors[1], no_restart=True)
-        with caplog.at_level("ERROR", logger="dsv4ray.engine"):
-            lost = llm.generate([[5] * 40], GREEDY)[0]  # no prefix hit: no host copy to load
-            again = llm.generate([a + [1]], GREEDY)[0]  # its first step rebuilds
-        assert lost.finish_reason == "abort" and "came back empty" in caplog.text
-        llm.core.check_integrity()
-    finally:
-        llm.shutdown()
-    assert again.metrics.num_host_cached_tokens == 0
-    assert again.token_ids == reference_greedy(tiny_model, a + [1], 4)
-
-
 def test_a_request_half_from_the_host_tier_beside_preemptions_at_pp2_is_exact(
     ray_session, tiny_ckpt, tiny_model
 ):
@@ -166,3 +124,49 @@ def test_a_request_half_from_the_host_tier_beside_preemptions_at_pp2_is_exact(
     assert outs[-1].metrics.num_host_cached_tokens > 0
     for prompt, out in zip(prompts[-2:], outs[-2:]):
         assert out.token_ids == reference_greedy(tiny_model, prompt, 8)
+
+
+@pytest.fixture(scope="module")
+def pp2_engine(ray_session, tiny_ckpt):
+    """One pp 2 engine for the two tests that kill its stages and host tier, the last of this
+    file (idle stages poll their channels: kept beside other tests they would cost more than
+    a build). Each kill is followed by a rebuild that the test checks with the reference."""
+    llm = _engine(tiny_ckpt, pp_size=2)
+    yield llm
+    llm.shutdown()
+
+
+def test_restarted_stage_reloads_prefixes_from_the_host_tier(pp2_engine, tiny_model):
+    a, b, _ = _prompts(5)
+    llm = pp2_engine
+    llm.generate([a], GREEDY)
+    llm.generate([b], GREEDY)
+    ray.kill(llm.core.pipeline.actors[1], no_restart=True)
+    lost = llm.generate([b + [3]], GREEDY)[0]  # in flight when the stage is found dead
+    assert lost.finish_reason == "abort" and "stage" in lost.error
+    again = llm.generate([a + [4]], GREEDY)[0]
+    assert again.finish_reason == "length"
+    assert again.metrics.num_host_cached_tokens > 0
+    assert again.token_ids == reference_greedy(tiny_model, a + [4], 4)
+
+
+def test_a_rebuild_that_finds_a_new_host_tier_forgets_the_old_host_copies(
+    pp2_engine, tiny_model, caplog
+):
+    # the tier and a stage die together; the rebuild creates a new tier whose regions are
+    # zeros, so nothing may be served from the host copies the index remembered
+    a, b, c = _prompts(8)
+    llm = pp2_engine
+    for prompt in (a, b, c):
+        llm.generate([prompt], GREEDY)
+    llm.generate([[7] * 10], GREEDY)  # carries the last backups while the tier lives
+    for tier in llm.core.pipeline.tiers:
+        ray.kill(tier, no_restart=True)
+    ray.kill(llm.core.pipeline.actors[1], no_restart=True)
+    with caplog.at_level("ERROR", logger="dsv4ray.engine"):
+        lost = llm.generate([[5] * 40], GREEDY)[0]  # no prefix hit: no host copy to load
+        again = llm.generate([a + [1]], GREEDY)[0]  # its first step rebuilds
+    assert lost.finish_reason == "abort" and "came back empty" in caplog.text
+    llm.core.check_integrity()
+    assert again.metrics.num_host_cached_tokens == 0
+    assert again.token_ids == reference_greedy(tiny_model, a + [1], 4)

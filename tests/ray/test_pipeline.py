@@ -72,37 +72,6 @@ def test_top_k_crosses_the_stage_boundary(ray_session, tmp_path):
     assert got == [reference_greedy(model, p, 5) for p in prompts]
 
 
-def test_killed_stage_aborts_requests_and_the_pipeline_recovers(ray_session, tiny_ckpt, tiny_model):
-    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2)
-
-    async def killed_midway():
-        outputs, count = [], 0
-        async for update in engine.generate(
-            [0, 5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True)
-        ):
-            count += 1
-            if count == 3:
-                ray.kill(engine.core.pipeline.actors[1], no_restart=True)
-            outputs.append(update)
-        return outputs[-1].output
-
-    async def after(prompt):
-        async for update in engine.generate(prompt, GREEDY):
-            if update.output is not None:
-                return update.output
-
-    try:
-        out = asyncio.run(killed_midway())
-        assert out.finish_reason == "abort"
-        assert "stage" in out.error and len(out.token_ids) < 400
-        prompt = _prompts([50], seed=3)[0]
-        again = asyncio.run(after(prompt))
-        assert again.finish_reason == "length"
-        assert again.token_ids == reference_greedy(tiny_model, prompt, 5)
-    finally:
-        engine.shutdown()
-
-
 def test_a_stuck_stage_ends_its_request_after_the_step_timeout_and_is_replaced(
     ray_session, tiny_ckpt, tiny_model, monkeypatch
 ):
@@ -269,37 +238,6 @@ def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(ray_
         remove_placement_group(hold)
 
 
-def test_stages_killed_while_idle_are_replaced_before_the_next_request(
-    ray_session, tiny_ckpt, tiny_model, monkeypatch
-):
-    """A stage that dies between requests is found by the idle engine's ping and the pipeline
-    rebuilt before the next request arrives: no request fails for it, tokens stay exact, and
-    the stats call answers throughout."""
-    from dsv4ray.entrypoints import async_engine
-
-    monkeypatch.setattr(async_engine, "LIVENESS_S", 1.0)  # the check's period (5 s by default)
-    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2)
-    prompt = _prompts([40], seed=5)[0]
-
-    async def answer():
-        async for update in engine.generate(prompt, GREEDY):
-            if update.output is not None:
-                return update.output
-
-    try:
-        for kill in range(2):  # the first stage, then the second
-            ray.kill(engine.core.pipeline.actors[kill % 2], no_restart=True)
-            deadline = time.monotonic() + 60
-            while asyncio.run(engine.stats())["num_pipeline_rebuilds"] <= kill:
-                assert time.monotonic() < deadline, "the dead stage was not replaced"
-                time.sleep(0.5)
-            out = asyncio.run(answer())
-            assert out.finish_reason == "length" and out.error is None
-            assert out.token_ids == reference_greedy(tiny_model, prompt, 5)
-    finally:
-        engine.shutdown()
-
-
 def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ckpt, tiny_model):
     # the driver and each stage actor resolve the URI into their machine's cache
     llm = LLM("file://" + os.path.abspath(tiny_ckpt), kv_cache_dtype="fp32", pp_size=2)
@@ -310,3 +248,65 @@ def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ck
     finally:
         llm.shutdown()
     assert got == reference_greedy(tiny_model, prompt, 5)
+
+
+@pytest.fixture(scope="module")
+def async_pp2(ray_session, tiny_ckpt):
+    """One pp 2 AsyncEngine for the two tests that kill its stages, the last of this file (idle
+    stages poll their channels: kept beside other tests they would cost more than a build).
+    Each kill is followed by a rebuild that the test verifies with the reference's tokens."""
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2)
+    yield engine
+    engine.shutdown()
+
+
+async def _answer(engine: AsyncEngine, prompt: list[int]):
+    async for update in engine.generate(prompt, GREEDY):
+        if update.output is not None:
+            return update.output
+
+
+def test_killed_stage_aborts_requests_and_the_pipeline_recovers(async_pp2, tiny_model):
+    engine = async_pp2
+
+    async def killed_midway():
+        outputs, count = [], 0
+        async for update in engine.generate(
+            [0, 5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True)
+        ):
+            count += 1
+            if count == 3:
+                ray.kill(engine.core.pipeline.actors[1], no_restart=True)
+            outputs.append(update)
+        return outputs[-1].output
+
+    out = asyncio.run(killed_midway())
+    assert out.finish_reason == "abort"
+    assert "stage" in out.error and len(out.token_ids) < 400
+    prompt = _prompts([50], seed=3)[0]
+    again = asyncio.run(_answer(engine, prompt))
+    assert again.finish_reason == "length"
+    assert again.token_ids == reference_greedy(tiny_model, prompt, 5)
+
+
+def test_stages_killed_while_idle_are_replaced_before_the_next_request(
+    async_pp2, tiny_model, monkeypatch
+):
+    """A stage that dies between requests is found by the idle engine's ping and the pipeline
+    rebuilt before the next request arrives: no request fails for it, tokens stay exact, and
+    the stats call answers throughout."""
+    from dsv4ray.entrypoints import async_engine
+
+    monkeypatch.setattr(async_engine, "LIVENESS_S", 1.0)  # the check's period (5 s by default)
+    engine = async_pp2
+    prompt = _prompts([40], seed=5)[0]
+    rebuilds = asyncio.run(engine.stats())["num_pipeline_rebuilds"]  # by earlier tests
+    for kill in range(2):  # the first stage, then the second
+        ray.kill(engine.core.pipeline.actors[kill % 2], no_restart=True)
+        deadline = time.monotonic() + 60
+        while asyncio.run(engine.stats())["num_pipeline_rebuilds"] <= rebuilds + kill:
+            assert time.monotonic() < deadline, "the dead stage was not replaced"
+            time.sleep(0.5)
+        out = asyncio.run(_answer(engine, prompt))
+        assert out.finish_reason == "length" and out.error is None
+        assert out.token_ids == reference_greedy(tiny_model, prompt, 5)
