@@ -65,6 +65,25 @@ def assert_nothing_held(llm: LLM) -> None:
     assert not llm.scheduler.held
 
 
+def test_a_hisparse_decode_side_takes_handoffs_token_exact(ray_session, tiny_ckpt, prompts,
+                                                           colocated):  # fmt: skip
+    """PD with HiSparse on both sides: prefill writes each request's C4 history into the
+    decode side's host store (slot 0 included) and the decode side's few hot rows miss, so
+    decoding reads the handed-over history through the host: tokens equal the colocated ones.
+    First in the file: the engines pd_engine keeps would otherwise idle beside this one."""
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", prefill_pp_size=1, pp_size=2,
+              enable_hisparse=True, hisparse_hot_rows=17)  # fmt: skip
+    try:
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.core.stats()
+        assert [o.token_ids for o in outs] == colocated[0]
+        assert stats["pd_remote_prefills"] == len(prompts) and stats["pd_local_prefills"] == 0
+        assert stats["hisparse_misses"] > 0
+        assert_nothing_held(llm)
+    finally:
+        llm.shutdown()
+
+
 # prefill pp 2 and decode pp 2: tests/ray/test_combinations.py (with drafts and the host tier)
 @pytest.mark.parametrize(("prefill_pp", "decode_pp"), [(1, 1)])
 def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefill_pp, decode_pp):
@@ -189,21 +208,3 @@ def test_a_prefill_engine_killed_while_idle_is_found_and_restarted(pd_engine, pr
     assert [o.token_ids for o in outs] == colocated[0][:2]
     assert core.stats()["pd_remote_prefills"] - before["pd_remote_prefills"] == 2
     assert_nothing_held(llm)
-
-
-def test_a_hisparse_decode_side_takes_handoffs_token_exact(ray_session, tiny_ckpt, prompts,
-                                                           colocated):  # fmt: skip
-    """PD with HiSparse on both sides: prefill writes each request's C4 history into the
-    decode side's host store (slot 0 included) and the decode side's few hot rows miss, so
-    decoding reads the handed-over history through the host: tokens equal the colocated ones."""
-    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", prefill_pp_size=1, pp_size=2,
-              enable_hisparse=True, hisparse_hot_rows=17)  # fmt: skip
-    try:
-        outs = llm.generate(prompts, GREEDY)
-        stats = llm.core.stats()
-        assert [o.token_ids for o in outs] == colocated[0]
-        assert stats["pd_remote_prefills"] == len(prompts) and stats["pd_local_prefills"] == 0
-        assert stats["hisparse_misses"] > 0
-        assert_nothing_held(llm)
-    finally:
-        llm.shutdown()
