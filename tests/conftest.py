@@ -88,3 +88,20 @@ def pytest_collection_modifyitems(session, config, items):
         return next((i for i, p in enumerate(order) if item.nodeid.startswith(p)), len(order))
 
     items.sort(key=rank)
+
+
+def pytest_runtest_setup(item):
+    """The local Ray that tests/ray's ray_session started idles at ~5% of a core (GCS, raylet,
+    agents, idle workers) while the rest of the suite runs on this worker: it is shut down
+    before the first test outside tests/ray, and started again for a test of tests/ray that
+    comes after that (only an order other than the one below makes one)."""
+    options = getattr(item.config, "local_ray_options", None)
+    if options is None:
+        return
+    import ray
+
+    in_ray = item.nodeid.startswith("tests/ray/")
+    if not in_ray and ray.is_initialized():
+        ray.shutdown()
+    elif in_ray and not ray.is_initialized():
+        ray.init(**options)

@@ -9,12 +9,14 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def ray_session():
+def ray_session(request):
     import ray
 
     if not ray.is_initialized():
         # logical CPUs: pipelines of 0.5-CPU stages, a Serve replica and the proxy share 2 cores
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        options = dict(num_cpus=4, include_dashboard=False, logging_level="ERROR")
+        ray.init(**options)
+        request.config.local_ray_options = options  # tests/conftest.py stops it after tests/ray
     yield ray
     ray.shutdown()
 
