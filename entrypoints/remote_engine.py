@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import ray.exceptions
 from ray.serve import exceptions as serve_exceptions
@@ -62,6 +63,15 @@ def api_error(exc: BaseException) -> BaseException:
     return exc
 
 
+def raise_for_api(exc: BaseException) -> NoReturn:
+    """Raises what a failed call to the engine deployment is on the ingress (``api_error``):
+    the call's own exception when it maps to nothing else."""
+    error = api_error(exc)
+    if error is exc:
+        raise exc
+    raise error from None
+
+
 class RemoteEngine:
     """An EngineClient whose engine is the engine deployment. ``info`` is the engine's
     ``info()``; ``model`` the checkpoint folder on this node (tokenizer, logprob bytes)."""
@@ -86,10 +96,7 @@ class RemoteEngine:
                     finished = True
                     return
         except Exception as exc:
-            error = api_error(exc)
-            if error is exc:
-                raise
-            raise error from None
+            raise_for_api(exc)
         finally:
             if not finished:
                 response.cancel()  # the engine replica aborts the request
@@ -98,7 +105,4 @@ class RemoteEngine:
         try:
             return await self.handle.stats.remote()
         except Exception as exc:
-            error = api_error(exc)
-            if error is exc:
-                raise
-            raise error from None
+            raise_for_api(exc)
