@@ -29,6 +29,9 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
+_BYTE_OF = {ch: b for b, ch in bytes_to_unicode().items()}  # a byte-level character's byte
+
+
 class Tokenizer:
     def __init__(self, path: str) -> None:
         from tokenizers import Tokenizer as HFTokenizer
@@ -55,7 +58,6 @@ class Tokenizer:
             self.chat_template = DEFAULT_CHAT_TEMPLATE
         # a ByteLevel decoder alone: streams decode each token's bytes (``token_bytes``)
         self.byte_level = type(self._tok.decoder) is decoders.ByteLevel
-        self._byte_of = {ch: b for b, ch in bytes_to_unicode().items()}
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {idx for idx, token in added.items() if token.special}
         self._token_bytes: dict[int, bytes] = {}
@@ -88,7 +90,7 @@ class Tokenizer:
         if token is None or idx in self._special_ids:
             return b""
         try:
-            return bytes([self._byte_of[ch] for ch in token])
+            return bytes([_BYTE_OF[ch] for ch in token])
         except KeyError:  # a character outside the byte alphabet: the token's own UTF-8
             return token.encode()
 
@@ -191,12 +193,15 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.num_chars = 0  # length of the text handed out so far
-        self._stream = DecodeStream(skip_special_tokens=True)
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
+        # byte-level: each token's bytes through an incremental UTF-8 decoder; else DecodeStream
+        self._utf8 = (
+            codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
+        )
+        self._stream = None if tokenizer.byte_level else DecodeStream(skip_special_tokens=True)
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
-        if self.tokenizer.byte_level:
+        if self._utf8 is not None:
             delta = self._utf8.decode(self.tokenizer.token_bytes(token_ids))
             self.num_chars += len(delta)
             return delta
