@@ -5,16 +5,16 @@ the KV transfer's share of it, and the transfer's bandwidth against the Mooncake
                        [--commit SHA] [--out-dir DIR]
 
 On GPUs (default --model /tmp/dsv4-mini, made with make_tiny(dir, "dsv4-mini") when missing;
-8192-token prompts) each engine's stage has a GPU of its own where the machine has three (the
-prefill pipeline on one, the decode pipeline on another, the engine without PD on a third);
-with fewer, every engine shares one GPU: each stage takes 0.3 of it (num_gpus_per_stage) and
-0.3 of the memory free when it starts. On CPU it is a smoke run on the
-tiny preset (1024-token prompts). In one run it measures:
+8192-token prompts) each engine's stage has a GPU of its own where the machine has two or more
+(the prefill pipeline on one, the decode pipeline on another; the engine without PD on a third,
+or, with two GPUs, measured before the PD pair starts); with one GPU every engine shares it: each
+stage takes 0.3 of it (num_gpus_per_stage) and 0.3 of the memory free when it starts. On CPU it
+is a smoke run on the tiny preset (1024-token prompts). In one run it measures:
   - the ceiling: one raw 256 MiB Mooncake TCP write between two buffers registered in this
     process (device buffers on a GPU, as the pools are), median of 3;
   - TTFT of an engine without PD (one Ray stage actor) and of a PD pair (prefill pp 1 ->
-    decode pp 1) with the same options, both up at once, each fresh prompt (no prefix hits) on
-    one then the other, medians over R prompts after a warm-up prompt of the same length;
+    decode pp 1) with the same options over the same fresh prompts (no prefix hits), medians
+    over R prompts after a warm-up prompt of the same length;
   - each PD request's transfer time (the prefill stages' write time,
     RequestOutput.metrics.kv_transfer_s) and the handoff's bytes; greedy tokens of the two
     engines are compared.
@@ -73,30 +73,47 @@ def _raw_write_gbs(device: torch.device) -> float:
 
 
 def measure(model: str, gpu: bool, prompt_len: int, reps: int, kv_dtype: str) -> dict:
-    """Both engines up at once (each stage on its own GPU where there are three, else a third
-    of one GPU and 0.3 of its free memory per stage);
-    each prompt runs on one, then on the other, one request at a time, so that TTFT is the
-    prefill and load on a shared machine hits both alike. The first prompt warms up."""
+    """TTFT of one engine and of a PD pair over the same prompts, one request at a time; the
+    first prompt warms up. With two GPUs the plain engine runs first on one and the PD pair
+    then takes both; otherwise both are up at once (a GPU each with three or more, else each
+    stage takes 0.3 of the one GPU and 0.3 of its free memory)."""
     options = dict(kv_cache_dtype=kv_dtype, max_num_batched_tokens=max(2048, prompt_len))
-    if gpu and torch.cuda.device_count() < 3:
+    gpus = torch.cuda.device_count() if gpu else 0
+    if gpus == 1:
         options.update(num_gpus_per_stage=0.3, memory_fraction=0.3)
     prompts = random_prompts(reps + 1, prompt_len, seed=11)
+    if gpus == 2:
+        base = _run(LLM(model, use_ray=True, **options), prompts)
+        torch.cuda.empty_cache()
+        pd = LLM(model, prefill_pp_size=1, pp_size=1, **options)
+        return {"base": base[1:], **_run_pd(pd, prompts)}
     plain = LLM(model, use_ray=True, **options)
     try:
+        # each prompt on one, then on the other: load on a shared machine hits both alike
         pd = LLM(model, prefill_pp_size=1, pp_size=1, **options)
-        try:
-            base, outs = [], []
-            for i, prompt in enumerate(prompts):
-                pair = plain.generate([prompt], FOUR)[0], pd.generate([prompt], FOUR)[0]
-                if i:
-                    base.append(pair[0])
-                    outs.append(pair[1])
-            stats = pd.core.stats()
-        finally:
-            pd.shutdown()
+        base = []
+        m = _run_pd(pd, prompts, before=lambda p: base.append(plain.generate([p], FOUR)[0]))
     finally:
         plain.shutdown()
-    return {"base": base, "pd": outs, "stats": stats}
+    return {"base": base[1:], **m}
+
+
+def _run(llm: LLM, prompts: list) -> list:
+    try:
+        return [llm.generate([p], FOUR)[0] for p in prompts]
+    finally:
+        llm.shutdown()
+
+
+def _run_pd(pd: LLM, prompts: list, before=lambda prompt: None) -> dict:
+    try:
+        outs = []
+        for prompt in prompts:
+            before(prompt)
+            outs.append(pd.generate([prompt], FOUR)[0])
+        return {"pd": outs[1:], "stats": pd.core.stats()}
+    finally:
+        pd.shutdown()
 
 
 def _median(values) -> float:
@@ -112,7 +129,9 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
         o.metrics.kv_transfer_s / o.metrics.ttft_s for o in m["pd"] if o.metrics.kv_transfer_s
     )
     stats = m["stats"]
-    placed = "a GPU each" if gpu and torch.cuda.device_count() >= 3 else "sharing one device"
+    gpus = torch.cuda.device_count() if gpu else 0
+    placed = {0: "sharing the CPU", 1: "sharing one GPU", 2: "a GPU each, one engine at a time"}
+    placed = placed.get(gpus, "a GPU each, both up at once")
     num_bytes = stats["pd_transfer_bytes"] / max(1, stats["pd_remote_prefills"])
     seconds = stats["pd_transfer_seconds"]
     bandwidth = stats["pd_transfer_bytes"] / seconds / 1e9 if seconds else float("nan")
