@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from dsv4ray.engine.plan import StepPlan
-from dsv4ray.worker.req_table import ReqTable
+from dsv4ray.worker.req_table import IdRow, ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 
 PAGE, WINDOW = 256, 128
@@ -119,10 +119,9 @@ def host_arrays(plan: StepPlan, tables: dict[str, ReqTable], padding: Padding | 
     firsts = np.repeat(np.cumsum(counts) - counts, counts)  # token index of each request's first
     pos = starts[rows] + np.arange(int(counts.sum()), dtype=np.int64) - firsts
     reqs = [tables[e.req_id] for e in entries]
-    page_table = pad_lists([r.page_ids.view() for r in reqs],
-                           padding.page_cols if padding else None)  # fmt: skip
-    window_table = pad_lists([r.window_page_ids.view() for r in reqs],
-                             padding.window_cols if padding else None)  # fmt: skip
+    page_table = id_table([r.page_ids for r in reqs], padding.page_cols if padding else None)
+    window_table = id_table([r.window_page_ids for r in reqs],
+                            padding.window_cols if padding else None)  # fmt: skip
     _check_windows(entries, window_table, starts, counts)
     visible = (pos + 1) // 128
     c128_cols = padding.c128_cols if padding else max(int(visible.max(initial=0)), 1)
@@ -280,19 +279,15 @@ class HostStage:
         return out
 
 
-def pad_lists(lists: list, width: int | None) -> np.ndarray:
-    """[len(lists), width (None: the longest, at least 1)] int64, -1 past each list (lists of
-    ints or int64 arrays)."""
-    lengths = np.array([len(x) for x in lists], dtype=np.int64)
-    longest = int(lengths.max(initial=0))
+def id_table(rows: list[IdRow], width: int | None) -> np.ndarray:
+    """[len(rows), width (None: the longest, at least 1)] int64, -1 past each row's ids."""
+    longest = max(map(len, rows), default=0)
     if width is not None and longest > width:
         raise ValueError(f"{longest} pages do not fit a padded page table of {width} columns")
-    out = np.full((len(lists), max(width or longest, 1)), -1, dtype=np.int64)
-    if longest:  # one scatter of every id (a row-by-row copy costs a call per request)
-        rows = np.repeat(np.arange(len(lists)), lengths)
-        cols = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
-        out[rows, cols] = np.concatenate([np.asarray(x, dtype=np.int64) for x in lists])
-    return out
+    width = max(width or longest, 1)
+    if not rows:
+        return np.full((0, width), -1, dtype=np.int64)
+    return np.concatenate([row.padded(width) for row in rows]).reshape(len(rows), width)
 
 
 def _check_windows(entries, window_table: np.ndarray, starts, counts) -> None:

@@ -18,7 +18,8 @@ MIN_CAPACITY = 16
 
 
 class IdRow:
-    """A growable int64 id row; `view()` is the live ids (no copy), `tolist()` plain ints."""
+    """A growable int64 id row; `view()` is the live ids (no copy), `tolist()` plain ints.
+    Invariant: the buffer holds -1 past the ids."""
 
     def __init__(self, ids: Iterable[int] = ()):
         ids = np.fromiter(ids, dtype=np.int64)
@@ -40,6 +41,13 @@ class IdRow:
 
     def tolist(self) -> list[int]:
         return self.view().tolist()
+
+    def padded(self, width: int) -> np.ndarray:
+        """The ids, then -1 up to width (>= len): a view of the row's buffer, which holds -1
+        past the ids; valid until the row changes."""
+        if width > len(self._buf):
+            self._reserve(width)
+        return self._buf[:width]
 
     def truncate(self, n: int) -> None:
         """Keeps the first n ids."""

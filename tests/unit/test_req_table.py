@@ -5,7 +5,7 @@ import random
 import numpy as np
 
 from dsv4ray.engine.plan import RequestDiff
-from dsv4ray.worker.batch import pad_lists
+from dsv4ray.worker.batch import id_table
 from dsv4ray.worker.req_table import IdRow, ReqTable
 
 
@@ -45,8 +45,11 @@ def test_diffs_keep_the_table_equal_to_list_bookkeeping():
             assert table.window_page_ids.tolist() == windows
             resident = tuple((i, p) for i, p in enumerate(windows) if p >= 0)
             assert table.resident_windows() == resident
-        rows = pad_lists([table.page_ids.view(), [7]], None)
+        rows = id_table([table.page_ids, IdRow([7])], None)
         assert rows[0, : len(pages)].tolist() == pages and (rows[0, len(pages) :] == -1).all()
+        assert rows[1].tolist() == [7] + [-1] * (rows.shape[1] - 1)
+        wide = id_table([table.window_page_ids], len(windows) + 40)  # past the row's buffer
+        assert wide[0].tolist() == windows + [-1] * 40
 
 
 def test_a_row_cut_back_and_grown_again_holds_no_stale_ids():
