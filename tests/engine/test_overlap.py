@@ -135,3 +135,49 @@ def test_an_abort_while_two_steps_run_leaves_the_others_right(overlap_llm, tiny_
     assert core.pop_output("abort-1").token_ids == reference_greedy(tiny_model, prompts[1], 10)
     core.pop_output("abort-0")
     _no_leaks(overlap_llm)
+
+
+def test_a_stage_lost_as_a_commit_sends_the_next_plan_keeps_that_commits_tokens(
+    overlap_llm, tiny_model, monkeypatch
+):
+    # With overlap a commit submits the next plan before it hands out its own step's tokens; a
+    # dead stage found by that submit ends every request, after those tokens reached the updates
+    from dsv4ray.engine.pipeline import PipelineFailure
+
+    core = overlap_llm.core
+    submit, sent_in_commit, committed = core.pipeline.submit, [], {}
+
+    def failing_submit(plan):
+        if core._fill_in_commit and plan.batch:
+            sent_in_commit.append(plan.step_id)
+            if len(sent_in_commit) == 3:  # the scheduler has taken the committing step's tokens
+                committed.update(
+                    {r: core.scheduler._requests[r].num_output_tokens for r in streamed}
+                )
+                raise PipelineFailure("stage gone")
+        return submit(plan)
+
+    monkeypatch.setattr(core.pipeline, "submit", failing_submit)
+    prompts = _prompts([30, 45], seed=9)
+    streamed: dict[str, list[int]] = {"lost-0": [], "lost-1": []}
+    for i, prompt in enumerate(prompts):
+        core.add_request(f"lost-{i}", prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    final = {}
+    while len(final) < 2:
+        for update in core.step():
+            streamed[update.request_id] += update.token_ids
+            if update.output is not None:
+                final[update.request_id] = update.output
+    monkeypatch.undo()
+    assert len(sent_in_commit) == 3  # the failure came from a submit inside a commit
+    for i, prompt in enumerate(prompts):
+        out = core.pop_output(f"lost-{i}")
+        assert out is final[f"lost-{i}"]
+        assert out.finish_reason == "abort" and "stage" in out.error
+        # every committed token, the failing commit's own included, is streamed and kept
+        assert streamed[f"lost-{i}"] == out.token_ids
+        assert len(out.token_ids) == committed[f"lost-{i}"] >= 1
+        assert out.token_ids == reference_greedy(tiny_model, prompt, len(out.token_ids))
+    _no_leaks(overlap_llm)
+    again = overlap_llm.generate([prompts[1]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert again[0].token_ids == reference_greedy(tiny_model, prompts[1], 4)  # rebuilt
