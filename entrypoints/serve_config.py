@@ -28,7 +28,11 @@ INGRESS_NAME = "OpenAIIngress"  # the HTTP deployment in front of it
 INGRESS_CPUS = 0.25  # HTTP, tokenizing and SSE rendering; no placement group
 REPLICA_CPUS = {True: 1.0, False: 0.5}  # by use_gpu; a GPU bundle already has room for it
 ONGOING_HEADROOM = 16  # health, models and stats calls beside max_pending_requests generations
-_SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests")
+_SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests", "routing")
+ROUTERS = {  # routing -> the engine deployment's request router (None: Serve's default)
+    "prefix": "dsv4ray.entrypoints.prefix_routing.PrefixRouter",
+    "pow2": None,
+}
 _KEY_KEYS = ("model", "api_key", "api_key_file")  # resolved by from_config
 _PLACEMENT_KEYS = ("accelerator", "stage_resources")
 _DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config")
@@ -57,6 +61,7 @@ class ServeSettings:
     api_key: str | None = None
     max_body_bytes: int = 1 << 20
     max_pending_requests: int = 256
+    routing: str = "prefix"  # ROUTERS: by prompt prefix across replicas, or power of two
     deployment_overrides: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -64,6 +69,8 @@ class ServeSettings:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.routing, str) or self.routing not in ROUTERS:
+            raise ValueError(f"routing must be one of {sorted(ROUTERS)}, got {self.routing!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
         if not self.served_model_name:
@@ -116,14 +123,20 @@ class ServeSettings:
         return [first] + [dict(stage) for _ in range(self.engine_options.get("pp_size", 1) - 1)]
 
     def deployment_options(self) -> dict:
-        return {
+        options = {
             "name": DEPLOYMENT_NAME,
             "ray_actor_options": {"num_cpus": REPLICA_CPUS[self.use_gpu]},
             "placement_group_bundles": self.bundles(),
             "placement_group_strategy": "PACK",
             "max_ongoing_requests": self.max_pending_requests + ONGOING_HEADROOM,
-            **self.deployment_overrides,
         }
+        if ROUTERS[self.routing] is not None:
+            from ray.serve.config import RequestRouterConfig
+
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class=ROUTERS[self.routing]
+            )
+        return {**options, **self.deployment_overrides}
 
     def server_options(self) -> ServerOptions:
         return ServerOptions(

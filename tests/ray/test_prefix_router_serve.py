@@ -1,0 +1,57 @@
+"""PrefixRouter inside Ray Serve: every turn of a conversation reaches one replica of the
+routed deployment, whichever replica in front called it (with Serve's default router a turn
+lands on a random replica)."""
+
+import random
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def front(ray_session):
+    """Two replicas of Front, each calling three replicas of Echo (the engine's call shape,
+    generate(prompt, params, request_id), answering with its replica id) through PrefixRouter:
+    as the ingress replicas call the engine deployment."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    from dsv4ray.entrypoints.serve_config import ROUTERS
+
+    @serve.deployment(
+        num_replicas=3,
+        ray_actor_options={"num_cpus": 0.01},
+        request_router_config=RequestRouterConfig(request_router_class=ROUTERS["prefix"]),
+    )
+    class Echo:
+        async def generate(self, prompt, params, request_id):
+            return serve.get_replica_context().replica_id.unique_id
+
+    @serve.deployment(num_replicas=2, ray_actor_options={"num_cpus": 0.01})
+    class Front:
+        def __init__(self, echo) -> None:
+            self.echo = echo
+
+        async def generate(self, prompt, request_id):
+            me = serve.get_replica_context().replica_id.unique_id
+            return me, await self.echo.generate.remote(prompt, None, request_id)
+
+    serve.start()
+    yield serve.run(Front.bind(Echo.bind()), name="prefix-routing", route_prefix=None)
+    serve.delete("prefix-routing")
+    serve.shutdown()
+
+
+def test_each_conversation_stays_on_one_replica_whichever_caller_routes_it(front):
+    rng = random.Random(0)
+    conversations = [[rng.randrange(1000) for _ in range(70)] for _ in range(7)]
+    callers, seen = [set() for _ in conversations], [[] for _ in conversations]
+    for turn in range(4):
+        for i, prompt in enumerate(conversations):
+            prompt += [rng.randrange(1000) for _ in range(70)]  # the next user turn
+            caller, echo = front.generate.remote(list(prompt), f"c{i}-{turn}").result()
+            callers[i].add(caller)
+            seen[i].append(echo)
+    # turns of one conversation came through both callers, each with a router of its own
+    assert sum(len(c) == 2 for c in callers) >= 3, callers
+    assert all(len(set(replicas)) == 1 for replicas in seen), seen
+    assert len({replicas[0] for replicas in seen}) > 1  # new conversations still spread
