@@ -35,6 +35,7 @@ BENCHMARKS = {  # every module of bench/ with a main(argv=None) -> what it measu
     "profile_step": "a step's GPU time by kernel name: eager decode steps and one prefill",
     "quant_sweep": "tile shapes of the FP8 linear and the FP8 / FP4 grouped experts (one GPU)",
     "report": "rebuild bench/BENCHMARKS.md from bench/results/*.json",
+    "routing": "prefix-aware routing across Serve replicas against power of two: hit rate, TTFT",
     "sampling": "the last stage's host costs (sampling, detokenisation, stops) vs old schemes",
     "serve_load": "N streaming clients over HTTP against the same engine called directly",
     "structured": "structured output's cost: free requests beside grammar-constrained ones",
