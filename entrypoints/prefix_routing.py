@@ -40,8 +40,8 @@ IMBALANCE = 4  # queue length over the shortest at which a prefix's replica is p
 def prefix_keys(prompt) -> list[int]:
     """Chained hashes of the prompt's complete blocks: key i names blocks 0..i (a token-id list
     or a str; anything else has none)."""
-    if isinstance(prompt, str):
-        size = BLOCK_CHARS
+    if isinstance(prompt, str):  # code points: str hashes differ between processes, ints do not
+        prompt, size = [ord(c) for c in prompt], BLOCK_CHARS
     elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
         size = BLOCK_TOKENS
     else:

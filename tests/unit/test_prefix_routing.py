@@ -1,6 +1,7 @@
 """Prefix-aware routing's policy: prompts that share blocks share keys, the replica last sent the
 longest prefix is ranked first unless its queue is too long, and the table stays bounded."""
 
+import os
 import random
 
 import pytest
@@ -30,6 +31,24 @@ def test_keys_name_complete_blocks_and_a_shared_prefix_shares_them():
     text = "x" * (2 * BLOCK_CHARS + 1)
     assert len(prefix_keys(text)) == 2 and prefix_keys(text + "y")[:2] == prefix_keys(text)
     assert prefix_keys(None) == prefix_keys(b"bytes") == prefix_keys(_ids(10, 2)) == []
+
+
+def test_keys_are_the_same_in_every_process():
+    # the routers of several ingress processes share one table: a key must not depend on the
+    # process (Python salts str hashes per process)
+    import subprocess
+    import sys
+
+    code = (
+        "from dsv4ray.entrypoints.prefix_routing import prefix_keys; "
+        f"print(prefix_keys('é' * {2 * BLOCK_CHARS}), prefix_keys(list(range({BLOCK_TOKENS}))))"
+    )
+    runs = {
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
+        for seed in ("1", "2")
+    }  # fmt: skip
+    assert len(runs) == 1
 
 
 def test_the_longest_prefix_among_the_candidates_wins():
