@@ -17,12 +17,14 @@ proxy picked for a request), so the table lives in one actor per deployment
        default router.
 
 The routed replica is recorded for every block of the prompt. A replica that dies is forgotten.
-When the table's actor is gone (its owner, the router that started it, died), requests route by
-power of two choices while the next router starts a fresh one.
+When the table's actor is gone (its owner, the router that started it, died) or does not answer
+within MATCH_TIMEOUT_S, requests route by power of two choices; a router that found it gone
+starts a fresh one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import random
 import sys
 from collections import OrderedDict
@@ -35,6 +37,7 @@ BLOCK_TOKENS = 64  # token ids per block of a tokenised prompt
 BLOCK_CHARS = 256  # characters per block of a text prompt
 MAX_BLOCKS = 1 << 18  # blocks a table remembers (16.8M prompt tokens; about 30 MiB)
 IMBALANCE = 4  # queue length over the shortest at which a prefix's replica is passed over
+MATCH_TIMEOUT_S = 1.0  # a table that does not answer in time routes the request by two choices
 
 
 def prefix_keys(prompt) -> list[int]:
@@ -150,8 +153,11 @@ class PrefixRouter(FIFOMixin, RequestRouter):
             return []
         keys, owner = _request_keys(pending_request), None
         if keys:
+            match = self.table().match.remote(keys, list(by_id))
             try:
-                owner = await self.table().match.remote(keys, list(by_id))
+                owner = await asyncio.wait_for(match, MATCH_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                pass
             except ray.exceptions.RayError:  # gone: the next call starts another
                 self._table = None
         cache = self.replica_queue_len_cache

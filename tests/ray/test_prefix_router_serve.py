@@ -55,3 +55,20 @@ def test_each_conversation_stays_on_one_replica_whichever_caller_routes_it(front
     assert sum(len(c) == 2 for c in callers) >= 3, callers
     assert all(len(set(replicas)) == 1 for replicas in seen), seen
     assert len({replicas[0] for replicas in seen}) > 1  # new conversations still spread
+
+
+def test_requests_route_on_when_the_table_actor_dies(front):
+    import ray
+
+    rng = random.Random(1)
+    prompt = [rng.randrange(1000) for _ in range(140)]
+    front.generate.remote(prompt, "before").result(timeout_s=60)  # the table exists
+    named = ray.util.list_named_actors(all_namespaces=True)
+    [table] = [a for a in named if a["name"] == "dsv4ray-prefix-table:prefix-routing:Echo"]
+    ray.kill(ray.get_actor(table["name"], namespace=table["namespace"]))
+    # the first calls find the table gone (each caller's router on its own), route by two
+    # choices and start a fresh table, which the later calls share
+    replicas = [
+        front.generate.remote(prompt, f"after-{k}").result(timeout_s=60)[1] for k in range(10)
+    ]
+    assert len(set(replicas[-3:])) == 1  # the fresh table keeps the prompt on one replica
