@@ -16,8 +16,9 @@ is a smoke run on the tiny preset (1024-token prompts). In one run it measures:
     decode pp 1) with the same options over the same fresh prompts (no prefix hits), medians
     over R prompts after a warm-up prompt of the same length;
   - each PD request's transfer time (the prefill stages' write time,
-    RequestOutput.metrics.kv_transfer_s) and the handoff's bytes; greedy tokens of the two
-    engines are compared.
+    RequestOutput.metrics.kv_transfer_s), the part of its TTFT outside the prefill engine (TTFT -
+    metrics.remote_prefill_s) and the handoff's bytes; greedy tokens of the two engines are
+    compared.
 Writes bench/results/pd-<device>.json (PERF.md's format).
 """
 
@@ -125,6 +126,10 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
     base_ttft = _median(o.metrics.ttft_s for o in m["base"])
     pd_ttft = _median(o.metrics.ttft_s for o in m["pd"])
     transfer = _median(o.metrics.kv_transfer_s for o in m["pd"])
+    engine_s = _median(o.metrics.remote_prefill_s for o in m["pd"])
+    outside = _median(
+        o.metrics.ttft_s - o.metrics.remote_prefill_s for o in m["pd"] if o.metrics.remote_prefill_s
+    )
     share = _median(
         o.metrics.kv_transfer_s / o.metrics.ttft_s for o in m["pd"] if o.metrics.kv_transfer_s
     )
@@ -154,6 +159,14 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
             f"prefill pp 1 -> decode pp 1 vs one engine (both Ray stage actors, {placed}); "
             f"greedy tokens {'equal' if same else 'DIFFER'}"
             + ("" if gpu else "; CPU smoke run: on shared cores the ratio swings both ways"),
+        ),
+        result(
+            f"PD TTFT outside the prefill engine ({prompt_len} tokens)",
+            outside, "s", pd_ttft, 0.1, "<=",
+            f"median of TTFT - remote_prefill_s (the prefill engine's time from taking the "
+            f"request to its answer, median {engine_s * 1e3:.1f} ms): the request's trips to the "
+            "prefill actor and back and the decode engine's own steps; no PERF.md target "
+            "(informational)",
         ),
         result(
             "KV handoff bandwidth / raw Mooncake TCP write",

@@ -191,7 +191,8 @@ class PrefillResult:
     ([logprob, [[id, logprob], ...]] when asked), every stage's SendReport, or why it failed.
     lost: the prefill engine is gone (no later write can come from it). num_cached_tokens /
     num_host_cached_tokens: the prompt tokens the prefill engine's prefix cache (and its host
-    tier) gave, which the request's metrics report."""
+    tier) gave, which the request's metrics report. prefill_s: seconds from the prefill engine
+    taking the request to its answer."""
 
     key: str
     token: int | None = None
@@ -201,6 +202,7 @@ class PrefillResult:
     lost: bool = False
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0
+    prefill_s: float = 0.0
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> PrefillResult:

@@ -19,7 +19,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 class RequestMetrics:
     """num_cached_tokens counts prompt tokens reused from the prefix cache (device + host);
     num_host_cached_tokens the part of them loaded from the host tier; kv_transfer_s the time a
-    prefill engine's stages spent writing the request's KV (prefill/decode pairs). Times in
+    prefill engine's stages spent writing the request's KV and remote_prefill_s the time that
+    engine took from receiving the request to its answer (prefill/decode pairs). Times in
     seconds from the request's arrival: queue_s to the first step that runs it, ttft_s to its
     first token, e2e_s to its end."""
 
@@ -32,6 +33,7 @@ class RequestMetrics:
     e2e_s: float | None = None
     queue_s: float | None = None
     kv_transfer_s: float | None = None
+    remote_prefill_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

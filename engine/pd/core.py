@@ -215,9 +215,9 @@ class DecodeCore(EngineCore):
             h.req_id, result.token, (result.num_cached_tokens, result.num_host_cached_tokens)
         )
         delta, stop = self.outputs.on_token(h.req_id, result.token, result.logprobs)
-        self.outputs.outputs[h.req_id].metrics.kv_transfer_s = sum(
-            r.write_s for r in result.reports
-        )
+        metrics = self.outputs.outputs[h.req_id].metrics
+        metrics.kv_transfer_s = sum(r.write_s for r in result.reports)
+        metrics.remote_prefill_s = result.prefill_s
         update = RequestUpdate(h.req_id, [result.token], delta)
         if stop and finished is None:
             finished = self.scheduler.finish(h.req_id, "stop")
@@ -375,6 +375,7 @@ class PrefillCore(EngineCore):
                     out.error if out.finish_reason == "abort" else None,
                     num_cached_tokens=out.metrics.num_cached_tokens,
                     num_host_cached_tokens=out.metrics.num_host_cached_tokens,
+                    prefill_s=out.metrics.e2e_s or 0.0,
                 )
             )
         return done

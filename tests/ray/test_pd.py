@@ -96,6 +96,9 @@ def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefi
     assert stats["pd_local_prefills"] == before["pd_local_prefills"]
     assert stats["pd_checksum_failures"] == 0 and stats["pd_transfer_bytes"] > 0
     assert all(o.metrics.kv_transfer_s > 0 for o in outs)
+    # the writes happen inside the prefill engine's time, which lies inside the TTFT
+    times = [(o.metrics.kv_transfer_s, o.metrics.remote_prefill_s, o.metrics.ttft_s) for o in outs]
+    assert all(write < remote < ttft for write, remote, ttft in times), times
     assert len(llm.core.pipeline.actors) == decode_pp
     assert llm.core.describe()["prefill_pp_size"] == prefill_pp
     assert_nothing_held(llm)
