@@ -19,7 +19,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import statistics
 import time
 
@@ -27,7 +26,7 @@ import httpx
 import torch
 
 from dsv4ray.bench.report import bench_parser, result, save_results
-from dsv4ray.entrypoints.serve import APP_NAME, build_app
+from dsv4ray.bench.serve_load import serve_app
 
 # (prompt tokens, cached tokens, ttft_s) of one turn after a conversation's first
 Turn = tuple[int, int, float]
@@ -77,10 +76,6 @@ async def run_load(url: str, name: str, args) -> list[Turn]:
 def measure(args, model: str, routing: str) -> dict:
     from ray import serve
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     config = {
         "model": model,
         "num_replicas": args.replicas,
@@ -90,8 +85,8 @@ def measure(args, model: str, routing: str) -> dict:
     if args.max_total_tokens:
         config["max_total_tokens"] = args.max_total_tokens
     try:
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-        turns = asyncio.run(run_load(f"http://127.0.0.1:{port}", os.path.basename(model), args))
+        url = serve_app(config)
+        turns = asyncio.run(run_load(url, os.path.basename(model), args))
     finally:
         serve.shutdown()
     ttft = [t[2] for t in turns]

@@ -145,17 +145,23 @@ def percentile(sorted_values: list[float], q: float) -> float:
     return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(q) - 1]
 
 
-def start_server(args, model: str) -> tuple[str, str]:
+def serve_app(config: dict) -> str:
+    """The Serve app of ``build_app(config)`` on the local Ray at 127.0.0.1:<free port> -> its
+    URL (``serve.shutdown()`` stops it)."""
     from ray import serve
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+    return f"http://127.0.0.1:{port}"
+
+
+def start_server(args, model: str) -> tuple[str, str]:
     config = {"model": model, "max_pending_requests": max(256, 2 * args.clients)}
     config.update({k: v for k, v in engine_options(args).items() if k != "use_ray"})
-    serve.run(build_app(config), name=APP_NAME, route_prefix="/")
-    return f"http://127.0.0.1:{port}", os.path.basename(os.path.abspath(model))
+    return serve_app(config), os.path.basename(os.path.abspath(model))
 
 
 def rows_for(http: dict, ceiling: dict | None, note: str) -> list[dict]:

@@ -92,3 +92,14 @@ def test_choose_ranks_the_prefix_holder_first_unless_its_queue_is_long():
     assert choose("r2", {**lens, "r2": None}, rng=rng)[0] == ["r2"]  # not probed yet
     assert choose("r2", {"r2": 9}, rng=rng) == [["r2"], ["r2"]]  # the only replica
     assert choose(None, {"r1": None}, rng=rng) == [["r1"]]
+
+
+def test_the_serve_app_routes_by_prefix_unless_told_otherwise(tiny_ckpt):
+    from dsv4ray.entrypoints.serve_config import ROUTERS, ServeSettings
+
+    options = ServeSettings.from_config({"model": tiny_ckpt}).deployment_options()
+    assert options["request_router_config"].request_router_class == ROUTERS["prefix"]
+    pow2 = ServeSettings.from_config({"model": tiny_ckpt, "routing": "pow2"})
+    assert "request_router_config" not in pow2.deployment_options()
+    with pytest.raises(ValueError, match="routing must be one of"):
+        ServeSettings.from_config({"model": tiny_ckpt, "routing": "random"})
