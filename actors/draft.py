@@ -14,14 +14,12 @@ import logging
 import os
 
 import ray
-import torch
 
 from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.sources import fetch_model
-from dsv4ray.worker.spec.draft import DraftWorker
 from dsv4ray.worker.stage_spec import DraftSpec
 
 
@@ -29,6 +27,10 @@ from dsv4ray.worker.stage_spec import DraftSpec
 class DraftActor:
     def __init__(self, spec: DraftSpec, num_threads: int, log_level: str = "INFO") -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        import torch  # here: the driver creating the actor loads neither the network nor kernels
+
+        from dsv4ray.worker.spec.draft import DraftWorker
+
         torch.set_num_threads(max(1, num_threads))
         if spec.device == "cpu":  # Ray's spinning reads would keep a core busy between steps
             sleep_between_reads()

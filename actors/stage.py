@@ -13,7 +13,6 @@ import logging
 import os
 
 import ray
-import torch
 
 from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.actors.timeline import MethodTimeline
@@ -21,13 +20,16 @@ from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.sources import fetch_model
 from dsv4ray.worker.stage_spec import StageSpec
-from dsv4ray.worker.stage_worker import StageWorker
 
 
 @ray.remote
 class StageActor:
     def __init__(self, spec: StageSpec, num_threads: int, log_level: str = "INFO") -> None:
         logging.basicConfig(level=log_level, format="%(levelname)s %(name)s: %(message)s")
+        import torch  # here: the driver creating the actor loads neither the network nor kernels
+
+        from dsv4ray.worker.stage_worker import StageWorker
+
         torch.set_num_threads(max(1, num_threads))
         if spec.device == "cpu":  # Ray's spinning reads would keep a core busy between steps
             sleep_between_reads()

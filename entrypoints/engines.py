@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.checks import check_paged_shapes
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import EngineCore
 from dsv4ray.model.checkpoint_check import check_checkpoint
-from dsv4ray.model.loader import missing_draft_tensors
 from dsv4ray.sources import fetch_model, is_remote
-from dsv4ray.worker.local_pipeline import LocalPipeline
 
 
 def default_device() -> str:
+    import torch  # here only: a process whose stages are actors never loads it
+
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -40,6 +38,8 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
     check_checkpoint(config.model)  # a broken file is a ValueError naming it, before any actor
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
     if config.speculative_num_steps:  # a checkpoint that cannot draft fails here, by name
+        from dsv4ray.model.loader import missing_draft_tensors
+
         missing = missing_draft_tensors(config.model, model_config)
         config.spec.check_draft_layer(model_config.mtp_ratio, missing)
     if config.prefill_pp_size:
@@ -51,5 +51,7 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
 
         pipeline = RayPipeline(config, model_config, placement)
     else:
+        from dsv4ray.worker.local_pipeline import LocalPipeline  # torch, in this process
+
         pipeline = LocalPipeline(config, model_config)
     return EngineCore(config, model_config, pipeline)

@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 import os
 
-from dsv4ray.model.weights import CheckpointError
-
 INDEX = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file or tensor is missing, unexpected, mis-shaped or badly quantised; the
+    message names it. Defined here, beside the checks that need no torch, so that a process that
+    only checks a folder (a Serve replica whose stages are actors) never imports torch."""
 
 
 def check_checkpoint(path: str) -> None:

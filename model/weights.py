@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4ray.config import QuantConfig
+from dsv4ray.model.checkpoint_check import CheckpointError
 from dsv4ray.model.quant import QuantizedWeight, scale_to_float
 
 _RENAMES = (
@@ -37,11 +38,6 @@ SCALE_SUFFIX = ".scale"
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.w[123]\.weight$")
 _FP8, _PACKED = ("F8_E4M3",), ("I8", "U8", "F4")
 _QUANTISED = _FP8 + _PACKED + ("F8_E5M2",)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint tensor is missing, unexpected, mis-shaped or badly quantised; the message
-    names it."""
 
 
 def canonical_name(key: str) -> str:
