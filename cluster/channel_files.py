@@ -13,10 +13,17 @@ this machine map then, before any of them is killed.
 ``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py);
 ``sweep_dead_raylets`` removes those of raylets that no longer run (a command that stopped the
 local Ray it started calls it, so actors killed with that Ray leave nothing behind).
+A driver killed outright (a Serve or job replica's SIGKILL) never tears its graph down, and its
+raylet lives on: every built graph therefore leaves a ledger of its files, named by its driver's
+pid, in ``/dev/shm/dsv4ray-graphs-<uid>/``, which its teardown deletes. ``sweep_dead_graphs``
+(run by every graph build) removes the files of ledgers whose driver is gone once no live
+process maps them, and then the ledger.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
 import logging
 import os
 import re
@@ -64,6 +71,68 @@ def remove_channel_files(paths: list[str]) -> int:
     if removed:  # a dead stage's, or those of a stage still exiting
         log.info("removed %d channel files of a torn-down graph from /dev/shm", removed)
     return removed
+
+
+LEDGER_DIR = f"/dev/shm/dsv4ray-graphs-{os.getuid()}"
+_ledger_ids = itertools.count()
+
+
+def write_ledger(files: list[str], ledger_dir: str = LEDGER_DIR) -> str | None:
+    """Records a built graph's channel files under this (driver) process's pid; returns the
+    ledger's path (None where there is no /dev/shm or nothing to record)."""
+    if not files or not os.path.isdir(os.path.dirname(ledger_dir)):
+        return None
+    os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
+    path = os.path.join(ledger_dir, f"{os.getpid()}-{next(_ledger_ids)}-{os.urandom(4).hex()}")
+    with open(path + ".tmp", "w") as f:
+        json.dump(sorted(files), f)
+    os.replace(path + ".tmp", path)  # a sweep never reads half a ledger
+    return path
+
+
+def drop_ledger(path: str | None) -> None:
+    if path is not None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def sweep_dead_graphs(ledger_dir: str = LEDGER_DIR) -> int:
+    """Removes the channel files of graphs whose driver no longer runs and that no live process
+    maps (the driver's actors exit a moment after it: a file they still map waits for the next
+    sweep), and each ledger whose files are all gone. Returns how many files it removed."""
+    try:
+        names = os.listdir(ledger_dir)
+    except FileNotFoundError:
+        return 0
+    dead = [n for n in names if n.split("-", 1)[0].isdigit() and not _alive(int(n.split("-")[0]))]
+    if not dead:
+        return 0
+    mapped, removed = mapped_by_any_process(), 0
+    for name in dead:
+        path = os.path.join(ledger_dir, name)
+        try:
+            with open(path) as f:
+                files = json.load(f)
+        except (OSError, ValueError):  # a ledger cut short by its driver's death
+            files = []
+        left = [f for f in files if os.path.exists(f)]
+        removed += remove_channel_files([f for f in left if f not in mapped])
+        if not any(f in mapped for f in left):
+            drop_ledger(path)
+    if removed:
+        log.info("removed %d channel files of graphs whose driver died", removed)
+    return removed
+
+
+def mapped_by_any_process() -> set[str]:
+    """The semaphore files any process of this machine that this user can read maps."""
+    try:
+        pids = [e for e in os.listdir("/proc") if e.isdigit()]
+    except FileNotFoundError:
+        return set()
+    return set().union(*(mapped_channel_files(pid) for pid in pids))
 
 
 def raylet_pid() -> int:

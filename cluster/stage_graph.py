@@ -8,7 +8,8 @@ CPU every channel is shared memory with two semaphore files in /dev/shm that Ray
 when a process that used the channel exits cleanly (see channel_files.py). The graph therefore
 records, once it has run one warm-up input, every channel file that the driver or any of its
 actors maps, and ``teardown`` removes them: no process opens a torn-down graph's channels again,
-whether its actors live on, exited, or were killed.
+whether its actors live on, exited, or were killed. The record is also written to a ledger, so
+that the next build on the machine removes the files of a graph whose driver was killed.
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from dsv4ray.actors.channel_wait import poll
 from dsv4ray.cluster.channel_files import (
     BUILD_LOCK,
     actor_channel_files,
+    drop_ledger,
     mapped_channel_files,
     remove_channel_files,
+    sweep_dead_graphs,
+    write_ledger,
 )
 
 log = logging.getLogger("dsv4ray.pipeline")
@@ -59,7 +63,8 @@ class StageGraph:
         warm-up raised (a dead actor), after removing the channel files made so far."""
         self.actors, self.timeout_s = actors + ([draft] if draft is not None else []), timeout_s
         self.dag, self.channel_files, self.local_pids = None, [], list(local_pids)
-        self.poll = poll
+        self.poll, self.ledger = poll, None
+        sweep_dead_graphs()  # the files of graphs whose driver was killed
         with BUILD_LOCK:  # no other graph of this process maps channel files meanwhile
             before = mapped_channel_files()
             try:
@@ -71,6 +76,7 @@ class StageGraph:
                 self.teardown()
                 raise
             self.channel_files = self._channel_files(before)
+        self.ledger = write_ledger(self.channel_files)
         log.debug("compiled graph: %d channel files", len(self.channel_files))
 
     def _compile(self, stages: list, depth: int, devices: list, draft, buffer_bytes: int | None,
@@ -138,6 +144,8 @@ class StageGraph:
             self.dag = None
         remove_channel_files(self.channel_files)
         self.channel_files = []
+        drop_ledger(self.ledger)
+        self.ledger = None
 
     def _teardown_dag(self) -> None:
         try:

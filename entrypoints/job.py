@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import ray
 
-from dsv4ray.cluster.channel_files import sweep_dead_raylets
+from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
@@ -117,6 +117,7 @@ def run_job(
         if started_ray:  # the local Ray this call started, and then its leftover files
             ray.shutdown()
             sweep_dead_raylets()
+            sweep_dead_graphs()  # and the lists of graphs whose files went with it
     _summary(stats, time.perf_counter() - start)
     if stats.interrupted:
         return EXIT_TERMINATED if stats.terminated else EXIT_INTERRUPTED

@@ -64,7 +64,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from dsv4ray.cluster.channel_files import sweep_dead_raylets
+from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import bundle_device, ensure_ray
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
@@ -246,6 +246,7 @@ def run_server(
             serve.shutdown()
             ray.shutdown()  # the local Ray this command started, and then its leftover files
             sweep_dead_raylets()
+            sweep_dead_graphs()  # and the lists of graphs whose files went with it
     return 0
 
 

@@ -9,6 +9,12 @@ killed, used to leave them behind (12 files per pp 2 graph). Host tier regions a
 test's pipelines are counted: other Ray instances on the machine may come and go meanwhile.
 """
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -17,7 +23,7 @@ import ray
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.cluster import pipeline as ray_pipeline
 from dsv4ray.cluster import stage_graph
-from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
+from dsv4ray.cluster.channel_files import mapped_by_any_process, node_shm_files, raylet_pid
 from dsv4ray.cluster.stage_graph import StageGraph
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -158,3 +164,57 @@ def test_a_dead_middle_stage_and_shutdown_leave_no_files(ray_session, tiny_ckpt)
     finally:
         llm.shutdown()
     assert shm.settle(0, baseline) == set()
+
+
+KILLED_DRIVER = textwrap.dedent("""
+    import json, os, time, ray
+    from dsv4ray.cluster.stage_graph import StageGraph
+
+    @ray.remote(num_cpus=0.5)
+    class Stage:
+        def pid(self): return os.getpid()
+        def first(self, x): return x + 1
+        def prepare(self, x): return x
+        def receive(self, prev): return prev
+        def next(self, x, prev): return prev + 1
+
+    ray.init(address=os.environ["RAY_ADDRESS"])
+    actors = [Stage.remote(), Stage.remote()]
+    graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)
+    pids = ray.get([a.pid.remote() for a in actors])
+    print(json.dumps({"files": graph.channel_files, "ledger": graph.ledger, "pids": pids}))
+    time.sleep(600)
+""")
+
+
+def test_the_next_build_removes_the_files_of_a_killed_drivers_graph(ray_session):
+    """A replica or driver killed outright (SIGKILL) never tears its graph down, and the raylet
+    lives on: the next graph built on the machine removes its files once its actors are gone,
+    and leaves the files of live graphs alone."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        built = json.loads(driver.stdout.readline())
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    files = built["files"]
+    assert len(files) >= 8 and os.path.exists(built["ledger"])
+    deadline = time.monotonic() + 60  # Ray ends the dead driver's actors
+    while mapped_by_any_process() & set(files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not mapped_by_any_process() & set(files)
+    assert all(os.path.exists(f) for f in files)  # nobody removed them: Ray leaves them
+    actors = [_Stage.remote(), _Stage.remote()]
+    try:
+        graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)  # the next build
+        assert not any(os.path.exists(f) for f in files)
+        assert not os.path.exists(built["ledger"])
+        assert ray.get(graph.execute(5)) == 7
+        assert all(os.path.exists(f) for f in graph.channel_files)  # its own stay
+        ledger = graph.ledger
+        graph.teardown()
+        assert not os.path.exists(ledger)
+    finally:
+        ray.wait([a.__ray_terminate__.remote() for a in actors], num_returns=2, timeout=30)
