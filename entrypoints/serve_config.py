@@ -28,6 +28,10 @@ INGRESS_NAME = "OpenAIIngress"  # the HTTP deployment in front of it
 INGRESS_CPUS = 0.25  # HTTP, tokenizing and SSE rendering; no placement group
 REPLICA_CPUS = {True: 1.0, False: 0.5}  # by use_gpu; a GPU bundle already has room for it
 ONGOING_HEADROOM = 16  # health, models and stats calls beside max_pending_requests generations
+# An idle replica stops after one look for ongoing requests this long after it is told to (Serve
+# waits 2 s by default): stopping `dsv4ray serve`, deleting the app and scaling down take that
+# much less; replicas with requests still wait for them up to Serve's graceful timeout.
+SHUTDOWN_POLL_S = 0.2
 _SERVE_KEYS = ("served_model_name", "max_body_bytes", "max_pending_requests", "routing")
 ROUTERS = {  # routing -> the engine deployment's request router (None: Serve's default)
     "prefix": "dsv4ray.entrypoints.prefix_routing.PrefixRouter",
@@ -129,6 +133,7 @@ class ServeSettings:
             "placement_group_bundles": self.bundles(),
             "placement_group_strategy": "PACK",
             "max_ongoing_requests": self.max_pending_requests + ONGOING_HEADROOM,
+            "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
         }
         if ROUTERS[self.routing] is not None:
             from ray.serve.config import RequestRouterConfig
@@ -156,6 +161,9 @@ def ingress_options(engine: Mapping) -> dict:
         "name": INGRESS_NAME,
         "ray_actor_options": {"num_cpus": INGRESS_CPUS},
         "max_ongoing_requests": engine["max_ongoing_requests"],
+        "graceful_shutdown_wait_loop_s": engine.get(
+            "graceful_shutdown_wait_loop_s", SHUTDOWN_POLL_S
+        ),
     }
     scaling = engine.get("autoscaling_config")
     if scaling is not None:

@@ -13,6 +13,7 @@ import ray
 import yaml
 from ray import serve
 
+from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
 from dsv4ray.entrypoints.serve import APP_NAME, ServeSettings, build_app
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -137,6 +138,44 @@ def test_cli_serves_on_the_running_ray_until_sigterm(ray_session, tiny_ckpt, fre
         if proc.poll() is None:
             proc.kill()
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
+
+
+REPEATS = 5
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_every_signal_stops_a_serving_pipeline_and_leaves_no_files(
+    ray_session, tiny_ckpt, free_port, sig
+):
+    """`dsv4ray serve -pp 2` (stage actors, a compiled graph) started REPEATS times on the running
+    Ray and stopped by the signal once it serves: each time it exits 0 within 10 s, its app is
+    gone, and the node keeps no channel file of it."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    node = raylet_pid()
+    baseline = node_shm_files(node, [])
+    for attempt in range(REPEATS):
+        cmd = [sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "-pp", "2",
+               "--port", str(free_port()), "--max-total-tokens", "1024"]  # fmt: skip
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)  # fmt: skip
+        try:
+            assert "listening on" in proc.stdout.readline(), attempt
+            assert node_shm_files(node, []) - baseline, attempt  # the graph's channels exist
+            proc.send_signal(sig)
+            start = time.monotonic()
+            assert proc.wait(timeout=10) == 0, (attempt, proc.stderr.read()[-2000:])
+            assert time.monotonic() - start < 10
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            out, err = proc.communicate()
+        assert "stopping" in out and "Traceback" not in err, (attempt, err[-2000:])
+        assert APP_NAME not in _applications(), attempt
+        deadline = time.monotonic() + 30  # the stage actors end a moment after the app
+        while node_shm_files(node, []) - baseline and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert node_shm_files(node, []) - baseline == set(), attempt
+    serve.shutdown()
 
 
 def test_sigterm_while_the_app_deploys_stops_the_start_cleanly(ray_session, tiny_ckpt, free_port):

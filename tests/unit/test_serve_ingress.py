@@ -7,7 +7,12 @@ from ray.serve import exceptions as serve_exceptions
 
 from dsv4ray.entrypoints.openai.errors import APIError
 from dsv4ray.entrypoints.remote_engine import api_error
-from dsv4ray.entrypoints.serve_config import INGRESS_CPUS, INGRESS_NAME, ingress_options
+from dsv4ray.entrypoints.serve_config import (
+    INGRESS_CPUS,
+    INGRESS_NAME,
+    SHUTDOWN_POLL_S,
+    ingress_options,
+)
 
 ENGINE = {"name": "OpenAIDeployment", "max_ongoing_requests": 272}
 
@@ -18,9 +23,21 @@ def test_the_ingress_has_a_small_cpu_and_the_engines_ongoing_limit():
         "name": INGRESS_NAME,
         "ray_actor_options": {"num_cpus": INGRESS_CPUS},
         "max_ongoing_requests": 272,
+        "graceful_shutdown_wait_loop_s": SHUTDOWN_POLL_S,
     }
     assert 0.1 <= INGRESS_CPUS <= 0.5
     assert "placement_group_bundles" not in options
+
+
+def test_both_deployments_stop_an_idle_replica_after_one_short_poll(tiny_ckpt):
+    """Serve's default idle wait (2 s per stop) would make every Ctrl-C, app deletion and
+    scale-down that much slower; a poll set in the engine's overrides applies to both."""
+    from dsv4ray.entrypoints.serve_config import ServeSettings
+
+    engine = ServeSettings.from_config({"model": tiny_ckpt}).deployment_options()
+    assert engine["graceful_shutdown_wait_loop_s"] == SHUTDOWN_POLL_S < 2
+    slow = {**ENGINE, "graceful_shutdown_wait_loop_s": 1.5}
+    assert ingress_options(slow)["graceful_shutdown_wait_loop_s"] == 1.5
 
 
 def test_the_ingress_follows_a_fixed_replica_count():
