@@ -82,11 +82,15 @@ def write_ledger(files: list[str], ledger_dir: str = LEDGER_DIR) -> str | None:
     ledger's path (None where there is no /dev/shm or nothing to record)."""
     if not files or not os.path.isdir(os.path.dirname(ledger_dir)):
         return None
-    os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
     path = os.path.join(ledger_dir, f"{os.getpid()}-{next(_ledger_ids)}-{os.urandom(4).hex()}")
-    with open(path + ".tmp", "w") as f:
-        json.dump(sorted(files), f)
-    os.replace(path + ".tmp", path)  # a sweep never reads half a ledger
+    try:
+        os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            json.dump(sorted(files), f)
+        os.replace(path + ".tmp", path)  # a sweep never reads half a ledger
+    except OSError as exc:  # a full or read-only /dev/shm: the graph runs, unrecorded
+        log.warning("graph ledger %s not written: %s", path, exc)
+        return None
     return path
 
 

@@ -14,7 +14,7 @@ from dsv4ray.sources import fetch_model, is_remote
 
 
 def default_device() -> str:
-    import torch  # here only: a process whose stages are actors never loads it
+    import torch  # here only: importing this module (every Serve replica) does not load it
 
     return "cuda" if torch.cuda.is_available() else "cpu"
 

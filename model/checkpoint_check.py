@@ -19,8 +19,8 @@ INDEX = "model.safetensors.index.json"
 
 class CheckpointError(ValueError):
     """A checkpoint file or tensor is missing, unexpected, mis-shaped or badly quantised; the
-    message names it. Defined here, beside the checks that need no torch, so that a process that
-    only checks a folder (a Serve replica whose stages are actors) never imports torch."""
+    message names it. Defined here, beside the checks that need no torch, so that importing
+    the engine builder (every Serve replica, the HTTP ingress included) does not load torch."""
 
 
 def check_checkpoint(path: str) -> None:
