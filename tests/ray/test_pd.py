@@ -3,6 +3,8 @@ engine's greedy tokens equal the colocated engine's with fp32 pages, every hando
 byte flipped on the wire or a killed prefill engine ends in a local prefill, with the same tokens
 and no ids left behind."""
 
+import os
+import socket
 import time
 
 import pytest
@@ -109,6 +111,48 @@ def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefi
         for step, ref_step in zip(out.logprobs, ref.logprobs):
             assert step.keys() == ref_step.keys()
             assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step)
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    """(address, port) of every TCP socket the process listens on, IPv4 and IPv6 (/proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[len("socket:[") : -1])
+    found = set()
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        with open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()  # sl local remote state ... inode
+                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                    address, port = fields[1].split(":")
+                    raw = bytes.fromhex(address)  # each 32-bit word in host order
+                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                    found.add((socket.inet_ntop(family, raw), int(port, 16)))
+    return found
+
+
+def test_a_pd_stage_listens_only_on_its_ray_port_and_its_transfer_engines(pd_engine):
+    """What a decode stage actor exposes (docs/operations.md, Ports): Ray's worker port and
+    the Mooncake engine's two listeners, of which the handshake port is the session the stage
+    advertises on the node's Ray address. Mooncake binds both to every interface whatever
+    address it is given, as the docs warn; anything else listening fails this test."""
+    llm = pd_engine(1, 1)
+    pipe = llm.core.pipeline
+    for actor, info, endpoint in zip(pipe.actors, pipe.infos, pipe.kv_endpoints, strict=True):
+        host, port = endpoint.session.rsplit(":", 1)
+        assert host == ray.util.get_node_ip_address()
+        ray_port = ray._private.state.actors(actor._actor_id.hex())["Address"]["Port"]
+        listening = _listening(info["pid"])
+        ports = {p for _, p in listening}
+        assert ray_port in ports and int(port) in ports
+        assert len(listening) == 3, listening  # Ray's, Mooncake's handshake and data ports
+        everywhere = {"0.0.0.0", "::"}
+        assert {a for a, p in listening if p != ray_port} <= everywhere, listening
 
 
 def test_a_byte_flipped_on_the_wire_is_caught_and_prefilled_locally(pd_engine, prompts, colocated):
