@@ -125,14 +125,18 @@ def _listening(pid: int) -> set[tuple[str, int]]:
             inodes.add(link[len("socket:[") : -1])
     found = set()
     for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.read().splitlines()[1:]:
-                fields = line.split()  # sl local remote state ... inode
-                if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                    address, port = fields[1].split(":")
-                    raw = bytes.fromhex(address)  # each 32-bit word in host order
-                    raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                    found.add((socket.inet_ntop(family, raw), int(port, 16)))
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                lines = f.read().splitlines()[1:]
+        except FileNotFoundError:  # a kernel without IPv6
+            continue
+        for line in lines:
+            fields = line.split()  # sl local remote state ... inode
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # each 32-bit word in host order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found.add((socket.inet_ntop(family, raw), int(port, 16)))
     return found
 
 
