@@ -250,6 +250,9 @@ def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ck
     assert got == reference_greedy(tiny_model, prompt, 5)
 
 
+IDLE_KILLS = 10  # stages killed between requests, each replaced before the next
+
+
 @pytest.fixture(scope="module")
 def async_pp2(ray_session, tiny_ckpt):
     """One pp 2 AsyncEngine for the two tests that kill its stages, the last of this file (idle
@@ -301,7 +304,7 @@ def test_stages_killed_while_idle_are_replaced_before_the_next_request(
     engine = async_pp2
     prompt = _prompts([40], seed=5)[0]
     rebuilds = asyncio.run(engine.stats())["num_pipeline_rebuilds"]  # by earlier tests
-    for kill in range(2):  # the first stage, then the second
+    for kill in range(IDLE_KILLS):  # the first stage, then the second, and so on
         ray.kill(engine.core.pipeline.actors[kill % 2], no_restart=True)
         deadline = time.monotonic() + 60
         while asyncio.run(engine.stats())["num_pipeline_rebuilds"] <= rebuilds + kill:

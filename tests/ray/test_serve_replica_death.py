@@ -16,14 +16,14 @@ from ray import serve
 from dsv4ray.entrypoints.serve import APP_NAME
 
 MODEL = "tiny-test"
-NUM_STREAMS = 12
-MAX_TOKENS = 1000  # in flight when the replica dies: 12 x 1000 fit the pool below
+NUM_STREAMS = 32
+MAX_TOKENS = 1000  # in flight when the replica dies: 32 x 1000 fit the pool below
 
 
 @pytest.fixture(scope="module")
 def base_url(start_server, tiny_ckpt):
     url = start_server(
-        tiny_ckpt, served_model_name=MODEL, kv_cache_dtype="fp8", max_total_tokens=16384
+        tiny_ckpt, served_model_name=MODEL, kv_cache_dtype="fp8", max_total_tokens=40960
     )
     yield url
     serve.shutdown()
