@@ -9,17 +9,33 @@ captured); then the scheduler starts afresh, so nothing of the warm-up stays cac
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from dsv4ray.engine.sampling import SamplingParams
 
-if TYPE_CHECKING:
-    from dsv4ray.engine.core import EngineCore
+
+class WarmedCore(Protocol):
+    """What the warm-up drives of an ``EngineCore``; a protocol, since the core imports this
+    module."""
+
+    config: Any
+    model_config: Any
+    scheduler: Any
+    max_model_len: int
+
+    def add_request(self, req_id: str, prompt: list[int], params: SamplingParams) -> None: ...
+
+    def run_plan(self, plan) -> list: ...
+
+    def pop_output(self, req_id: str): ...
+
+    def restart_scheduler(self) -> None: ...
+
 
 log = logging.getLogger("dsv4ray.engine")
 
 
-def warm_up(core: EngineCore) -> None:
+def warm_up(core: WarmedCore) -> None:
     budget = core.config.max_num_batched_tokens
     top = min(budget, core.max_model_len - 3)
     lengths = sorted({n for n in (1, 256, 768, 1280, 2048, top) if n <= top})

@@ -21,7 +21,7 @@ steps' finite values and read nothing.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -32,9 +32,30 @@ from dsv4ray.worker.graphs.cuda_graphs import DecodeGraphs
 from dsv4ray.worker.host.host_io import LayerEvents
 from dsv4ray.worker.sampling.sampler import to_device
 
-if TYPE_CHECKING:
-    from dsv4ray.worker.spec.draft_fill import DraftFill
-    from dsv4ray.worker.stage_worker import StageWorker
+
+class GraphedStage(Protocol):
+    """What a stage's graphs read of their stage (``StageWorker``); a protocol, since the
+    worker imports this module."""
+
+    cfg: Any
+    model: Any
+    pools: Any
+    tables: Any
+    ropes: Any
+    device: torch.device
+    is_first: bool
+    is_last: bool
+
+    def run_layers(self, meta: BatchMeta, inputs: StageResult | None,
+                   events: LayerEvents) -> tuple: ...  # fmt: skip
+
+    def fill_tokens(self, plan: StepPlan, token_ids: torch.Tensor, inputs) -> None: ...
+
+
+class TokenFill(Protocol):
+    """The drafts of a plan still on the device (``worker.spec.draft_fill.DraftFill``)."""
+
+    def write_tokens(self, token_ids: torch.Tensor, rows=None) -> None: ...
 
 
 @dataclass
@@ -49,7 +70,7 @@ class Staged:
 class StageGraphs:
     """The buckets of one stage (``worker``: its model, pools, tables and layer loop)."""
 
-    def __init__(self, worker: StageWorker, max_batch: int, max_len: int, draft_steps: int,
+    def __init__(self, worker: GraphedStage, max_batch: int, max_len: int, draft_steps: int,
                  capture: bool) -> None:  # fmt: skip
         self.w, self.n = worker, draft_steps + 1
         scratch = worker.pools.sizes.num_state_slots - 1
@@ -86,7 +107,7 @@ class StageGraphs:
         return Staged(key, self.graphs.stage(plan, self.w.tables, key), rows)
 
     def run(self, plan: StepPlan, inputs: StageResult | None, staged: Staged,
-            draft_fill: DraftFill | None):  # fmt: skip
+            draft_fill: TokenFill | None):  # fmt: skip
         """Replays a staged step's bucket -> (its output, meta, rows: the row of each batch
         token, numpy [T])."""
         rows = staged.rows
