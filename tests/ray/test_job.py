@@ -16,8 +16,8 @@ import pytest
 import ray
 
 from dsv4ray.__main__ import main
-from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
 from dsv4ray.entrypoints.job import JobOptions, run_job
+from tests.ray.shm_files import ShmFiles
 
 REPEATS = 5  # a stop that works most of the time is a stop that fails in production
 
@@ -119,14 +119,11 @@ def test_a_signal_ends_the_job_with_a_summary_and_its_exit_code(
     """REPEATS jobs on the running Ray, each stopped by the signal while it decodes: each
     exits with the code and its summary, writes no line for what it did not finish, and
     leaves no file of the node behind."""
-    node = raylet_pid()
-    baseline = node_shm_files(node, [])
+    shm = ShmFiles()
+    baseline = shm.now()
     for attempt in range(REPEATS):
         _stop_a_decoding_job(tiny_ckpt, tmp_path / str(attempt), sig, code, how)
-        deadline = time.monotonic() + 30  # its replicas end a moment after it
-        while node_shm_files(node, []) - baseline and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert node_shm_files(node, []) - baseline == set(), attempt
+        assert shm.settle(0, baseline) == set(), attempt  # its replicas end a moment after it
 
 
 def _stop_a_decoding_job(tiny_ckpt, folder, sig, code: int, how: str) -> None:

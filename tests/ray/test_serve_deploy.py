@@ -14,8 +14,8 @@ import ray
 import yaml
 from ray import serve
 
-from dsv4ray.cluster.channel_files import node_shm_files, raylet_pid
 from dsv4ray.entrypoints.serve import APP_NAME, ServeSettings, build_app
+from tests.ray.shm_files import ShmFiles
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = os.path.dirname(sys.executable)
@@ -161,15 +161,14 @@ def test_every_signal_stops_a_serving_pipeline_and_leaves_no_files(
     Ray and stopped by the signal once it serves: each time it exits 0 within 10 s, its app is
     gone, and the node keeps no channel file of it."""
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
-    node = raylet_pid()
-    baseline = node_shm_files(node, [])
     try:
-        _stop_repeatedly(env, tiny_ckpt, free_port, sig, node, baseline)
+        _stop_repeatedly(env, tiny_ckpt, free_port, sig, ShmFiles())
     finally:
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
 
 
-def _stop_repeatedly(env, tiny_ckpt, free_port, sig, node: int, baseline: set[str]) -> None:
+def _stop_repeatedly(env, tiny_ckpt, free_port, sig, shm: ShmFiles) -> None:
+    baseline = shm.now()
     for attempt in range(REPEATS):
         cmd = [sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "-pp", "2",
                "--port", str(free_port()), "--max-total-tokens", "1024"]  # fmt: skip
@@ -177,7 +176,7 @@ def _stop_repeatedly(env, tiny_ckpt, free_port, sig, node: int, baseline: set[st
         proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
         try:
             assert "listening on" in _startup_line(proc), attempt
-            assert node_shm_files(node, []) - baseline, attempt  # the graph's channels exist
+            assert shm.now() - baseline, attempt  # the graph's channels exist
             proc.send_signal(sig)
             start = time.monotonic()
             code = proc.wait(timeout=10)
@@ -192,10 +191,7 @@ def _stop_repeatedly(env, tiny_ckpt, free_port, sig, node: int, baseline: set[st
         assert code == 0 and "stopping" in out, (attempt, code, err[-2000:])
         assert "Traceback" not in err, (attempt, err[-2000:])
         assert APP_NAME not in _applications(), attempt
-        deadline = time.monotonic() + 30  # the stage actors end a moment after the app
-        while node_shm_files(node, []) - baseline and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert node_shm_files(node, []) - baseline == set(), attempt
+        assert shm.settle(0, baseline) == set(), attempt  # stage actors end after the app
 
 
 def test_sigterm_while_the_app_deploys_stops_the_start_cleanly(ray_session, tiny_ckpt, free_port):

@@ -23,8 +23,9 @@ import ray
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.cluster import pipeline as ray_pipeline
 from dsv4ray.cluster import stage_graph
-from dsv4ray.cluster.channel_files import mapped_by_any_process, node_shm_files, raylet_pid
+from dsv4ray.cluster.channel_files import mapped_by_any_process
 from dsv4ray.cluster.stage_graph import StageGraph
+from tests.ray.shm_files import ShmFiles
 
 GREEDY = SamplingParams(max_tokens=3, ignore_eos=True)
 NUM_CYCLES = 5  # each cycle asserts that its own teardown left no file behind
@@ -45,30 +46,6 @@ class _Stage:
 
     def next(self, x: int, prev: int) -> int:
         return prev + 1
-
-
-class ShmFiles:
-    """This node's channel semaphore files and the host tier regions of the tracked pipelines."""
-
-    def __init__(self) -> None:
-        self.raylet_pid = raylet_pid()
-        self.keys: list[str] = []
-
-    def track(self, llm: LLM) -> None:
-        self.keys.append(llm.core.pipeline.key)
-
-    def now(self) -> set[str]:
-        return node_shm_files(self.raylet_pid, self.keys)
-
-    def settle(self, at_most: int, baseline: set[str], timeout_s: float = 30) -> set[str]:
-        """The new files once no more than at_most remain (actors that were told to exit
-        remove theirs as their processes end, a moment after Ray reports them dead)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            new = self.now() - baseline
-            if len(new) <= at_most or time.monotonic() > deadline:
-                return new
-            time.sleep(0.2)
 
 
 def test_repeated_graph_builds_and_teardowns_leave_no_files(ray_session):
