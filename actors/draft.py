@@ -1,10 +1,11 @@
 """DraftActor: the Ray actor shell over ``DraftWorker`` (all logic lives in the plain class).
 
 It runs in the last stage's placement-group bundle, beside the last stage (a fraction of its GPU,
-or of its CPU share). Control calls (ready, allocate) are plain ``.remote()`` calls; ``next`` is
-bound into the pipeline's compiled graph after the last stage, whose result (with the residual
-rows of the positions to draft from) it receives, and whose result it returns to the driver with
-its proposals.
+or of its CPU share). Control calls (ready, allocate) are plain ``.remote()`` calls; two methods
+are bound into the pipeline's compiled graph: ``proposals`` first, whose held proposals every
+stage writes into the plan's pending drafts, and ``next`` after the last stage, whose result
+(with the residual rows of the positions to draft from) it receives: it launches the step's draft
+pass and returns that result to the driver at once, naming the requests it proposes for.
 """
 
 from __future__ import annotations
@@ -30,11 +31,13 @@ class DraftActor:
         import torch  # here: the driver creating the actor loads neither the network nor kernels
 
         from dsv4ray.worker.spec.draft import DraftWorker
+        from dsv4ray.worker.spec.draft_fill import HeldDrafts
 
         torch.set_num_threads(max(1, num_threads))
         if spec.device == "cpu":  # Ray's spinning reads would keep a core busy between steps
             sleep_between_reads()
         self.worker = DraftWorker(dataclasses.replace(spec, model=fetch_model(spec.model)))
+        self.worker.held = HeldDrafts()
         self.timeline_records = MethodTimeline()
 
     def ready(self) -> dict:
@@ -46,12 +49,26 @@ class DraftActor:
     def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
         self.worker.capture_graphs(max_batch, max_len, capture)
 
+    def open_link(self, depth: int, rows: int) -> dict:
+        return self.worker.open_link(depth, rows)
+
+    def link_peer(self, handles: list) -> None:
+        self.worker.link_peer(handles)
+
     def stats(self) -> dict:
         return dict(self.worker.stats)
 
     def timeline(self, record: bool) -> list:
         """As StageActor.timeline: [("next", step id, entered, left)]."""
         return self.timeline_records.swap(record)
+
+    def proposals(self, plan: bytes) -> dict:
+        """The proposals of the draft passes launched so far (req_id -> k drafts), for the
+        stages of the plan about to run."""
+        entered = self.timeline_records.enter()
+        out = self.worker.held_values()
+        self.timeline_records.left("proposals", decode(plan).step_id, entered)
+        return out
 
     def next(self, plan: bytes, prev: StageResult) -> StageResult:
         entered = self.timeline_records.enter()

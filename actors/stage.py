@@ -102,17 +102,18 @@ class StageActor:
         out = self.worker.take(plan := decode(plan), result)
         return self._record("take", plan, entered, out)
 
-    def first(self, plan: bytes) -> StageResult:
+    def first(self, plan: bytes, drafts: dict | None = None) -> StageResult:
+        """drafts (here and in ``prepare``): the draft actor's held proposals, with one."""
         entered = self.timeline_records.enter()
-        out = self.worker.step(plan := decode(plan))
+        out = self.worker.step(plan := decode(plan), drafts=drafts)
         return self._record("first", plan, entered, out)
 
-    def prepare(self, plan: bytes) -> int:
+    def prepare(self, plan: bytes, drafts: dict | None = None) -> int:
         """A later stage's bookkeeping and staged metadata of a step, run before its ``next``
         waits for the stage before (a receive over NCCL blocks until the sender's kernels
         finished) -> the step id ``next`` takes."""
         entered = self.timeline_records.enter()
-        self.prepared = self.worker.prepare(plan := decode(plan))
+        self.prepared = self.worker.prepare(plan := decode(plan), drafts)
         self._record("prepare", plan, entered, None)
         return plan.step_id
 

@@ -112,6 +112,10 @@ def timeline(llm: LLM, batch: int, args, prompts: list | None = None) -> str:
         readied = [steps[k][(i, "prepare")] for k in full if (i, "prepare") in steps[k]]
         host = med([left - entered for entered, left in readied])
         lines.append(f"  stage {i} prepare (host, before the receive) {host:8.3f}")
+    asked = [steps[k][(last + 1, "proposals")] for k in full if (last + 1, "proposals") in steps[k]]
+    if asked:  # the held proposals of the steps before, read back before stage 0 enters
+        host = med([left - entered for entered, left in asked])
+        lines.append(f"  draft actor proposals (host, read back)  {host:8.3f}")
     taken = [k for k in full if (0, "take") in steps[k]]
     pairs = [(a, b) for a, b in zip(full, full[1:]) if b == a + 1]
     if taken:

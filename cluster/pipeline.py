@@ -154,15 +154,20 @@ class RayPipeline:
         self._get(first.wait_for_tokens.remote(event))
 
     def _link_stages(self, devices: list[str | None]) -> None:
-        """Neighbouring stages on one GPU hand their rows over through a ring in the receiver's
-        device memory (worker/graphs/device_link.py); the graph's channel carries only tickets."""
+        """Neighbouring stages on one GPU, and the last stage and the draft actor beside it,
+        hand their rows over through a ring in the receiver's device memory
+        (worker/graphs/device_link.py); the graph's channel carries only tickets."""
         rows = self.config.max_num_batched_tokens
         for i in range(len(self.actors) - 1):
             if devices[i] is None or devices[i] != devices[i + 1]:
                 continue
-            sender, receiver = self.actors[i], self.actors[i + 1]
-            exported = self._get(receiver.open_link.remote(self.depth + 1, rows))
-            self._get(receiver.link_peer.remote(self._get(sender.map_link.remote(exported))))
+            self._link(self.actors[i], self.actors[i + 1], rows)
+        if self.draft is not None and devices[-1] is not None:  # the draft actor shares its GPU
+            self._link(self.actors[-1], self.draft, rows)
+
+    def _link(self, sender, receiver, rows: int) -> None:
+        exported = self._get(receiver.open_link.remote(self.depth + 1, rows))
+        self._get(receiver.link_peer.remote(self._get(sender.map_link.remote(exported))))
 
     @staticmethod
     def _local_pids(infos: list[dict]) -> list[int]:

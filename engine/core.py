@@ -252,10 +252,12 @@ class EngineCore:
         outcome = self.scheduler.commit(plan, result.sampled, result.accepted, result.drafts)
         finished = outcome.finished
         spec.count_drafts(plan, outcome, result, self.outputs.outputs, self.spec_stats)
+        k = self.config.speculative_num_steps
         if result.pending_drafts is not None:  # the next plan takes them on the device
-            k = self.config.speculative_num_steps
             self.scheduler.expect_drafts(result.pending_drafts.req_ids, k)
             self.pending_drafts = result.pending_drafts
+        elif result.proposed:  # a draft actor holds them; the next plan's stages take them
+            self.scheduler.expect_drafts(result.proposed, k)
         # With overlap the next plan goes out now, before this step's tokens are detokenised
         # and handed over: the stages start it while the host makes the outputs. A stop string
         # found below ends its request after that plan took it, like a request that ends while

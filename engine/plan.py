@@ -202,6 +202,9 @@ class StageResult:
     pending_drafts: Any = None
     # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
     resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # a draft actor's proposals of this step, held there for the next plans' stages (the
+    # requests whose next plan schedules PENDING_DRAFT drafts; worker/spec/draft_fill.py)
+    proposed: list[str] = field(default_factory=list)
     # overlap scheduling over several stages (worker/graphs/overlap.py): the last stage's
     # sampled ids [R] for the first stage's table, and the step's token ids [T] as the first
     # stage filled them, for the stages after it

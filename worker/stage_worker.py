@@ -33,7 +33,7 @@ from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.pd.kv_export import KVPort, run_handoffs
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
-from dsv4ray.worker.spec.draft_fill import DraftFill
+from dsv4ray.worker.spec.draft_fill import DraftFill, fill_held_drafts
 from dsv4ray.worker.spec.verify import Handoff, PendingVerify, hand_over
 from dsv4ray.worker.stage_sampling import StageSampling
 from dsv4ray.worker.stage_spec import StageSpec
@@ -185,18 +185,22 @@ class StageWorker:
         self.kv_port = KVPort(self.pools, transport)
         return to_dict(self.kv_port.endpoint)
 
-    def step(self, plan: StepPlan, inputs: StageResult | None = None) -> StageResult:
+    def step(self, plan: StepPlan, inputs: StageResult | None = None,
+             drafts: dict[str, list[int]] | None = None) -> StageResult:  # fmt: skip
         """One step as a pipeline's transport runs it: ``prepare`` then ``step_prepared``."""
-        return self.step_prepared(self.prepare(plan), inputs)
+        return self.step_prepared(self.prepare(plan, drafts), inputs)
 
-    def prepare(self, plan: StepPlan) -> Prepared:
+    def prepare(self, plan: StepPlan, drafts: dict[str, list[int]] | None = None) -> Prepared:
         """The part of a step that needs no rows from the stage before: its host-tier copies
         and bookkeeping applied, a replayed step's metadata uploaded into its bucket (stream-
         ordered after the steps launched before). A stage actor after the first runs it while
-        the stage before computes. A staging failure fails the step when it computes."""
+        the stage before computes. A staging failure fails the step when it computes.
+        drafts: the proposals a draft actor held (its ``proposals``; None without one), written
+        into the plan's pending drafts first (worker/spec/draft_fill.py)."""
+        resolved = fill_held_drafts(plan, drafts)
         events = self._host_ops(plan)
         self._apply(plan)
-        prepared = Prepared(plan, events)
+        prepared = Prepared(plan, events, resolved=resolved)
         if plan.batch and self.graphs is not None:
             try:
                 key = self.graphs.pick(plan)
@@ -266,6 +270,8 @@ class StageWorker:
             self._fail(plan.step_id, exc, result)
         if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
             run_handoffs(self.kv_port, plan, self.tables, inputs, self.finish(result))
+        if self.is_last and prepared.resolved:  # the engine keeps the drafts it verified
+            result.resolved_drafts = prepared.resolved
         deferred = defer_sampling or result.handoff is not None
         return result if deferred else self.finish(result)
 
@@ -448,9 +454,11 @@ class StageWorker:
 @dataclasses.dataclass
 class Prepared:
     """A step with its bookkeeping applied (``StageWorker.prepare``): its host-tier copies'
-    events, its staged bucket when it replays a graph, a staging failure to report."""
+    events, its staged bucket when it replays a graph, a staging failure to report, the
+    proposals a draft actor held for it."""
 
     plan: StepPlan
     events: LayerEvents
     staged: Staged | None = None
     error: Exception | None = None
+    resolved: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # held drafts

@@ -23,7 +23,9 @@ Decode steps (every span sampled, at most k + 1 positions) replay one CUDA graph
 pass and the chain together (worker/spec/draft_graphs.py); others run eagerly. After a replayed
 verification in the same process the graph takes the step's rows and the target's tokens on
 the device and finds the accepted drafts itself, so the host waits once per step, after
-drafting.
+drafting. In an actor of its own (``held``) a pass is launched and the step returns at once:
+the proposals are read back when the next plan asks for them (``held_values``), so the driver
+commits a step while its draft pass runs.
 
 A failure inside the draft pass costs drafts, never tokens: the step's result goes on without
 proposals.
@@ -44,11 +46,12 @@ from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import HostStage, build_batch
+from dsv4ray.worker.graphs.device_link import DeviceLink
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.spec.draft_chain import chain_metas
-from dsv4ray.worker.spec.draft_fill import DraftFill, PendingDrafts
+from dsv4ray.worker.spec.draft_fill import DraftFill, HeldDrafts, PendingDrafts, fill_held_drafts
 from dsv4ray.worker.spec.draft_graphs import DraftGraphs, verified_spans
 from dsv4ray.worker.spec.verify import DraftSpan, draft_spans, settle_handoff
 from dsv4ray.worker.stage_spec import DraftSpec
@@ -83,6 +86,11 @@ class DraftWorker:
         # proposals left on the device as PendingDrafts: in process the next plan's stages take
         # them there, and the host reads them only before it settles that plan
         self.defer_drafts = False
+        # in an actor of its own: proposals held here until the next plan asks (``held_values``)
+        self.held: HeldDrafts | None = None
+        # the last stage's rows through device memory, on its GPU (``open_link``)
+        self.in_link: DeviceLink | None = None
+        self._ticket = None
 
     def allocate(self, sizes: PoolSizes) -> int:
         self.pools = DraftPools(self.cfg, sizes, self.kv_cache_dtype, self.device)
@@ -101,11 +109,16 @@ class DraftWorker:
     ) -> StageResult:
         """The last stage's result without its tensors, with proposals in ``drafts`` (or
         ``pending_drafts``); draft_fill: the plan's drafts still on the device, if any."""
+        self._receive(inputs)
         self._apply(plan)
+        if self.held is not None:  # the drafts the stages verified, as they filled them
+            fill_held_drafts(plan, inputs.resolved_drafts)
+            self.held.drop(e.req_id for e in plan.batch)  # this step proposes anew
         out = dataclasses.replace(
-            inputs, residual=None, topk=None, handoff=None, drafts={}, draft_stats={}
+            inputs, residual=None, topk=None, handoff=None, drafts={}, draft_stats={}, link=None
         )
         if inputs.failed is not None or not plan.batch:
+            self._release(inputs)
             return out
         try:
             self._run(plan, inputs, out, draft_fill)
@@ -114,15 +127,46 @@ class DraftWorker:
             # lost, and the draft layer's cache may miss the step's rows, which can lower these
             # requests' later acceptance
             log.exception("draft pass of step %d failed", plan.step_id)
-            out.drafts, out.pending_drafts = {}, None
+            out.drafts, out.pending_drafts, out.proposed = {}, None, []
             out.draft_stats = {"num_failed_draft_passes": 1}
             self.stats["num_failed_draft_passes"] += 1
+        finally:  # every read of the linked rows is enqueued: the last stage may reuse them
+            self._release(inputs)
         return out
 
+    def open_link(self, depth: int, rows: int) -> dict:
+        """A ring the last stage on this GPU writes the rows it hands over into
+        (worker/graphs/device_link.py) -> what it maps the ring with (its ``map_link``)."""
+        c = self.cfg
+        has_topk = any(spec.compress_ratio == 4 for spec in c.layers)
+        self.in_link = DeviceLink.allocate(depth, rows, c.hc_mult * c.hidden_size,
+                                           self.model.dtype, c.index_topk if has_topk else None,
+                                           self.device)  # fmt: skip
+        return self.in_link.export()
+
+    def link_peer(self, handles: list) -> None:
+        self.in_link.peer_fences(handles)
+
+    def _receive(self, inputs: StageResult) -> None:
+        """The last stage's rows, as views of the link's slot when they came through one."""
+        if self.in_link is not None:
+            self._ticket = self.in_link.receive(inputs)
+
+    def _release(self, inputs: StageResult) -> None:
+        if self.in_link is not None:
+            self.in_link.release(self._ticket)
+            self._ticket = None
+
     # ------------------------------------------------------------------ bookkeeping
+    def held_values(self) -> dict[str, list[int]]:
+        """The proposals held for the next plans (req_id -> k drafts; waits for their passes)."""
+        return self.held.values() if self.held is not None else {}
+
     def _apply(self, plan: StepPlan) -> None:
         for req_id in [*plan.finished_ids, *plan.preempted_ids]:
             self.tables.pop(req_id, None)
+        if self.held is not None:
+            self.held.drop([*plan.finished_ids, *plan.preempted_ids])
         for new in plan.new_requests:
             self._add(new)
         for diff in plan.diffs:
@@ -183,7 +227,10 @@ class DraftWorker:
                 graphed: bool = False) -> None:  # fmt: skip
         """Files drafts [R, k] (device) by request, and the step's counters."""
         req_ids = [s.req_id for s in spans]
-        if self.defer_drafts:
+        if self.held is not None:  # read back when the next plan asks: the driver commits now
+            self.held.hold(PendingDrafts(req_ids, drafts))
+            out.proposed = req_ids
+        elif self.defer_drafts:
             out.pending_drafts = PendingDrafts(req_ids, drafts)
         else:
             out.drafts = dict(zip(req_ids, drafts.cpu().tolist(), strict=True))

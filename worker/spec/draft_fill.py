@@ -7,6 +7,11 @@ req_ids[i]); ``DraftFill`` copies them into the step's token ids (and the draft 
 table) on the device, in stream order after the pass that wrote them, and ``resolve`` writes
 their values into plan.token_ids once the host copy is in: before anything on the host reads a
 draft (settling the verification, an eager draft pass, the commit).
+
+A draft worker in an actor of its own holds its proposals instead (``HeldDrafts``): it launches
+a step's draft pass and returns at once, so the driver commits the step while the pass runs; the
+next plan's first call on the draft actor reads them back, and every stage writes them into the
+plan's token ids before it prepares the step (``fill_held_drafts``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch
 
 from dsv4ray.engine.plan import StepPlan
 from dsv4ray.worker.sampling.sampler import to_device
+
+FILLER_DRAFT = 0  # stands in for proposals that never came
 
 
 class PendingDrafts:
@@ -37,6 +44,53 @@ class PendingDrafts:
         if self.event is not None:
             self.event.synchronize()
         return dict(zip(self.req_ids, self.host.tolist(), strict=True))
+
+
+class HeldDrafts:
+    """A draft actor's proposals by request: each request's latest pass (the one of the last
+    step that sampled it), read back when asked for. A request's entry is dropped when it
+    ends, or when a new step of it starts its pass (a pass that then fails leaves none)."""
+
+    def __init__(self) -> None:
+        self.passes: dict[str, PendingDrafts] = {}
+
+    def hold(self, pending: PendingDrafts) -> None:
+        for req_id in pending.req_ids:
+            self.passes[req_id] = pending
+
+    def drop(self, req_ids) -> None:
+        for req_id in req_ids:
+            self.passes.pop(req_id, None)
+
+    def values(self) -> dict[str, list[int]]:
+        """req_id -> its k proposals, for every request held (each pass read back once)."""
+        out, read = {}, {}
+        for req_id, pending in self.passes.items():
+            if id(pending) not in read:
+                read[id(pending)] = pending.result()
+            out[req_id] = read[id(pending)][req_id]
+        return out
+
+
+def fill_held_drafts(plan: StepPlan, values: dict[str, list[int]] | None) -> dict[str, list[int]]:
+    """Writes the proposals a draft actor held into the drafts of plan.draft_lookahead (their
+    PENDING_DRAFT ids), which are then drafts like any other -> the proposals the plan's step
+    reports to the engine: values, plus FILLER_DRAFT ones for an entry whose proposals were
+    lost (its draft actor failed or was replaced; a filler is verified like any draft, so
+    tokens stay exact). values None: no draft actor, the plan is left as it is."""
+    if values is None:
+        return {}
+    resolved, wanted, first = dict(values), set(plan.draft_lookahead), 0
+    for e in plan.batch:
+        if e.req_id in wanted and e.num_drafts:
+            got = resolved.get(e.req_id)
+            if got is None or len(got) < e.num_drafts:
+                got = resolved[e.req_id] = [FILLER_DRAFT] * e.num_drafts
+            start = first + e.num_tokens - e.num_drafts
+            plan.token_ids[start : start + e.num_drafts] = got[: e.num_drafts]
+        first += e.num_tokens
+    plan.draft_lookahead = []
+    return resolved
 
 
 class DraftFill:
