@@ -1,11 +1,12 @@
 """DraftActor: the Ray actor shell over ``DraftWorker`` (all logic lives in the plain class).
 
 It runs in the last stage's placement-group bundle, beside the last stage (a fraction of its GPU,
-or of its CPU share). Control calls (ready, allocate) are plain ``.remote()`` calls; two methods
-are bound into the pipeline's compiled graph: ``proposals`` first, whose held proposals every
-stage writes into the plan's pending drafts, and ``next`` after the last stage, whose result
-(with the residual rows of the positions to draft from) it receives: it launches the step's draft
-pass and returns that result to the driver at once, naming the requests it proposes for.
+or of its CPU share). Control calls (ready, allocate) are plain ``.remote()`` calls; three
+methods are bound into the pipeline's compiled graph: ``proposals`` first, whose held proposals
+every stage writes into the plan's pending drafts, ``prepare`` while the stages compute, and
+``next`` after the last stage, whose result (the rows to draft from) it receives: it launches
+the step's draft pass and returns that result to the driver at once, naming the requests it
+proposes for.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class DraftActor:
             sleep_between_reads()
         self.worker = DraftWorker(dataclasses.replace(spec, model=fetch_model(spec.model)))
         self.worker.held = HeldDrafts()
+        self.values: dict = {}  # the proposals ``proposals`` gave the stages of this step
+        self.prepared = None  # the step ``prepare`` readied for ``next``
         self.timeline_records = MethodTimeline()
 
     def ready(self) -> dict:
@@ -66,12 +69,23 @@ class DraftActor:
         """The proposals of the draft passes launched so far (req_id -> k drafts), for the
         stages of the plan about to run."""
         entered = self.timeline_records.enter()
-        out = self.worker.held_values()
+        self.values = self.worker.held_values()
         self.timeline_records.left("proposals", decode(plan).step_id, entered)
-        return out
+        return self.values
 
-    def next(self, plan: bytes, prev: StageResult) -> StageResult:
+    def prepare(self, plan: bytes) -> int:
+        """The step's bookkeeping and staged bucket while the stages compute -> the step id
+        ``next`` takes."""
         entered = self.timeline_records.enter()
-        out = self.worker.execute(plan := decode(plan), prev)
-        self.timeline_records.left("next", plan.step_id, entered)
+        self.prepared = self.worker.prepare(plan := decode(plan), self.values)
+        self.timeline_records.left("prepare", plan.step_id, entered)
+        return plan.step_id
+
+    def next(self, step_id: int, prev: StageResult) -> StageResult:
+        entered = self.timeline_records.enter()
+        prepared, self.prepared = self.prepared, None
+        if prepared is None or prepared.plan.step_id != step_id:
+            raise RuntimeError(f"step {step_id} reached a draft actor that prepared no such step")
+        out = self.worker.execute_prepared(prepared, prev)
+        self.timeline_records.left("next", step_id, entered)
         return out

@@ -57,6 +57,9 @@ class StageActor:
                        capture: bool = True) -> None:  # fmt: skip
         self.worker.capture_graphs(max_batch, max_len, draft_steps, capture)
 
+    def hand_off_verifications(self) -> None:
+        self.worker.hand_off_verifications()
+
     def attach_host(self, layout_args: dict, path: str) -> int:
         return self.worker.attach_host(layout_args, path)
 

@@ -113,6 +113,8 @@ class RayPipeline:
             refs = [a.capture_graphs.remote(*graphs, k) for a in self.actors]
             refs += [self.draft.capture_graphs.remote(*graphs)] if self.draft is not None else []
             self._get(refs)
+            if self.draft is not None:  # it drafts from a replayed verification's rows
+                self._get(self.actors[-1].hand_off_verifications.remote())
         if self.kv_transfer:
             opened = self._get([a.open_transfer.remote(ec.pd_protocol) for a in self.actors])
             self.kv_endpoints = tuple(StageEndpoint.from_dict(e) for e in opened)
@@ -163,7 +165,9 @@ class RayPipeline:
                 continue
             self._link(self.actors[i], self.actors[i + 1], rows)
         if self.draft is not None and devices[-1] is not None:  # the draft actor shares its GPU
-            self._link(self.actors[-1], self.draft, rows)
+            # a verification's slotted rows: k + 1 a request
+            slotted = self.config.max_running_requests * (self.config.speculative_num_steps + 1)
+            self._link(self.actors[-1], self.draft, max(rows, slotted))
 
     def _link(self, sender, receiver, rows: int) -> None:
         exported = self._get(receiver.open_link.remote(self.depth + 1, rows))

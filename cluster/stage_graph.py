@@ -3,9 +3,9 @@
 The graph sends each input to every actor and passes each actor's result to the next:
 ``actors[0].first(x)``, then ``actors[i].prepare(x)``, ``actors[i].receive(prev)`` and
 ``actors[i].next(ready, rows)`` (a stage readies its step while the one before computes), then
-(speculative decoding) the draft actor's ``next(x, prev)``, whose held proposals
-(``proposals(x)``, read first) every stage's first call also takes; the last result is the
-output. On
+(speculative decoding) the draft actor's ``next(ready, prev)`` (``ready`` from its ``prepare(x)``,
+run while the stages compute), whose held proposals (``proposals(x)``, read first) every stage's
+first call also takes; the last result is the output. On
 CPU every channel is shared memory with two semaphore files in /dev/shm that Ray removes only
 when a process that used the channel exits cleanly (see channel_files.py). The graph therefore
 records, once it has run one warm-up input, every channel file that the driver or any of its
@@ -90,15 +90,17 @@ class StageGraph:
             # and takes the rest by task order, so the prepares are bound first, and the
             # receive is a node of its own (an NCCL read may have no other input).
             # the draft actor's proposals of the steps before: every stage writes them into
-            # the plan's pending drafts (the driver committed those steps while they drafted)
+            # the plan's pending drafts (the driver committed those steps while they drafted);
+            # then the draft actor readies its pass while the stages compute
             args = (data,) if draft is None else (data, draft.proposals.bind(data))
+            draft_ready = draft.prepare.bind(data) if draft is not None else None
             ready = [actor.prepare.bind(*args) for actor in stages[1:]]
             out = stages[0].first.bind(*args)
             for i, actor in enumerate(stages[1:], 1):
                 rows = actor.receive.bind(_transport(out, devices[i - 1], devices[i]))
                 out = actor.next.bind(ready[i - 1], rows)
             if draft is not None:  # on the last stage's GPU
-                out = draft.next.bind(data, _transport(out, devices[-1], devices[-1]))
+                out = draft.next.bind(draft_ready, _transport(out, devices[-1], devices[-1]))
             if take:
                 out = stages[0].take.bind(data, _transport(out, devices[-1], devices[0]))
         return out.experimental_compile(

@@ -202,6 +202,9 @@ class StageResult:
     pending_drafts: Any = None
     # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
     resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
+    # to a draft actor: residual / topk are a replayed verification's slotted rows and token_ids
+    # the target's token per batch token (the draft drafts from them on the device)
+    verified: bool = False
     # a draft actor's proposals of this step, held there for the next plans' stages (the
     # requests whose next plan schedules PENDING_DRAFT drafts; worker/spec/draft_fill.py)
     proposed: list[str] = field(default_factory=list)

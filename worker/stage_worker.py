@@ -77,6 +77,7 @@ class StageWorker:
         # rows from the stage before / to the stage after through device memory (one GPU)
         self.in_link: DeviceLink | None = None
         self.out_link: DeviceLink | None = None
+        self.hands_off = False  # replayed verifications' rows go to a draft actor as they are
 
     def gpu_uuid(self) -> str | None:
         """The physical GPU this stage runs on (stages that share one share its memory and
@@ -222,15 +223,34 @@ class StageWorker:
         finally:  # the slot is free once this stream read it, whatever the step did
             if self.in_link is not None:
                 self.in_link.release(ticket)
+        handed = out.handoff is not None  # a verification replayed for the draft actor
+        if handed:
+            self._hand_off(prepared.plan, out)
         if self.out_link is not None:
             self.out_link.send(out)
-        return out
+        return self.finish(out) if handed else out
+
+    def hand_off_verifications(self) -> None:
+        """The last stage, beside a draft actor that replays graphs: a replayed verification's
+        rows and target tokens go to it as they are (``_hand_off``), and it finds the accepted
+        drafts on the device, as the draft worker of this process would."""
+        self.hands_off = True
+
+    def _hand_off(self, plan: StepPlan, result: StageResult) -> None:
+        """Puts a replayed verification's slotted rows [b n, hc * hidden] (and top-k) and the
+        target's token per batch token [T] into the result (``verified``); the step settles
+        after they left."""
+        h, result.handoff = result.handoff, None
+        rows = len(plan.batch) * self.graphs.n
+        result.residual = h.stack[:rows].flatten(-2)
+        result.topk = h.topk[:rows] if h.topk is not None else None
+        result.token_ids, result.verified = h.token_ids, True
 
     def _step_prepared(self, prepared: Prepared, inputs: StageResult | None) -> StageResult:
         plan = prepared.plan
         flush = plan.step_id == FLUSH_STEP
         if not (plan.lag and self.is_last) or not (plan.batch or flush):
-            return self.run(prepared, inputs)
+            return self.run(prepared, inputs, handoff=self.hands_off)
         result = self.run(prepared, inputs, defer_sampling=True)
         held, self.held = self.held, (None if flush else result)
         out = self.finish(held) if held is not None else StageResult(NO_RESULT)

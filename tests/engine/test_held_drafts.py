@@ -7,6 +7,7 @@ step before its proposals are read back, and requests a plan leaves out keep the
 until a later step brings them; proposals that never come are verified as fillers, tokens exact.
 """
 
+import copy
 import os
 
 import pytest
@@ -28,10 +29,16 @@ class HeldDraftPipeline:
     """The engine's pipeline protocol over in-process workers called as the Ray graph calls the
     stage and draft actors; every other attribute is the in-process pipeline's."""
 
-    def __init__(self, local, lose_every: int = 0) -> None:
+    def __init__(self, local, lose_every: int = 0, buckets: bool = False) -> None:
         self.local, self.workers, self.draft = local, local.workers, local.draft
         self.draft.held, self.draft.defer_drafts = HeldDrafts(), False
-        rows = local.config.max_num_batched_tokens
+        ec = local.config
+        rows = max(ec.max_num_batched_tokens, 4 * (ec.speculative_num_steps + 1))
+        if buckets:  # the fixed-shape buckets CUDA graphs replay, run eagerly
+            for worker in self.workers:
+                worker.capture_graphs(4, 4096, ec.speculative_num_steps, capture=False)
+            self.draft.capture_graphs(4, 4096, capture=False)
+            self.workers[-1].hand_off_verifications()
         self.workers[-1].map_link(self.draft.open_link(2, rows))
         self.draft.link_peer(self.workers[-1].out_link.fences.export())
         self.depth, self.lose_every, self.steps = 1, lose_every, 0
@@ -50,11 +57,13 @@ class HeldDraftPipeline:
             1 for r in plan.draft_lookahead if r not in values
         )  # requests whose proposals never came
         result = None
-        for worker in self.workers:
-            result = worker.step(plan, result, drafts=values)
+        for worker in self.workers:  # each actor decodes its own copy of the plan
+            result = worker.step(copy.deepcopy(plan), result, drafts=values)
+        plan = copy.deepcopy(plan)
         self.tickets += result.link is not None
         self.drafting += plan.draft and bool(plan.batch) and result.failed is None
-        self.results[plan.step_id] = self.draft.execute(plan, result)
+        prepared = self.draft.prepare(plan, values)
+        self.results[plan.step_id] = self.draft.execute_prepared(prepared, result)
         return plan.step_id
 
     def collect(self, step_id: int):
@@ -73,11 +82,11 @@ def _prompts(lengths, seed):
     return [torch.randint(2, 258, (n,), generator=g).tolist() for n in lengths]
 
 
-def _run(ckpt, k, pp, prompts, max_tokens, lose_every=0, **options):
+def _run(ckpt, k, pp, prompts, max_tokens, lose_every=0, buckets=False, **options):
     llm = LLM(ckpt, kv_cache_dtype="fp32", speculative_num_steps=k, pp_size=pp, use_ray=False,
-              **options)  # fmt: skip
+              max_running_requests=4, **options)  # fmt: skip
     try:
-        pipe = llm.core.pipeline = HeldDraftPipeline(llm.core.pipeline, lose_every)
+        pipe = llm.core.pipeline = HeldDraftPipeline(llm.core.pipeline, lose_every, buckets)
         outs = llm.generate(prompts, [SamplingParams(max_tokens=n, ignore_eos=True)
                                       for n in max_tokens])  # fmt: skip
         llm.core.check_integrity()
@@ -87,20 +96,31 @@ def _run(ckpt, k, pp, prompts, max_tokens, lose_every=0, **options):
     return outs, stats, pipe
 
 
-@pytest.mark.parametrize("kind,k,pp", [("window", 1, 1), ("dsa", 3, 1), ("dsa", 2, 2)])
-def test_held_proposals_give_the_reference_tokens(request, tiny_ckpt, dsa_ckpt, kind, k, pp):
+@pytest.mark.parametrize(
+    "kind,k,pp,buckets",
+    [("window", 1, 1, False), ("dsa", 3, 1, False), ("dsa", 2, 2, False), ("window", 3, 1, True),
+     ("dsa", 2, 2, True)],
+)  # fmt: skip
+def test_held_proposals_give_the_reference_tokens(
+    request, tiny_ckpt, dsa_ckpt, kind, k, pp, buckets
+):
+    """With buckets, the last stage hands a replayed verification's rows and target tokens to
+    the draft worker, which readied the step's bucket before the stage computed."""
     if kind == "window":
         ckpt, ref = tiny_ckpt, request.getfixturevalue("tiny_model")
     else:
         ckpt, ref = dsa_ckpt
     prompts, max_tokens = _prompts([3, 126, 250], seed=k), [10, 7, 9]
-    outs, stats, pipe = _run(ckpt, k, pp, prompts, max_tokens)
+    outs, stats, pipe = _run(ckpt, k, pp, prompts, max_tokens, buckets=buckets)
     for prompt, out, n in zip(prompts, outs, max_tokens):
         assert out.token_ids == reference_greedy(ref, prompt, n)
         assert out.metrics.num_draft_tokens > 0
     assert stats["num_verify_steps"] > 0 and stats["num_failed_draft_passes"] == 0
     assert pipe.fillers == 0  # every pending draft came from the draft worker
     assert pipe.tickets == pipe.drafting > 0  # every step's rows went through the link
+    if buckets:  # every replayed verification's rows fed the draft's bucket on the device
+        verified = pipe.draft.graphs.num_verified
+        assert verified == sum(pipe.workers[-1].graphs.replays.values()) > 0
 
 
 def test_the_trained_model_accepts_held_proposals():

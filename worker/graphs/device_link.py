@@ -42,7 +42,7 @@ class LinkTicket:
     seq: int
     num_rows: int
     has_topk: bool
-    has_tokens: bool
+    num_tokens: int  # token ids in the slot (0: none; a verification's: fewer than its rows)
 
 
 class SlotFences:
@@ -156,11 +156,13 @@ class DeviceLink:
         self.residual[slot, :num].copy_(x)
         if result.topk is not None:
             self.topk[slot, :num].copy_(result.topk)
-        if result.token_ids is not None:
-            self.tokens[slot, :num].copy_(result.token_ids[:num])
+        tokens = result.token_ids[:num] if result.token_ids is not None else None
+        if tokens is not None:
+            self.tokens[slot, : tokens.shape[0]].copy_(tokens)
         self.fences.record(slot, seq)
         self.sent = seq
-        result.link = LinkTicket(seq, num, result.topk is not None, result.token_ids is not None)
+        num_tokens = 0 if tokens is None else tokens.shape[0]
+        result.link = LinkTicket(seq, num, result.topk is not None, num_tokens)
         result.residual = result.topk = result.token_ids = None
 
     def receive(self, result: StageResult) -> LinkTicket | None:
@@ -173,7 +175,7 @@ class DeviceLink:
         self.peer.wait(slot, ticket.seq)
         result.residual = self.residual[slot, :num]
         result.topk = self.topk[slot, :num] if ticket.has_topk else None
-        result.token_ids = self.tokens[slot, :num] if ticket.has_tokens else None
+        result.token_ids = self.tokens[slot, : ticket.num_tokens] if ticket.num_tokens else None
         result.link = None
         return ticket
 

@@ -45,7 +45,7 @@ from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
-from dsv4ray.worker.batch import HostStage, build_batch
+from dsv4ray.worker.batch import HostStage, build_batch, slotted_rows
 from dsv4ray.worker.graphs.device_link import DeviceLink
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.req_table import ReqTable
@@ -53,7 +53,7 @@ from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.spec.draft_chain import chain_metas
 from dsv4ray.worker.spec.draft_fill import DraftFill, HeldDrafts, PendingDrafts, fill_held_drafts
 from dsv4ray.worker.spec.draft_graphs import DraftGraphs, verified_spans
-from dsv4ray.worker.spec.verify import DraftSpan, draft_spans, settle_handoff
+from dsv4ray.worker.spec.verify import DraftSpan, Handoff, draft_spans, hand_over, settle_handoff
 from dsv4ray.worker.stage_spec import DraftSpec
 
 log = logging.getLogger("dsv4ray.draft")
@@ -103,25 +103,50 @@ class DraftWorker:
         )
         return self.pools.nbytes()
 
-    @torch.no_grad()
     def execute(
         self, plan: StepPlan, inputs: StageResult, draft_fill: DraftFill | None = None
     ) -> StageResult:
-        """The last stage's result without its tensors, with proposals in ``drafts`` (or
-        ``pending_drafts``); draft_fill: the plan's drafts still on the device, if any."""
-        self._receive(inputs)
+        """``prepare`` then ``execute_prepared`` (the draft worker of this process)."""
+        return self.execute_prepared(self.prepare(plan), inputs, draft_fill)
+
+    def prepare(self, plan: StepPlan, values: dict[str, list[int]] | None = None) -> PreparedDraft:
+        """The part of a step that needs nothing from the last stage: its bookkeeping and, in an
+        actor of its own, the held proposals written into the plan's pending drafts (values:
+        those the stages got) and a verification's bucket staged (its metadata uploaded) while
+        the last stage still verifies. A staging failure fails the pass when it runs."""
         self._apply(plan)
-        if self.held is not None:  # the drafts the stages verified, as they filled them
-            fill_held_drafts(plan, inputs.resolved_drafts)
-            self.held.drop(e.req_id for e in plan.batch)  # this step proposes anew
-        out = dataclasses.replace(
-            inputs, residual=None, topk=None, handoff=None, drafts={}, draft_stats={}, link=None
-        )
+        prepared = PreparedDraft(plan)
+        if self.held is None:
+            return prepared
+        fill_held_drafts(plan, values or {})
+        self.held.drop(e.req_id for e in plan.batch)  # this step proposes anew
+        if self.graphs is not None and plan.batch and all(e.sample for e in plan.batch):
+            try:
+                key = self.graphs.pick(verified_spans(plan))
+                if key is not None:
+                    prepared.staged = (key, self.graphs.stage_verified(plan, key))
+            except Exception as exc:  # reported with the pass, like a failure in it
+                prepared.error = exc
+        return prepared
+
+    @torch.no_grad()
+    def execute_prepared(self, prepared: PreparedDraft, inputs: StageResult,
+                         draft_fill: DraftFill | None = None) -> StageResult:  # fmt: skip
+        """The last stage's result without its tensors, with proposals in ``drafts`` (or
+        ``pending_drafts``, or held: ``proposed``); draft_fill: the plan's drafts still on the
+        device, if any."""
+        plan = prepared.plan
+        self._receive(inputs)
+        out = dataclasses.replace(inputs, residual=None, topk=None, handoff=None, drafts={},
+                                  draft_stats={}, link=None, token_ids=None,
+                                  verified=False)  # fmt: skip
         if inputs.failed is not None or not plan.batch:
             self._release(inputs)
             return out
         try:
-            self._run(plan, inputs, out, draft_fill)
+            if prepared.error is not None:
+                raise prepared.error
+            self._run(plan, inputs, out, draft_fill, prepared.staged)
         except Exception:
             # the step's tokens stand (verification never trusts a draft); its proposals are
             # lost, and the draft layer's cache may miss the step's rows, which can lower these
@@ -146,6 +171,16 @@ class DraftWorker:
 
     def link_peer(self, handles: list) -> None:
         self.in_link.peer_fences(handles)
+
+    def _verified_rows(self, plan: StepPlan, inputs: StageResult) -> Handoff | None:
+        """A last stage's replayed verification as it came from another process (``verified``:
+        its slotted rows and target tokens), as the Handoff this process's stage would leave."""
+        if not inputs.verified:
+            return None
+        c, n = self.cfg, self.num_steps + 1
+        stack = inputs.residual.view(-1, c.hc_mult, c.hidden_size)
+        rows = slotted_rows([e.num_tokens for e in plan.batch], n)
+        return Handoff(stack, inputs.topk, rows, inputs.token_ids)
 
     def _receive(self, inputs: StageResult) -> None:
         """The last stage's rows, as views of the link's slot when they came through one."""
@@ -191,12 +226,17 @@ class DraftWorker:
         self.graphs.capture_all()
 
     def _run(self, plan: StepPlan, inputs: StageResult, out: StageResult,
-             draft_fill: DraftFill | None) -> None:  # fmt: skip
-        if inputs.handoff is not None:  # a replayed verification, still on the device
+             draft_fill: DraftFill | None, staged=None) -> None:  # fmt: skip
+        handoff = inputs.handoff or self._verified_rows(plan, inputs)
+        if handoff is not None:  # a replayed verification, still on the device
             spans = verified_spans(plan)
-            key = self.graphs.pick(spans) if self.graphs is not None else None
-            if key is not None:
-                drafts = self.graphs.run_verified(plan, inputs.handoff, key, draft_fill)
+            if staged is not None:  # staged by ``prepare``
+                drafts = self.graphs.replay_verified(plan, handoff, *staged)
+            else:
+                key = self.graphs.pick(spans) if self.graphs is not None else None
+                drafts = None if key is None else self.graphs.run_verified(plan, handoff, key,
+                                                                           draft_fill)  # fmt: skip
+            if drafts is not None:
                 self._snapshots(plan)
                 self._record(spans, drafts, out, graphed=True)
                 return
@@ -204,6 +244,8 @@ class DraftWorker:
             draft_fill.resolve()
         if inputs.handoff is not None:
             settle_handoff(plan, inputs)
+        elif handoff is not None:  # settled on the last stage: the accepted positions' rows
+            hand_over(plan, inputs, handoff.stack, handoff.topk, handoff.rows)
         spans = draft_spans(plan, inputs)
         key = self.graphs.pick(spans) if self.graphs is not None else None
         if key is not None:
@@ -284,3 +326,14 @@ class DraftWorker:
         rope_len = self.ropes.ensure(last + 1)
         return chain_metas(meta, rows, meta.positions.index_select(0, rows), self.pools,
                            self.num_steps, self.ropes, rope_len)  # fmt: skip
+
+
+@dataclasses.dataclass
+class PreparedDraft:
+    """A step with the draft worker's bookkeeping applied (``DraftWorker.prepare``): a
+    verification's staged bucket ((key, staged) for ``replay_verified``), a staging failure."""
+
+    plan: StepPlan
+    staged: tuple | None = None
+    error: Exception | None = None
+

@@ -127,19 +127,31 @@ class DraftGraphs:
         """A replayed verification's rows on the device (every batch entry a decode with its
         drafts; draft_fill: those still on the device) -> drafts [len(plan.batch), k] int64 on
         the device, each request's chain starting after its accepted drafts."""
+        staged = self.stage_verified(plan, key)
+        if draft_fill is not None:
+            draft_fill.write_table(staged[0].meta[2])
+        return self.replay_verified(plan, handoff, key, staged)
+
+    def stage_verified(self, plan: StepPlan, key):
+        """The host half of ``run_verified``: the bucket's metadata from the plan alone, uploaded
+        (a draft actor stages while the last stage still verifies) -> what ``replay_verified``
+        takes."""
         spans, drafts, first = verified_spans(plan), [], 0
         for e in plan.batch:
             drafts.append(plan.token_ids[first + 1 : first + e.num_tokens])
             first += e.num_tokens
-        g, span_rows = self._upload(spans, drafts, key)
+        return self._upload(spans, drafts, key)
+
+    def replay_verified(self, plan: StepPlan, handoff: Handoff, key, staged) -> torch.Tensor:
+        """The device half: the verification's rows and tokens into the staged bucket, then the
+        replay -> drafts [len(plan.batch), k] int64 on the device."""
+        g, span_rows = staged
         self.num_verified += 1
-        if draft_fill is not None:
-            draft_fill.write_table(g.meta[2])
         exact_tokens = g.meta[0].token_ids  # -1 (logits not finite) embeds as 0; it aborts
         exact_tokens.index_copy_(0, span_rows, handoff.token_ids.clamp(min=0))
         stack = handoff.stack.index_select(0, span_rows)
         topk = handoff.topk.index_select(0, span_rows) if handoff.topk is not None else None
-        return self._replay(g, key, span_rows, stack, topk, len(spans))
+        return self._replay(g, key, span_rows, stack, topk, len(plan.batch))
 
     def _upload(self, spans, drafts, key):
         g = self.graphs[key]
