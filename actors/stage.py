@@ -132,6 +132,14 @@ class StageActor:
         out = self.worker.step_prepared(prepared, prev)
         return self._record("next", prepared.plan, entered, out)
 
+    def settle(self, drafted: StageResult) -> StageResult:
+        """The last stage beside a draft actor: its step's result for the driver, read back
+        once the draft actor launched (``StageWorker.settle``)."""
+        entered = self.timeline_records.enter()
+        out = self.worker.settle(drafted)
+        self.timeline_records.left("settle", drafted.step_id, entered)
+        return out
+
     def _record(self, method: str, plan, entered: float, out):
         self.timeline_records.left(method, plan.step_id, entered)
         return out

@@ -92,7 +92,7 @@ def timeline(llm: LLM, batch: int, args, prompts: list | None = None) -> str:
             steps.setdefault(step_id, {})[(actor, method)] = (entered, left)
     last = len(stages) - 1
     chain = [(0, "first")] + [(i, "next") for i in range(1, last + 1)]
-    chain += [(last + 1, "next")] if draft is not None else []
+    chain += [(last + 1, "next"), (last, "settle")] if draft is not None else []
     name = lambda key: f"stage {key[0]}" if key[0] <= last else "draft actor"  # noqa: E731
     full = sorted(k for k, v in steps.items() if k >= 0 and all(c in v for c in chain))
     full = full[len(full) // 4 : -2] or full  # steady state: no prefill, no final steps

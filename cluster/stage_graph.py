@@ -5,7 +5,8 @@ The graph sends each input to every actor and passes each actor's result to the 
 ``actors[i].next(ready, rows)`` (a stage readies its step while the one before computes), then
 (speculative decoding) the draft actor's ``next(ready, prev)`` (``ready`` from its ``prepare(x)``,
 run while the stages compute), whose held proposals (``proposals(x)``, read first) every stage's
-first call also takes; the last result is the output. On
+first call also takes, and the last stage's ``settle(drafted)`` (its read-back, once the draft
+actor launched) gives the output; else the last result is the output. On
 CPU every channel is shared memory with two semaphore files in /dev/shm that Ray removes only
 when a process that used the channel exits cleanly (see channel_files.py). The graph therefore
 records, once it has run one warm-up input, every channel file that the driver or any of its
@@ -99,8 +100,9 @@ class StageGraph:
             for i, actor in enumerate(stages[1:], 1):
                 rows = actor.receive.bind(_transport(out, devices[i - 1], devices[i]))
                 out = actor.next.bind(ready[i - 1], rows)
-            if draft is not None:  # on the last stage's GPU
-                out = draft.next.bind(draft_ready, _transport(out, devices[-1], devices[-1]))
+            if draft is not None:  # on the last stage's GPU; then the stage reads back
+                drafted = draft.next.bind(draft_ready, _transport(out, devices[-1], devices[-1]))
+                out = stages[-1].settle.bind(drafted)
             if take:
                 out = stages[0].take.bind(data, _transport(out, devices[-1], devices[0]))
         return out.experimental_compile(

@@ -78,6 +78,7 @@ class StageWorker:
         self.in_link: DeviceLink | None = None
         self.out_link: DeviceLink | None = None
         self.hands_off = False  # replayed verifications' rows go to a draft actor as they are
+        self.unsettled: dict[int, object] = {}  # step id -> its handed-off verification
 
     def gpu_uuid(self) -> str | None:
         """The physical GPU this stage runs on (stages that share one share its memory and
@@ -228,7 +229,14 @@ class StageWorker:
             self._hand_off(prepared.plan, out)
         if self.out_link is not None:
             self.out_link.send(out)
-        return self.finish(out) if handed else out
+        return out
+
+    def settle(self, drafted: StageResult) -> StageResult:
+        """The last stage beside a draft actor, after the draft actor launched from this
+        step's result (drafted: its result, this stage's without tensors, with the proposals):
+        a handed-off verification is read back here, then the result goes to the driver."""
+        drafted.pending = self.unsettled.pop(drafted.step_id, None)
+        return self.finish(drafted)
 
     def hand_off_verifications(self) -> None:
         """The last stage, beside a draft actor that replays graphs: a replayed verification's
@@ -238,9 +246,10 @@ class StageWorker:
 
     def _hand_off(self, plan: StepPlan, result: StageResult) -> None:
         """Puts a replayed verification's slotted rows [b n, hc * hidden] (and top-k) and the
-        target's token per batch token [T] into the result (``verified``); the step settles
-        after they left."""
+        target's token per batch token [T] into the result (``verified``); the step is settled
+        (``settle``) after they left."""
         h, result.handoff = result.handoff, None
+        self.unsettled[result.step_id], result.pending = result.pending, None  # stays here
         rows = len(plan.batch) * self.graphs.n
         result.residual = h.stack[:rows].flatten(-2)
         result.topk = h.topk[:rows] if h.topk is not None else None

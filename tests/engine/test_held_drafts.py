@@ -63,7 +63,8 @@ class HeldDraftPipeline:
         self.tickets += result.link is not None
         self.drafting += plan.draft and bool(plan.batch) and result.failed is None
         prepared = self.draft.prepare(plan, values)
-        self.results[plan.step_id] = self.draft.execute_prepared(prepared, result)
+        drafted = self.draft.execute_prepared(prepared, result)
+        self.results[plan.step_id] = self.workers[-1].settle(drafted)
         return plan.step_id
 
     def collect(self, step_id: int):

@@ -240,6 +240,10 @@ class DraftWorker:
                 self._snapshots(plan)
                 self._record(spans, drafts, out, graphed=True)
                 return
+        if inputs.verified:  # the last stage settles it beside this pass: no accepted rows here
+            log.warning("step %d: no draft bucket for a handed-off verification; no proposals",
+                        plan.step_id)  # fmt: skip
+            return
         if draft_fill is not None:  # what follows reads the plan's drafts on the host
             draft_fill.resolve()
         if inputs.handoff is not None:
@@ -336,4 +340,3 @@ class PreparedDraft:
     plan: StepPlan
     staged: tuple | None = None
     error: Exception | None = None
-
