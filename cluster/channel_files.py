@@ -8,8 +8,8 @@ An actor killed with ``ray.kill`` (or one that crashed) never gets there, and a 
 the files of every graph it ever ran until it exits. A StageGraph (cluster/stage_graph.py)
 therefore records, once built, the channel files that this (driver) process and each of its
 actors map, and removes exactly those when it is torn down. Channels a graph grows while it runs
-(a larger message gets a new buffer) are recorded when it is torn down, from what its actors on
-this machine map then, before any of them is killed.
+(a larger message gets a new buffer) are recorded from what its actors on this machine map, every
+LEDGER_REFRESH_S while it runs and when it is torn down, before any of them is killed.
 ``node_shm_files`` counts the files a node's graphs and host tiers hold (tests, bench/chaos.py);
 ``sweep_dead_raylets`` removes those of raylets that no longer run (a command that stopped the
 local Ray it started calls it, so actors killed with that Ray leave nothing behind).
@@ -77,12 +77,16 @@ LEDGER_DIR = f"/dev/shm/dsv4ray-graphs-{os.getuid()}"
 _ledger_ids = itertools.count()
 
 
-def write_ledger(files: list[str], ledger_dir: str = LEDGER_DIR) -> str | None:
+def write_ledger(files: list[str], ledger_dir: str = LEDGER_DIR,
+                 path: str | None = None) -> str | None:  # fmt: skip
     """Records a built graph's channel files under this (driver) process's pid; returns the
-    ledger's path (None where there is no /dev/shm or nothing to record)."""
+    ledger's path (None where there is no /dev/shm or nothing to record). path: a ledger this
+    process wrote, replaced whole (its graph's channels grew)."""
     if not files or not os.path.isdir(os.path.dirname(ledger_dir)):
         return None
-    path = os.path.join(ledger_dir, f"{os.getpid()}-{next(_ledger_ids)}-{os.urandom(4).hex()}")
+    if path is None:
+        path = os.path.join(ledger_dir,
+                            f"{os.getpid()}-{next(_ledger_ids)}-{os.urandom(4).hex()}")  # fmt: skip
     try:
         os.makedirs(ledger_dir, mode=0o700, exist_ok=True)
         with open(path + ".tmp", "w") as f:

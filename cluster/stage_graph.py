@@ -11,8 +11,9 @@ CPU every channel is shared memory with two semaphore files in /dev/shm that Ray
 when a process that used the channel exits cleanly (see channel_files.py). The graph therefore
 records, once it has run one warm-up input, every channel file that the driver or any of its
 actors maps, and ``teardown`` removes them: no process opens a torn-down graph's channels again,
-whether its actors live on, exited, or were killed. The record is also written to a ledger, so
-that the next build on the machine removes the files of a graph whose driver was killed.
+whether its actors live on, exited, or were killed. The record is also written to a ledger (and
+rewritten while the graph runs when its channels grew), so that the next build on the machine
+removes the files of a graph whose driver was killed.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ from dsv4ray.cluster.channel_files import (
 log = logging.getLogger("dsv4ray.pipeline")
 
 TEARDOWN_TIMEOUT_S = 20.0
+# how often a running graph adds the channel files its actors grew to its ledger (a driver
+# killed outright leaves at most this long's growth unrecorded)
+LEDGER_REFRESH_S = 10.0
 
 
 class StageGraph:
@@ -80,6 +84,7 @@ class StageGraph:
                 raise
             self.channel_files = self._channel_files(before)
         self.ledger = write_ledger(self.channel_files)
+        self.next_refresh = time.monotonic() + LEDGER_REFRESH_S
         log.debug("compiled graph: %d channel files", len(self.channel_files))
 
     def _compile(self, stages: list, depth: int, devices: list, draft, buffer_bytes: int | None,
@@ -128,7 +133,18 @@ class StageGraph:
         deadline = time.monotonic() + timeout_s
         if self.poll:
             _wait_polling(ref, deadline)
-        return ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        out = ray.get(ref, timeout=max(deadline - time.monotonic(), 0.0))
+        if time.monotonic() >= self.next_refresh:
+            self.refresh_ledger()
+        return out
+
+    def refresh_ledger(self) -> None:
+        """Adds the channel files the graph's actors grew since the last look to its ledger."""
+        self.next_refresh = time.monotonic() + LEDGER_REFRESH_S
+        before = len(self.channel_files)
+        self.record_grown_channels()
+        if len(self.channel_files) > before:
+            self.ledger = write_ledger(self.channel_files, path=self.ledger) or self.ledger
 
     def record_grown_channels(self) -> None:
         """Adds the channel files the graph's actors on this machine map now (channels that

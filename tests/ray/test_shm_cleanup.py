@@ -144,44 +144,62 @@ def test_a_dead_middle_stage_and_shutdown_leave_no_files(ray_session, tiny_ckpt)
 
 
 KILLED_DRIVER = textwrap.dedent("""
-    import json, os, time, ray
+    import json, os, sys, time, ray
+    from dsv4ray.cluster import stage_graph
     from dsv4ray.cluster.stage_graph import StageGraph
 
     @ray.remote(num_cpus=0.5)
     class Stage:
         def pid(self): return os.getpid()
-        def first(self, x): return x + 1
+        def first(self, x): return x + 1 if isinstance(x, int) else x
         def prepare(self, x): return x
         def receive(self, prev): return prev
-        def next(self, x, prev): return prev + 1
+        def next(self, x, prev): return prev + 1 if isinstance(prev, int) else prev
 
     ray.init(address=os.environ["RAY_ADDRESS"])
     actors = [Stage.remote(), Stage.remote()]
-    graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)
     pids = ray.get([a.pid.remote() for a in actors])
-    print(json.dumps({"files": graph.channel_files, "ledger": graph.ledger, "pids": pids}))
+    grow = sys.argv[1:] == ["grow"]
+    if grow:  # every read looks for grown channels
+        stage_graph.LEDGER_REFRESH_S = 0.0
+    graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0, local_pids=pids)
+    built = list(graph.channel_files)
+    if grow:  # a message larger than the channels' buffers
+        graph.get(graph.execute(b"x" * (8 << 20)), 60)
+    with open(graph.ledger) as f:
+        ledger = json.load(f)
+    print(json.dumps({"files": built, "ledger": graph.ledger, "recorded": ledger, "pids": pids}))
     time.sleep(600)
 """)
+
+
+def _killed_driver(ray_session, *args) -> dict:
+    """Runs KILLED_DRIVER, kills it with SIGKILL once it built its graph -> what it printed."""
+    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, *args], env=env,
+                              stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        return json.loads(driver.stdout.readline())
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+
+
+def _unmapped(files: list[str]) -> None:
+    deadline = time.monotonic() + 60  # Ray ends the dead driver's actors
+    while mapped_by_any_process() & set(files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not mapped_by_any_process() & set(files)
 
 
 def test_the_next_build_removes_the_files_of_a_killed_drivers_graph(ray_session):
     """A replica or driver killed outright (SIGKILL) never tears its graph down, and the raylet
     lives on: the next graph built on the machine removes its files once its actors are gone,
     and leaves the files of live graphs alone."""
-    env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
-    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER], env=env,
-                              stdout=subprocess.PIPE, text=True)  # fmt: skip
-    try:
-        built = json.loads(driver.stdout.readline())
-    finally:
-        driver.send_signal(signal.SIGKILL)
-        driver.wait(timeout=30)
+    built = _killed_driver(ray_session)
     files = built["files"]
     assert len(files) >= 8 and os.path.exists(built["ledger"])
-    deadline = time.monotonic() + 60  # Ray ends the dead driver's actors
-    while mapped_by_any_process() & set(files) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not mapped_by_any_process() & set(files)
+    _unmapped(files)
     assert all(os.path.exists(f) for f in files)  # nobody removed them: Ray leaves them
     actors = [_Stage.remote(), _Stage.remote()]
     try:
@@ -193,5 +211,23 @@ def test_the_next_build_removes_the_files_of_a_killed_drivers_graph(ray_session)
         ledger = graph.ledger
         graph.teardown()
         assert not os.path.exists(ledger)
+    finally:
+        ray.wait([a.__ray_terminate__.remote() for a in actors], num_returns=2, timeout=30)
+
+
+def test_channels_a_killed_drivers_graph_grew_are_in_its_ledger(ray_session):
+    """A message larger than a channel's buffer grows the channel into new files while the
+    graph runs; the running graph adds them to its ledger, so the next build removes them too
+    when the driver is killed."""
+    built = _killed_driver(ray_session, "grow")
+    grown = set(built["recorded"]) - set(built["files"])
+    assert grown and set(built["files"]) <= set(built["recorded"])
+    _unmapped(built["recorded"])
+    assert all(os.path.exists(f) for f in grown)
+    actors = [_Stage.remote(), _Stage.remote()]
+    try:
+        graph = StageGraph(actors, depth=2, timeout_s=60, warmup=0)  # the next build
+        assert not any(os.path.exists(f) for f in built["recorded"])
+        graph.teardown()
     finally:
         ray.wait([a.__ray_terminate__.remote() for a in actors], num_returns=2, timeout=30)
