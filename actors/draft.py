@@ -62,7 +62,8 @@ class DraftActor:
         return dict(self.worker.stats)
 
     def timeline(self, record: bool) -> list:
-        """As StageActor.timeline: [("next", step id, entered, left)]."""
+        """As StageActor.timeline: [(method, step id, entered, left)] of ``proposals``,
+        ``prepare`` and ``next``."""
         return self.timeline_records.swap(record)
 
     def proposals(self, plan: bytes) -> dict:

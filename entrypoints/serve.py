@@ -230,8 +230,12 @@ def run_server(
     except ValueError as exc:
         raise SystemExit(f"dsv4ray serve: {exc}") from None
     try:
-        _start(app, serve_options, host, port)
+        info = _start(app, serve_options, host, port)
+        # the handlers again: starting Serve may have installed its own meanwhile; serving
+        # before the line that says so goes out, so a signal right after it only sets ``stop``
+        stop = _stop_on_signals(stop)
         stop.serving = True
+        print(startup_line(info, host, port), flush=True)
         # short waits: a signal the OS hands to one of Ray's threads runs its Python handler
         # only when this (main) thread next runs, so it must never sleep long
         while not stop.wait(0.2):
@@ -250,8 +254,8 @@ def run_server(
     return 0
 
 
-def _start(app, serve_options, host: str, port: int) -> None:
-    """Runs the application, then prints where it listens."""
+def _start(app, serve_options, host: str, port: int) -> dict:
+    """Runs the application -> its engine's info."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
     serve.start(http_options=http, **options)
@@ -259,7 +263,7 @@ def _start(app, serve_options, host: str, port: int) -> None:
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    print(startup_line(info, host, port), flush=True)
+    return info
 
 
 def _delete_app() -> None:
@@ -277,10 +281,10 @@ class _Stop(threading.Event):
     serving = False
 
 
-def _stop_on_signals() -> _Stop:
+def _stop_on_signals(stop: _Stop | None = None) -> _Stop:
     """SIGINT and SIGTERM stop the command (installed after Ray, which sets its own: Ray's
-    SIGTERM handler aborts the process)."""
-    stop = _Stop()
+    SIGTERM handler aborts the process); stop: the event an earlier install returned."""
+    stop = stop if stop is not None else _Stop()
 
     def handler(signum, frame) -> None:
         stop.set()
