@@ -261,6 +261,13 @@ def scenario(head: Head, model: str, timeout_s: float) -> dict:
 
 
 def _connect(ray, address: str) -> bool:
+    """Joins the head once its GCS port takes connections (a ray.init issued while the head is
+    still starting can wait on the GCS far past the run's deadline)."""
+    host, port = address.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=1).close()
+    except OSError:  # not listening yet
+        return False
     try:
         ray.init(address=address, logging_level="ERROR")
     except Exception:  # not up yet
