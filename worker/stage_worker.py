@@ -421,11 +421,8 @@ class StageWorker:
     def open_link(self, depth: int, rows: int) -> dict:
         """A ring of depth slots of rows tokens that the stage before (on this GPU) writes its
         rows into (worker/graphs/device_link.py) -> what it maps the ring with (``map_link``)."""
-        c = self.cfg
-        has_topk = any(spec.compress_ratio == 4 for spec in c.layers[: self.model.start])
-        self.in_link = DeviceLink.allocate(depth, rows, c.hc_mult * c.hidden_size,
-                                           self.model.dtype, c.index_topk if has_topk else None,
-                                           self.device)  # fmt: skip
+        self.in_link = DeviceLink.for_model(self.cfg, self.model.start, depth, rows,
+                                            self.model.dtype, self.device)  # fmt: skip
         log.info("stage [%d, %d): device link of %d x %d rows (%.1f MiB)", *self._range, depth,
                  rows, self.in_link.nbytes() / 2**20)  # fmt: skip
         return self.in_link.export()

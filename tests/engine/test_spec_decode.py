@@ -20,6 +20,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
+from tests.engine.skipped_drafts import watch_skipped_drafts
 from tests.oracle import (
     grammar_greedy,
     reference_drafts,
@@ -346,16 +347,7 @@ def test_requests_a_full_budget_skips_keep_their_pending_drafts(tiny_ckpt, tiny_
     output still equals plain greedy decoding."""
     llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", speculative_num_steps=3, use_ray=False,
               max_num_batched_tokens=256, max_running_requests=80)  # fmt: skip
-    scheduler, skipped = llm.core.scheduler, []
-    schedule = scheduler.schedule
-
-    def watching():
-        waiting = set(scheduler.pending_drafts())
-        plan = schedule()
-        skipped.append(len(waiting - {e.req_id for e in plan.batch} if plan else waiting))
-        return plan
-
-    scheduler.schedule = watching
+    skipped = watch_skipped_drafts(llm.core.scheduler)
     prompts = _prompts([2] * 66, seed=5)
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))

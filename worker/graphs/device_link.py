@@ -114,6 +114,15 @@ class DeviceLink:
         tokens = torch.zeros(depth, rows, dtype=torch.int64, device=device)
         return cls(residual, top, tokens, SlotFences.create(depth, device))
 
+    @classmethod
+    def for_model(cls, cfg, after: int, depth: int, rows: int, dtype: torch.dtype,
+                  device) -> DeviceLink:  # fmt: skip
+        """The ring of a receiver of the residual stack after layers [0, after) of cfg's model
+        (top-k travels when a C4 layer is among them)."""
+        has_topk = any(spec.compress_ratio == 4 for spec in cfg.layers[:after])
+        return cls.allocate(depth, rows, cfg.hc_mult * cfg.hidden_size, dtype,
+                            cfg.index_topk if has_topk else None, device)  # fmt: skip
+
     def export(self) -> dict:
         """What the sender maps the ring with (``open``)."""
         return {

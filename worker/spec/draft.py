@@ -162,11 +162,8 @@ class DraftWorker:
     def open_link(self, depth: int, rows: int) -> dict:
         """A ring the last stage on this GPU writes the rows it hands over into
         (worker/graphs/device_link.py) -> what it maps the ring with (its ``map_link``)."""
-        c = self.cfg
-        has_topk = any(spec.compress_ratio == 4 for spec in c.layers)
-        self.in_link = DeviceLink.allocate(depth, rows, c.hc_mult * c.hidden_size,
-                                           self.model.dtype, c.index_topk if has_topk else None,
-                                           self.device)  # fmt: skip
+        self.in_link = DeviceLink.for_model(self.cfg, self.cfg.num_hidden_layers, depth, rows,
+                                            self.model.dtype, self.device)  # fmt: skip
         return self.in_link.export()
 
     def link_peer(self, handles: list) -> None:
