@@ -270,8 +270,8 @@ def sweep_moe(fmt, m, copy_gbps, rows_out):
         if fmt == "fp8" and bk > 128:
             continue
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        moe._tiles = lambda listed, fmt, pairs, cfg=cfg: (
-            dict(cfg) if listed else orig(listed, fmt, pairs)
+        moe._tiles = lambda listed, fmt, pairs, *rest, cfg=cfg: (
+            dict(cfg, SWAP=False) if listed else orig(listed, fmt, pairs, *rest)
         )
         try:
             row(
@@ -291,7 +291,7 @@ def tiles_name(kernel: str, m: int) -> str:
         t = fp8.tiles(m)
         return f"dot {t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']}"
     fmt = kernel.split()[1]
-    t = moe._tiles(True, fmt, m * TOPK)
+    t = moe._tiles(True, fmt, m * TOPK, False, EXPERTS)
     return f"{t['BLOCK_M']}x{t['BLOCK_N']}x{t['BLOCK_K']} w{t['num_warps']} s{t['num_stages']}"
 
 

@@ -25,8 +25,11 @@ block of intermediate columns (the expert's weight tile is read once per block o
 `_down_kernel` writes weights[p] * (h[p] w2^T) at row p; the S rows of a token are summed last, in
 slot order. Two ways to group, by the number of pairs P:
   - list (decode batches, P <= LIST_MAX_PAIRS): `_list_kernel` writes each expert's pairs in
-    order into its own row of a [E, P] table (one launch); program (e, m) takes pairs
-    [m * BLOCK_M, (m + 1) * BLOCK_M) of expert e's row;
+    order into its own row of a [E, P] table (one launch); the blocks of BLOCK_M pairs of every
+    expert with pairs are numbered in expert order, and program b finds its block from the
+    experts' counts (a cumulative sum in registers). The grid, cdiv(P, BLOCK_M) + min(E, P)
+    programs, bounds the blocks whatever the routing: with 256 experts and a few pairs each, no
+    program is launched per untouched expert;
   - sort (prefills): `align` sorts the pairs by expert and cuts each expert's run into blocks of
     BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks).
 fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 accumulation (under
@@ -41,6 +44,8 @@ from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
+    acc_rows,
+    acc_zeros,
     dequantize_ref,
     k_tile,
     kernel_bytes,
@@ -54,15 +59,26 @@ LIST_MAX_PAIRS = 1024
 
 @triton.jit
 def _pairs(
-    list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED: tl.constexpr, BLOCK_M: tl.constexpr
+    list_ptr,
+    blocks_ptr,
+    counts_ptr,
+    num_pairs,
+    num_experts,
+    LISTED: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    E_PAD: tl.constexpr,
 ):
     """(expert, pair ids [BLOCK_M], their mask, whether the program has any) of program_id(0)."""
     pid = tl.program_id(0)
-    if LISTED:  # program (expert, m): row `expert` of the [E, P] list table
-        blocks_per_expert = tl.cdiv(num_pairs, BLOCK_M)
-        expert = pid // blocks_per_expert
-        first = (pid % blocks_per_expert) * BLOCK_M
-        end = tl.load(counts_ptr + expert)
+    if LISTED:  # the pid-th block of BLOCK_M pairs over the experts' rows of the [E, P] table
+        e = tl.arange(0, E_PAD)
+        counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, axis=0)  # blocks of experts <= e
+        expert = tl.sum((block_end <= pid).to(tl.int32), axis=0)  # num_experts: no block left
+        mine = e == expert
+        first = (pid - tl.sum(tl.where(mine, block_end - blocks, 0), axis=0)) * BLOCK_M
+        end = tl.sum(tl.where(mine, counts, 0), axis=0)
         base = expert.to(tl.int64) * num_pairs
     else:  # block row (expert, first, end) over the sorted pairs; expert -1: a spare block
         expert = tl.load(blocks_ptr + 3 * pid)
@@ -72,7 +88,7 @@ def _pairs(
     r = first + tl.arange(0, BLOCK_M)
     ok = r < end
     pair = tl.load(list_ptr + base + r, mask=ok, other=0).to(tl.int64)
-    return expert, pair, ok, (expert >= 0) & (first < end)
+    return expert, pair, ok, (expert >= 0) & (expert < num_experts) & (first < end)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -89,7 +105,7 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, count)
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -99,6 +115,7 @@ def _gate_up_kernel(
     counts_ptr,
     h_ptr,
     num_pairs,
+    num_experts,
     hidden,
     inter,
     num_slots,
@@ -110,15 +127,19 @@ def _gate_up_kernel(
     block_n,
     block_k,
     LISTED: tl.constexpr,
+    E_PAD: tl.constexpr,
     FMT: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # program (pair block, column block n): h[pairs, n] for the pairs' expert
-    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED, BLOCK_M)
+    expert, pair, ok, active = _pairs(
+        list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
+    )
     if active:
         token = pair // num_slots
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +147,8 @@ def _gate_up_kernel(
         w_rows = expert.to(tl.int64) * 2 * inter + n
         s_rows = expert.to(tl.int64) * s_per_expert + n // block_n  # gate rows; up: + s_up
         x_rows = x_ptr + token[:, None] * hidden
-        acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
+        acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(0, hidden, BLOCK_K):
             xa, xb = load_x(x_rows, ok[:, None], k0, hidden, FMT, BLOCK_K)
             acc_g += weight_dot(
@@ -147,6 +168,7 @@ def _gate_up_kernel(
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
+                SWAP,
             )
             acc_u += weight_dot(
                 xa,
@@ -165,9 +187,10 @@ def _gate_up_kernel(
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
+                SWAP,
             )
-        gate = tl.minimum(acc_g, limit)
-        up = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        gate = tl.minimum(acc_rows(acc_g, SWAP), limit)
+        up = tl.minimum(tl.maximum(acc_rows(acc_u, SWAP), -limit), limit)
         h = gate * tl.sigmoid(gate) * up
         tl.store(
             h_ptr + pair[:, None] * inter + n[None, :],
@@ -176,7 +199,7 @@ def _gate_up_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
 def _down_kernel(
     h_ptr,
     w2_ptr,
@@ -187,6 +210,7 @@ def _down_kernel(
     weight_ptr,
     out_ptr,
     num_pairs,
+    num_experts,
     hidden,
     inter,
     stride_w,
@@ -195,22 +219,26 @@ def _down_kernel(
     block_n,
     block_k,
     LISTED: tl.constexpr,
+    E_PAD: tl.constexpr,
     FMT: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr,
 ):
     # program (pair block, column block n): out[pair, n] = weight[pair] * h[pair] w2[e, n]^T
-    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, LISTED, BLOCK_M)
+    expert, pair, ok, active = _pairs(
+        list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
+    )
     if active:
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_rows = expert.to(tl.int64) * hidden + n
         s_rows = expert.to(tl.int64) * s_per_expert + n // block_n
         h_rows = h_ptr + pair[:, None] * inter
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(0, inter, BLOCK_K):
             xa, xb = load_x(h_rows, ok[:, None], k0, inter, FMT, BLOCK_K)
             acc += weight_dot(
@@ -230,11 +258,12 @@ def _down_kernel(
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
+                SWAP,
             )
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
         tl.store(
             out_ptr + pair[:, None] * hidden + n[None, :],
-            acc * w[:, None],
+            acc_rows(acc, SWAP) * w[:, None],
             mask=ok[:, None] & n_ok[None, :],
         )
 
@@ -252,7 +281,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     run_end = torch.cumsum(counts, 0)
     blocks_per = (counts + block_m - 1) // block_m
     block_end = torch.cumsum(blocks_per, 0)  # [E]: blocks of experts <= e
-    num_blocks = triton.cdiv(num_pairs, block_m) + num_experts
+    num_blocks = triton.cdiv(num_pairs, block_m) + min(num_experts, num_pairs)
     b = torch.arange(num_blocks, device=ids.device)
     expert = torch.searchsorted(block_end, b, right=True)  # expert of block b (E: spare)
     valid = expert < num_experts
@@ -275,33 +304,40 @@ def list_pairs(ids: torch.Tensor, num_experts: int):
     return table, counts
 
 
-SMALL_PAIRS = 16  # quantized experts over at most this many pairs take SMALL_TILES
+SMALL_PAIRS = 16  # quantized experts over at most this many pairs take SMALL_TILES ...
+FEW_PER_EXPERT = 4  # ... and so do those with at most this many pairs per expert on average
 SMALL_TILES = {
-    "fp8": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=3),
-    "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3),
+    "fp8": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=True),
+    "fp4": dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3, SWAP=False),
 }
 
 
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
 
 
-def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False) -> dict:
+def small_pairs(num_experts: int) -> int:
+    """The most pairs for which quantized experts take SMALL_TILES."""
+    return max(SMALL_PAIRS, FEW_PER_EXPERT * num_experts)
+
+
+def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_experts: int = 1):
     """Tile shapes: decode batches stream each expert's weights once (a 64-pair block is a whole
     expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores. Quantized
-    weights decoded in registers cost ALU time per byte, so a few pairs (batch-1 decode) spread
-    each expert over twice the column programs: 2.3x (FP4) and 1.7x (FP8) faster there on an H100
-    (bench/quant_sweep.py), while 64-pair blocks stay best for 64 tokens. fp32 products run on
-    CUDA cores, where a tile's empty rows cost as much as full ones: 16-pair blocks, and 16
-    columns a program for a few pairs. Every shape sums K in the same BLOCK_K tiles, so a pair's
-    result does not depend on the tiles its call took."""
+    weights over a few pairs per expert (decode batches of a model with many experts: 256
+    experts at top-6 see 1.5 pairs each at batch 64) take 16-pair blocks with the weight tile as
+    the MMA's first operand (SWAP), 128 (FP4) or 64 (FP8) weight rows a program, K steps of 128;
+    at 1 to 4 rows these read FP8 weights at 0.74 of the copy ceiling on an H200, against 0.38
+    for 16 x 64 output tiles, and FP4 at 0.19 against 0.07. fp32 products run on CUDA cores,
+    where a tile's empty rows cost as much as full ones: 16-pair blocks, and 16 columns a program
+    for a few pairs."""
     if listed and fp32 and fmt == "dense":
         block_n = 16 if num_pairs <= FP32_FEW_PAIRS else 64
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3)
-    if listed and fmt in SMALL_TILES and num_pairs <= SMALL_PAIRS:
+        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
+    if listed and fmt in SMALL_TILES and num_pairs <= small_pairs(num_experts):
         return dict(SMALL_TILES[fmt])
     if listed:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP=False)
 
 
 def _layout(fmt: str, scale, rows: int, cols: int, block) -> tuple[int, int, int, int]:
@@ -358,13 +394,15 @@ def fused_moe(
         return torch.empty(0, hidden, dtype=x.dtype, device=x.device)
     listed = num_pairs <= LIST_MAX_PAIRS
     # the interpreter pays per program and op: it keeps the wide tiles
-    tiles = _tiles(listed, fmt, num_pairs, x.dtype == torch.float32 and not interpreting())
+    fp32 = x.dtype == torch.float32 and not interpreting()
+    tiles = _tiles(listed, fmt, num_pairs, fp32, num_experts)
     if fmt == "fp8":
         tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:
         pair_list, counts = list_pairs(ids, num_experts)
         blocks = counts  # unused
-        num_blocks = num_experts * triton.cdiv(num_pairs, tiles["BLOCK_M"])
+        # sum_e cdiv(count_e, BLOCK_M) <= cdiv(P, BLOCK_M) + (experts with a pair)
+        num_blocks = triton.cdiv(num_pairs, tiles["BLOCK_M"]) + min(num_experts, num_pairs)
     else:
         pair_list, blocks = align(ids, num_experts, tiles["BLOCK_M"])
         counts = blocks  # unused
@@ -377,6 +415,7 @@ def fused_moe(
     out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
     flags = dict(
         LISTED=listed,
+        E_PAD=triton.next_power_of_2(num_experts),
         FMT=FORMATS[fmt],
         SCALE_BYTES=s13.element_size() == 1,
         IEEE=x.dtype == torch.float32 or interpreting(),
@@ -392,6 +431,7 @@ def fused_moe(
         counts,
         h,
         num_pairs,
+        num_experts,
         hidden,
         inter,
         num_slots,
@@ -414,6 +454,7 @@ def fused_moe(
         weights.float().contiguous(),
         out,
         num_pairs,
+        num_experts,
         hidden,
         inter,
         *layout2,
@@ -429,7 +470,7 @@ def compile_variants(
     """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
     pairs, listed, sorted), so that serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
-    counts = (SMALL_PAIRS, FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    counts = (small_pairs(w13.shape[0]), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
     for num_tokens in (1, *(pairs // num_slots + 1 for pairs in counts)):
         x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
         ids = torch.zeros(num_tokens, num_slots, dtype=torch.long, device=device)

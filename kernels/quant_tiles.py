@@ -9,7 +9,9 @@ tensor as uint8 bytes):
   [1, 254]). Value = e4m3 * scale.
 - fp4: e2m1 codes packed two per byte [N, K / 2], the even column in the LOW nibble; one ue8m0
   byte per 32 values of a row, scale [N, K / 32]. Value = e2m1 * scale. Code bits: sign (3),
-  exponent (2..1), mantissa (0): 0, 0.5, 1, 1.5, 2, 3, 4, 6.
+  exponent (2..1), mantissa (0): 0, 0.5, 1, 1.5, 2, 3, 4, 6. The kernels decode codes scaled by
+  2^-14 and take 2^14 into the scale, so they cover scale bytes up to FP4_MAX_SCALE_BYTE (240,
+  2^113; the loader rejects larger ones: no real weight comes near).
 
 `weight_dot` multiplies an activation tile by one K step of a weight tile, in fp32. FP8 runs the dot
 on the unscaled e4m3 numbers (exact in bf16 and fp16) and scales the [BLOCK_M, BLOCK_N] product by
@@ -33,14 +35,17 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 @triton.jit
-def e2m1_to_f32(code):
-    """e2m1 codes (int32, 0..15) -> fp32 values, built as bits: exponent field e > 0 gives
-    (1 + m / 2) * 2^(e - 1), e = 0 gives m / 2."""
-    e = (code >> 1) & 3
-    m = code & 1
-    normal = ((e + 126) << 23) | (m << 22)
-    bits = tl.where(e == 0, m * (126 << 23), normal) | ((code & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
+def e2m1_scaled_down(byte, HIGH: tl.constexpr):
+    """The e2m1 codes in the low (or, with HIGH, the high) nibbles of int32 bytes -> their values
+    times 2^-14, as fp32. The code's exponent and mantissa bits become an fp16's exponent bits
+    11..10 and mantissa bit 9, its sign the fp16's sign: with fp16's exponent bias of 15 against
+    e2m1's 1, every code, the subnormal 0.5 included, is exactly its value times 2^-14 (four
+    integer operations and one conversion per value)."""
+    if HIGH:
+        bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    else:
+        bits = ((byte & 0x7) << 9) | ((byte & 0x8) << 12)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -64,6 +69,39 @@ def dot_f32(a, b, IEEE: tl.constexpr):
     else:
         out = tl.dot(a, b.to(a.dtype))
     return out
+
+
+@triton.jit
+def times_x(x, w, SWAP: tl.constexpr, IEEE: tl.constexpr):
+    """x [M, K] times a weight tile: w [K, N] -> x @ w [M, N]; with SWAP, w [N, K] -> w @ x^T
+    [N, M], the weight as the MMA's wide first operand (a few rows of x then pad the narrow one)."""
+    if SWAP:
+        if IEEE:
+            out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+        else:
+            out = tl.dot(w.to(x.dtype), tl.trans(x))
+    else:
+        out = dot_f32(x, w, IEEE)
+    return out
+
+
+@triton.jit
+def acc_zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+    """The fp32 accumulator `weight_dot` adds to: [BLOCK_M, BLOCK_N], or [BLOCK_N, BLOCK_M] with
+    SWAP (`acc_rows` turns it back)."""
+    if SWAP:
+        out = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+    else:
+        out = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    return out
+
+
+@triton.jit
+def acc_rows(acc, SWAP: tl.constexpr):
+    """An accumulator from `acc_zeros` as [BLOCK_M, BLOCK_N]."""
+    if SWAP:
+        acc = tl.trans(acc)
+    return acc
 
 
 @triton.jit
@@ -101,8 +139,10 @@ def weight_dot(
     SCALE_BYTES: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
+    SWAP: tl.constexpr = False,
 ):
-    """(xa, xb) from `load_x` times W[w_rows, k0:k0 + BLOCK_K]^T -> [BLOCK_M, BLOCK_N] fp32.
+    """(xa, xb) from `load_x` times W[w_rows, k0:k0 + BLOCK_K]^T -> [BLOCK_M, BLOCK_N] fp32, or
+    its transpose [BLOCK_N, BLOCK_M] with SWAP (see `times_x`; decode tiles of a few rows).
 
     w_rows [BLOCK_N] int64 weight rows (n_ok: in range), stride_w elements (bytes for FP8 and FP4)
     per row; s_rows [BLOCK_N] int64 scale rows, stride_s scales per scale row; k0 a multiple of
@@ -110,17 +150,18 @@ def weight_dot(
     """
     if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        wm = n_ok[None, :] & (2 * j < K)[:, None]
-        byte = tl.load(w_ptr + w_rows[None, :] * stride_w + j[:, None], mask=wm, other=0)
-        byte = byte.to(tl.int32) & 0xFF
-        scale = load_scale(s_ptr + s_rows[None, :] * stride_s + (j // 16)[:, None], wm, True)
-        lo = e2m1_to_f32(byte & 0xF) * scale  # [BLOCK_K / 2, BLOCK_N]
-        hi = e2m1_to_f32(byte >> 4) * scale
-        out = dot_f32(xa, lo, IEEE) + dot_f32(xb, hi, IEEE)
+        offs, wm = _tile(w_rows, stride_w, n_ok, j, 2 * j < K, SWAP)
+        byte = tl.load(w_ptr + offs, mask=wm, other=0).to(tl.int32) & 0xFF
+        s_offs, _ = _tile(s_rows, stride_s, n_ok, j // 16, 2 * j < K, SWAP)
+        s_byte = tl.load(s_ptr + s_offs, mask=wm, other=0)
+        scale = pow2_from_byte(s_byte.to(tl.int32) + 14)  # 2^14 x the block's scale
+        lo = e2m1_scaled_down(byte, False) * scale
+        hi = e2m1_scaled_down(byte, True) * scale
+        out = times_x(xa, lo, SWAP, IEEE) + times_x(xb, hi, SWAP, IEEE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        wm = n_ok[None, :] & (k < K)[:, None]
-        w = tl.load(w_ptr + w_rows[None, :] * stride_w + k[:, None], mask=wm, other=0)
+        offs, wm = _tile(w_rows, stride_w, n_ok, k, k < K, SWAP)
+        w = tl.load(w_ptr + offs, mask=wm, other=0)
         if FMT == 1:  # FP8: the dot on the e4m3 numbers, then the block's scale per column
             w = w.to(tl.float8e4nv, bitcast=True)
             if IEEE:
@@ -128,10 +169,26 @@ def weight_dot(
             else:
                 w = w.to(xa.dtype)
             scale = load_scale(s_ptr + s_rows * stride_s + k0 // block_k, n_ok, SCALE_BYTES)
-            out = dot_f32(xa, w, IEEE) * scale[None, :]
+            if SWAP:
+                out = times_x(xa, w, SWAP, IEEE) * scale[:, None]
+            else:
+                out = times_x(xa, w, SWAP, IEEE) * scale[None, :]
         else:
-            out = dot_f32(xa, w, IEEE)
+            out = times_x(xa, w, SWAP, IEEE)
     return out
+
+
+@triton.jit
+def _tile(rows, stride, rows_ok, cols, cols_ok, SWAP: tl.constexpr):
+    """(offsets, mask) of a weight tile: [cols, rows] (K along dim 0), or [rows, cols] with
+    SWAP."""
+    if SWAP:
+        offs = rows[:, None] * stride + cols[None, :]
+        mask = rows_ok[:, None] & cols_ok[None, :]
+    else:
+        offs = rows[None, :] * stride + cols[:, None]
+        mask = rows_ok[None, :] & cols_ok[:, None]
+    return offs, mask
 
 
 def k_tile(preferred: int, block_k: int) -> int:

@@ -104,11 +104,14 @@ class QuantizedWeight:
 def quantize_fp8(
     weight: torch.Tensor, block: tuple[int, int], scale_fmt: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (float8_e4m3fn [N, K], scale [ceil(N / bn), ceil(K / bk)]): each block's scale
-    maps its largest magnitude to FP8_MAX (rounded up to a power of two for "ue8m0")."""
+    """[N, K] -> (float8_e4m3fn [N, K], scale [ceil(N / bn), ceil(K / bk)]) on weight's device:
+    each block's scale maps its largest magnitude to FP8_MAX (rounded up to a power of two for
+    "ue8m0")."""
     rows, cols = weight.shape
     grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
-    padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
+    padded = torch.zeros(
+        grid[0] * block[0], grid[1] * block[1], dtype=torch.float32, device=weight.device
+    )
     padded[:rows, :cols] = weight.float()
     tiles = padded.view(grid[0], block[0], grid[1], block[1])
     amax = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12)  # [grid rows, grid cols]
@@ -122,14 +125,15 @@ def quantize_fp8(
 
 
 def quantize_fp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[N, K] -> (int8 [N, K / 2], float8_e8m0fnu [N, K / 32]): a power-of-two scale per 32
-    values maps their largest magnitude to at most 6, then each value takes the nearest code."""
+    """[N, K] -> (int8 [N, K / 2], float8_e8m0fnu [N, K / 32]) on weight's device: a power-of-two
+    scale per 32 values maps their largest magnitude to at most 6, then each value takes the
+    nearest code."""
     rows, cols = weight.shape
     groups = weight.float().view(rows, cols // FP4_GROUP, FP4_GROUP)
     amax = groups.abs().amax(dim=-1).clamp(min=1e-12)
     scale = torch.exp2(torch.ceil(torch.log2(amax / 6.0)))  # [N, K / 32]
     scaled = (groups / scale[..., None]).view(rows, cols)
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    magnitudes = torch.tensor(E2M1_VALUES[:8], device=weight.device)
     midpoints = (magnitudes[1:] + magnitudes[:-1]) / 2
     codes = torch.bucketize(scaled.abs(), midpoints)  # nearest magnitude code 0..7
     codes |= (scaled < 0).to(torch.long) << 3

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from dsv4ray.config import QuantConfig
+from dsv4ray.config_quant import FP4_MAX_SCALE_BYTE
 from dsv4ray.model.checkpoint_check import CheckpointError
 from dsv4ray.model.quant import QuantizedWeight, scale_to_float
 
@@ -236,7 +237,14 @@ def _load_stored(weight: QuantizedWeight, target: torch.Tensor, scale: torch.Ten
             f"the layer's {target.dtype} {tuple(target.shape)}"
         )
     target.copy_(weight.data.view(target.dtype))
-    scale.copy_(_scale_as(weight, scale.dtype))
+    stored = _scale_as(weight, scale.dtype)
+    if weight.kind == "fp4" and bool((stored > FP4_MAX_SCALE_BYTE).any()):
+        raise CheckpointError(
+            f"scale tensor {weight.name[: -len('.weight')] + SCALE_SUFFIX!r} holds scales above "
+            f"2^{FP4_MAX_SCALE_BYTE - 127}, beyond what the native FP4 kernels decode; load it "
+            "with weight_format='dequantized'"
+        )
+    scale.copy_(stored)
 
 
 def _scale_as(weight: QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:

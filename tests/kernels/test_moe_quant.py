@@ -5,20 +5,21 @@ against the same layers' torch forward."""
 import pytest
 import torch
 
+from dsv4ray.config_quant import FP4_MAX_SCALE_BYTE
 from dsv4ray.kernels import dispatch
 from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.moe import (
     FP32_FEW_PAIRS,
     LIST_MAX_PAIRS,
-    SMALL_PAIRS,
     fused_moe,
     fused_moe_ref,
+    small_pairs,
 )
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
-from dsv4ray.model.quant import QuantizedWeight, quantize_fp4, quantize_fp8
+from dsv4ray.model.quant import QuantizedWeight, pack_fp4, quantize_fp4, quantize_fp8
 from dsv4ray.model.tiny import tiny_config
 from dsv4ray.worker import ops
 
@@ -61,7 +62,7 @@ def _routing(num_tokens, device, seed=1):
 @pytest.mark.parametrize("num_tokens", [1, 5, 7, 400])
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
 def test_quantized_experts_match_reference(fmt, scale_fmt, num_tokens, device):
-    assert 400 * 3 > LIST_MAX_PAIRS >= 7 * 3 > SMALL_PAIRS >= 5 * 3
+    assert 400 * 3 > LIST_MAX_PAIRS >= 7 * 3 > small_pairs(EXPERTS) >= 5 * 3
     w13, w2, scales, _, _ = _stacks(fmt, scale_fmt, device)
     x, ids, weights = _routing(num_tokens, device)
     out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
@@ -111,8 +112,8 @@ def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, fm
     taken, real = set(), moe_kernels._tiles
     fp32 = not interpreting()  # what fused_moe passes for fp32 inputs
 
-    def record(listed, fmt, num_pairs, fp32=False):
-        tiles = real(listed, fmt, num_pairs, fp32)
+    def record(listed, fmt, num_pairs, fp32=False, num_experts=1):
+        tiles = real(listed, fmt, num_pairs, fp32, num_experts)
         taken.add(tuple(sorted(tiles.items())))
         return tiles
 
@@ -120,13 +121,13 @@ def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, fm
     moe_kernels.compile_variants(w13, w2, scales, fmt, (128, 128), num_slots, torch.float32)
     compiled = set(taken)
     taken.clear()
-    bounds = (SMALL_PAIRS, FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    bounds = (small_pairs(EXPERTS), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
     for pairs in (1, *bounds, *(b + 1 for b in bounds)):
         tokens = -(-pairs // num_slots)
-        record(tokens * num_slots <= LIST_MAX_PAIRS, fmt, tokens * num_slots, fp32)
+        record(tokens * num_slots <= LIST_MAX_PAIRS, fmt, tokens * num_slots, fp32, EXPERTS)
     assert taken <= compiled
     if fmt == "fp4":
-        assert len(compiled) == (3 if num_slots <= SMALL_PAIRS else 2)
+        assert len(compiled) == (3 if num_slots <= small_pairs(EXPERTS) else 2)
     else:  # few pairs, more listed pairs, sorted (the interpreter lists with one tile)
         assert len(compiled) == (3 if fp32 else 2)
 
@@ -173,3 +174,63 @@ class _Block(torch.nn.Module):
     def __init__(self, ffn: MoE) -> None:
         super().__init__()
         self.ffn = ffn
+
+
+MANY = 40  # experts: the grid is bounded by the pairs, not by the experts
+
+
+def _many_stacks(fmt, device, seed=2):
+    g = torch.Generator().manual_seed(seed)
+
+    def one(rows, cols):
+        return _quantize(torch.randn(rows, cols, generator=g) * cols**-0.5, fmt, "ue8m0")
+
+    def gate_up():  # w1 and w3 quantised apart: each has its own FP8 block rows
+        (a, sa), (b, sb) = one(INTER, HIDDEN), one(INTER, HIDDEN)
+        return torch.cat([a, b]), torch.cat([sa, sb])
+
+    q13 = [gate_up() for _ in range(MANY)]
+    q2 = [one(HIDDEN, INTER) for _ in range(MANY)]
+    stack = lambda qs, i: torch.stack([q[i] for q in qs]).to(device)  # noqa: E731
+    return stack(q13, 0), stack(q2, 0), (stack(q13, 1), stack(q2, 1))
+
+
+ROUTINGS = {
+    "one pair per expert": lambda g, t: torch.randperm(MANY, generator=g)[: 6 * t].view(t, 6),
+    "ragged": lambda g, t: torch.randint(0, MANY, (t, 6), generator=g),
+    "two experts": lambda g, t: torch.randint(7, 9, (t, 6), generator=g),
+    "every slot one expert": lambda g, t: torch.full((t, 6), MANY - 1),
+}
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_many_experts_with_few_pairs_each(fmt, routing, device):
+    """40 experts, 6 slots: pairs spread one per expert, ragged, concentrated on two experts or on
+    the last one (the 16-pair blocks of several programs), and most experts empty every time."""
+    w13, w2, scales = _many_stacks(fmt, device)
+    g = torch.Generator().manual_seed(4)
+    for num_tokens in (1, 5):
+        ids = ROUTINGS[routing](g, num_tokens).to(device)
+        x = torch.randn(num_tokens, HIDDEN, generator=g).to(device)
+        weights = torch.rand(num_tokens, 6, generator=g).to(device)
+        out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
+        ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
+        assert_close(f"moe {fmt} {routing}", out, ref, 1e-5, 1e-4)
+
+
+def test_fp4_every_code_at_the_extreme_scales(device):
+    """All 16 e2m1 codes (the subnormal 0.5 included) under scale bytes from 2 (2^-125) to
+    FP4_MAX_SCALE_BYTE (2^113) decode exactly: gate and up rows of huge and tiny magnitudes,
+    clamped by the limit, against the reference."""
+    g = torch.Generator().manual_seed(6)
+    w13, w2, (s13, s2), _, _ = _stacks("fp4", "ue8m0", "cpu")
+    w13 = pack_fp4(torch.randint(0, 16, (EXPERTS, 2 * INTER, HIDDEN), generator=g))
+    choices = torch.tensor([2, 3, 100, 127, 200, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
+    s13 = choices[torch.randint(0, len(choices), s13.shape, generator=g)].view(s13.dtype)
+    x, ids, weights = _routing(5, "cpu")
+    args = [t.to(device) for t in (x, ids, weights, w13, w2)]
+    scales = (s13.to(device), s2.to(device))
+    out = fused_moe(*args, 1.0, scales, "fp4")
+    ref = fused_moe_ref(*args, 1.0, scales, "fp4")
+    assert_close("moe fp4 extreme scales", out, ref, 1e-5, 1e-4)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from dsv4ray.config import ConfigError, ModelConfig, QuantConfig
+from dsv4ray.config_quant import FP4_MAX_SCALE_BYTE
 from dsv4ray.model import load_reference
+from dsv4ray.model.loader import load_stage
 from dsv4ray.model.quant import QuantizedWeight, quantize_fp4, quantize_fp8
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.release import release_quant_fields, save_sharded
@@ -217,3 +219,19 @@ def test_stage_load_stays_within_1_2x_of_its_own_bytes(tmp_path):
     assert result["bfloat16"][0] and result["float32"][0], result
     assert not result["eager"][0], result
     assert result["bfloat16"][1] > 15e6  # large enough that 20% is far above allocator noise
+
+
+def test_fp4_scales_beyond_the_kernels_range_refuse_native_loading(release, tmp_path):
+    """An FP4 scale byte above FP4_MAX_SCALE_BYTE cannot be decoded by the native kernels: native
+    loading names the scale tensor and the way out, dequantised loading still works."""
+    name = "layers.2.ffn.experts.1.w3.scale"
+
+    def huge(t):
+        scale = t[name].view(torch.uint8).clone()
+        scale[0, 0] = FP4_MAX_SCALE_BYTE + 1
+        t[name] = scale.view(torch.float8_e8m0fnu)
+
+    path = _edit(release, tmp_path, huge)
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '[.]')}.*'dequantized'"):
+        load_stage(path, 0, 3, weight_format="native")
+    load_stage(path, 0, 3, weight_format="dequantized")
