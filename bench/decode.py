@@ -3,6 +3,8 @@
     python bench/decode.py [--model DIR] [--batches 1,16,64] [--contexts 4096,16384,65536]
                            [--prefill-len 8192] [--no-hf] [--profile DIR] [--commit SHA]
     python bench/decode.py --quantize fp8+fp4-experts [--batches 1,64]   (see bench/quantized.py)
+    python bench/decode.py --quantize fp8+fp4-experts --preset dsv4-flash-layers --layers 4 \
+                           --routing router,hash
 
 Makes the dsv4-mini checkpoint when --model does not exist, measures the device copy ceiling and
 the bf16 matmul peak, then in the same run: decode tokens/s of the engine and of transformers
@@ -259,6 +261,8 @@ def parse_args(argv=None):
         help="native FP8/FP4 weights vs dequantised bf16 (bench/quantized.py)",
     )
     p.add_argument("--preset", default="dsv4-mini", help="make_tiny preset for --quantize")
+    p.add_argument("--layers", type=int, default=None, help="num_hidden_layers for --quantize")
+    p.add_argument("--routing", default="router", help="router, hash or router,hash (--quantize)")
     return p.parse_args(argv)
 
 

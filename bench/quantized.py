@@ -1,12 +1,19 @@
 """Decode with a release checkpoint's FP8 / FP4 weights kept on the GPU, against the same
 checkpoint dequantised to bf16 at load (`python bench/decode.py --quantize fp8+fp4-experts`).
 
-Makes the dsv4-mini preset in the release layout (make_tiny(..., quantize=...)) when --model does
-not exist, then in one run, for weight_format "dequantized" and then "native": the engine's decode
-step (bench/step_clock.py: median pure-decode step at the full batch) at each batch. Rows: each
-step against its own roofline (weight bytes read per step in that format + KV bytes, over the
-device copy ceiling) and native against dequantized. Writes
-bench/results/decode-quantized-<device>.json.
+Makes the preset's checkpoint in the release layout when --model does not exist (dsv4-mini, or
+dsv4-flash-layers: V4-Flash's per-layer shapes, --layers of them, written tensor by tensor on
+the GPU), then in one run, for each --routing and for weight_format "dequantized" then "native":
+the engine's decode step (bench/step_clock.py: median pure-decode step at the full batch) at each
+batch. Routing: "router" is the checkpoint's own (random) router, which sends the tokens of a
+random model to a few favoured experts; "hash" makes every layer a hash layer (`tid2eid`, a random
+expert set per token id), which spreads random prompts over the experts as a trained router
+spreads real text. The experts a step touches are measured, not assumed: the router's choices
+for the prompts' tokens (hooks on every gate while they prefill) are drawn into batches of each
+size, and the mean number of distinct experts a layer sees sets the roofline's expert bytes.
+Rows: each step against its own roofline (weight bytes read per step in that format + KV bytes,
+over the device copy ceiling) and native against dequantized. Writes
+bench/results/decode-quantized[-<preset>]-<device>.json.
 
 On a CPU machine it runs as a smoke check (`--preset tiny --batches 1,4`): no ceilings, no
 roofline rows.
@@ -20,18 +27,69 @@ import os
 import torch
 
 from dsv4ray import LLM
-from dsv4ray.bench.report import result, save_results
+from dsv4ray.bench.report import random_prompts, result, save_results
 from dsv4ray.bench.roofline import ceilings, kv_bytes_per_step, weight_bytes_per_step
 from dsv4ray.bench.step_clock import engine_decode_s
 from dsv4ray.config import ModelConfig
 
 FORMATS = ("dequantized", "native")
+ROUTINGS = {"router": "the checkpoint's router", "hash": "token-id hash in every layer"}
+DRAWS = 64  # batches drawn per size when counting touched experts
 
 
-def _steps_ms(args, fmt: str) -> dict[int, float]:
-    """Median decode step (ms) per batch with weight_format `fmt`."""
+def _checkpoint(args, routing: str) -> str:
+    """The model path for `routing` (made when it does not exist)."""
+    path = args.model
+    if path == "/tmp/dsv4-mini":
+        layers = f"-L{args.layers}" if args.layers else ""
+        path = f"/tmp/{args.preset}-{args.quantize.replace('+', '-')}{layers}-{routing}"
+    if not os.path.exists(os.path.join(path, "config.json")):
+        from dsv4ray.model.tiny import make_tiny, tiny_config
+
+        over = {"num_hidden_layers": args.layers} if args.layers else {}
+        if routing == "hash":
+            over["num_hash_layers"] = tiny_config(args.preset, **over).num_hidden_layers
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        make_tiny(path, args.preset, seed=0, device=device, quantize=args.quantize, **over)
+    return path
+
+
+def touched_experts(llm: LLM, prompts: list, batches: list[int]) -> dict[int, float]:
+    """Mean distinct routed experts per MoE layer at each batch size: the gates' choices for the
+    prompts' tokens (recorded while they prefill) drawn into DRAWS batches of each size."""
+    chosen: dict[int, list[torch.Tensor]] = {}
+    hooks = []
+    for worker in llm.core.pipeline.workers:
+        for name, block in worker.model.layers.items():
+            record = lambda _m, _a, out, i=name: chosen.setdefault(i, []).append(out[1].cpu())  # noqa: E731
+            hooks.append(block.ffn.gate.register_forward_hook(record))
+    try:
+        llm.generate(prompts, _params(1))
+    finally:
+        for h in hooks:
+            h.remove()
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for batch in batches:
+        counts = []
+        for ids in (torch.cat(v) for v in chosen.values()):
+            for _ in range(DRAWS):
+                rows = torch.randint(0, ids.shape[0], (batch,), generator=gen)
+                counts.append(ids[rows].unique().numel())
+        out[batch] = sum(counts) / len(counts)
+    return out
+
+
+def _params(n: int):
+    from dsv4ray import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True)
+
+
+def _steps_ms(args, path: str, fmt: str) -> tuple[dict[int, float], dict[int, float]]:
+    """(median decode step ms per batch, touched experts per batch: native only) with `fmt`."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    llm = LLM(args.model, device=device, kv_cache_dtype=args.kv_cache_dtype, weight_format=fmt,
+    llm = LLM(path, device=device, kv_cache_dtype=args.kv_cache_dtype, weight_format=fmt,
               dtype="bfloat16", max_running_requests=max(args.batches), cuda_graphs=not args.eager,
               max_model_len=max(4096, args.prompt_len + args.new_tokens + 8))  # fmt: skip
     try:
@@ -40,58 +98,67 @@ def _steps_ms(args, fmt: str) -> dict[int, float]:
             s = engine_decode_s(llm, batch, args.prompt_len, args.new_tokens, 10 * batch)
             out[batch] = 1e3 * s / args.new_tokens
             print(json.dumps({"weights": fmt, "batch": batch, "step_ms": out[batch]}), flush=True)
-        return out
+        touched = {}
+        if fmt == "native":
+            prompts = random_prompts(max(args.batches), args.prompt_len, seed=7)
+            touched = touched_experts(llm, prompts, args.batches)
+            print(json.dumps({"touched_experts_per_layer": touched}), flush=True)
+        return out, touched
     finally:
         llm.shutdown()
 
 
-def _rows(args, cfg, copy_bw, steps) -> tuple[list, dict]:
-    rows, raw = [], {"steps_ms": steps}
+def _rows(args, cfg, copy_bw, steps, touched, routing: str) -> tuple[list, dict]:
+    rows, raw = [], {"steps_ms": steps, "touched_experts_per_layer": touched}
     ctx = args.prompt_len + args.new_tokens // 2
+    label = "" if routing == "router" else f", {routing} routing"
     for batch in args.batches:
         kv = batch * kv_bytes_per_step(cfg, ctx, args.kv_cache_dtype)
         roof = {}
         for fmt in FORMATS:
-            wbytes = weight_bytes_per_step(cfg, batch, fmt)
+            wbytes = weight_bytes_per_step(cfg, batch, fmt, touched.get(batch))
             raw[f"roofline_{fmt}_b{batch}"] = {"weight_bytes": wbytes, "kv_bytes": kv}
             if copy_bw:
                 roof[fmt] = 1e3 * (wbytes + kv) / copy_bw
-                note = f"roofline: {wbytes / 1e9:.2f} GB weights + {kv / 1e6:.1f} MB KV"
-                name = f"decode step, batch {batch}, {fmt} weights"
+                experts = f"{touched.get(batch, 0):.1f} of {cfg.n_routed_experts} experts a layer"
+                note = f"roofline: {wbytes / 1e9:.2f} GB weights ({experts}) + {kv / 1e6:.1f} MB KV"
+                name = f"decode step, batch {batch}, {fmt} weights{label}"
                 rows.append(result(name, steps[fmt][batch], "ms", roof[fmt], 2.0, "<=", note))
-        note = "stored FP8/FP4 weights vs bf16 dequantised at load"
+        note = f"stored FP8/FP4 weights vs bf16 dequantised at load; routing: {ROUTINGS[routing]}"
         if roof:
             note += f"; rooflines {roof['native']:.3f} vs {roof['dequantized']:.3f} ms"
-        name = f"decode step, batch {batch}, native vs dequantized"
+        target = 0.75 if batch == 1 else 0.6
+        name = f"decode step, batch {batch}, native vs dequantized{label}"
         native, dense = steps["native"][batch], steps["dequantized"][batch]
-        rows.append(result(name, native, "ms", dense, 1.0, "<=", note))
+        rows.append(result(name, native, "ms", dense, target, "<=", note))
     return rows, raw
 
 
 def run(args) -> None:
     """Runs the comparison and writes the results file (args: decode.py's parse_args(); its
     main calls this with --quantize)."""
-    if args.model == "/tmp/dsv4-mini":
-        args.model = f"/tmp/{args.preset}-{args.quantize.replace('+', '-')}"
     cuda = torch.cuda.is_available()
-    if not os.path.exists(os.path.join(args.model, "config.json")):
-        from dsv4ray.model.tiny import make_tiny
-
-        make_tiny(args.model, args.preset, seed=0, device="cuda" if cuda else "cpu",
-                  quantize=args.quantize)  # fmt: skip
-    cfg = ModelConfig.from_hf(args.model)
-    if cfg.quantization is None:
-        raise SystemExit(f"--quantize: {args.model} is not a quantized checkpoint")
     copy_bw = ceilings()["copy"] if cuda else None
-    steps = {fmt: _steps_ms(args, fmt) for fmt in FORMATS}
-    rows, raw = _rows(args, cfg, copy_bw, steps)
+    rows, raw = [], {}
+    for routing in args.routing.split(","):
+        path = _checkpoint(args, routing)
+        cfg = ModelConfig.from_hf(path)
+        if cfg.quantization is None:
+            raise SystemExit(f"--quantize: {path} is not a quantized checkpoint")
+        runs = {fmt: _steps_ms(args, path, fmt) for fmt in FORMATS}
+        steps = {fmt: r[0] for fmt, r in runs.items()}
+        more, raw[routing] = _rows(args, cfg, copy_bw, steps, runs["native"][1], routing)
+        rows += more
     device = torch.cuda.get_device_name() if cuda else "cpu"
     ceil = {}
     if cuda:
         ceil["device copy"] = {"value": copy_bw / 1e9, "unit": "GB/s", "note": "read + write"}
-    note = (f"{args.preset} in the {args.quantize} release layout, {args.kv_cache_dtype} pages, "
-            f"bf16 compute, prompts {args.prompt_len}, {args.new_tokens} new tokens, "
-            f"cuda_graphs={not args.eager}, raw: {json.dumps(raw)}")  # fmt: skip
+    note = (f"{args.preset} ({cfg.num_hidden_layers} layers, {cfg.n_routed_experts} experts, "
+            f"top-{cfg.num_experts_per_tok}) in the {args.quantize} release layout, "
+            f"{args.kv_cache_dtype} pages, bf16 compute, prompts {args.prompt_len}, "
+            f"{args.new_tokens} new tokens, cuda_graphs={not args.eager}, "
+            f"raw: {json.dumps(raw)}")  # fmt: skip
     settings = {"name": "settings", "value": None, "unit": "", "ceiling": None, "ratio": None,
                 "op": ">=", "target": None, "note": note}  # fmt: skip
-    print(save_results(args, "decode-quantized", device, ceil, rows + [settings]))
+    name = "decode-quantized" + ("" if args.preset == "dsv4-mini" else f"-{args.preset}")
+    print(save_results(args, name, device, ceil, rows + [settings]))

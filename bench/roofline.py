@@ -78,11 +78,15 @@ def _bytes_per_value(name: str, p: torch.Tensor, cfg: ModelConfig, weight_format
     return 2
 
 
-def weight_bytes_per_step(cfg: ModelConfig, batch: int, weight_format: str = "dequantized"):
-    """Weight bytes a decode step at `batch` reads (bf16, or the stored formats with "native")."""
+def weight_bytes_per_step(
+    cfg: ModelConfig, batch: int, weight_format: str = "dequantized", touched: float | None = None
+):
+    """Weight bytes a decode step at `batch` reads (bf16, or the stored formats with "native"),
+    with `touched` routed experts a layer (default: the mean under uniform routing)."""
     g = _param_groups(cfg, weight_format)
     e, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    touched = e * (1 - (1 - k / e) ** batch)
+    if touched is None:
+        touched = e * (1 - (1 - k / e) ** batch)
     embed_rows = batch * cfg.hidden_size * 2
     return g["other"] + g["head"] + g["expert"] * touched / e + embed_rows
 

@@ -57,10 +57,11 @@ def release_format(name: str, tensor: torch.Tensor, quant: QuantConfig) -> str:
 
 
 def release_tensors(state: dict[str, torch.Tensor], quant: QuantConfig) -> dict[str, torch.Tensor]:
-    """Official-name state dict -> the tensors a release checkpoint stores (scales included)."""
+    """Official-name state dict -> the tensors a release checkpoint stores (scales included), on
+    the host; the quantisation runs on each tensor's device."""
     out = {}
     for name, tensor in state.items():
-        tensor = tensor.detach().cpu()
+        tensor = tensor.detach()
         fmt = release_format(name, tensor, quant)
         scale_name = name[: -len(".weight")] + ".scale"
         if fmt == "fp8":
@@ -73,7 +74,7 @@ def release_tensors(state: dict[str, torch.Tensor], quant: QuantConfig) -> dict[
             out[name] = tensor.to(torch.int64)
         else:
             out[name] = tensor.to(torch.float32 if fmt == "fp32" else torch.bfloat16)
-    return out
+    return {name: t.cpu() for name, t in out.items()}
 
 
 def save_sharded(tensors: dict[str, torch.Tensor], path: str, num_shards: int = 4) -> None:

@@ -81,6 +81,20 @@ PRESETS: dict[str, dict] = {
         rope_scaling=_YARN,
     ),
 }
+# V4-Flash's per-layer shapes (its attention is dsv4-mini's; 256 routed experts, top-6), C4 and
+# C128 layers alternating, no MTP layer and no hash layers unless overridden. Written tensor by
+# tensor on the device (`write_streamed`): a 4-layer fp32 model would take 100 GB of host memory.
+PRESETS["dsv4-flash-layers"] = dict(
+    PRESETS["dsv4-mini"],
+    n_routed_experts=256,
+    num_experts_per_tok=6,
+    num_hash_layers=0,
+    num_nextn_predict_layers=0,
+    compress_ratios=None,
+    compress_pattern=(4, 128),
+)
+STREAMED = ("dsv4-flash-layers",)
+SHARD_BYTES = 4 << 30
 TARGET_TOP1 = 0.3
 
 
@@ -88,6 +102,10 @@ def tiny_config(preset: str = "tiny", **overrides) -> ModelConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     raw = {**PRESETS[preset], **overrides}
+    pattern = raw.pop("compress_pattern", None)
+    if raw.get("compress_ratios") is None:  # one per layer and MTP layer, cycling the pattern
+        count = raw["num_hidden_layers"] + raw.get("num_nextn_predict_layers", 1)
+        raw["compress_ratios"] = [pattern[i % len(pattern)] for i in range(count)]
     return ModelConfig.from_hf(raw)
 
 
@@ -99,10 +117,15 @@ def make_tiny(
     quantize: str | None = None,
     **config_overrides,
 ) -> str:
-    """Writes a random checkpoint to ``out_dir`` and returns the path."""
+    """Writes a random checkpoint to ``out_dir`` and returns the path (the STREAMED presets through
+    `write_streamed` on ``device``)."""
     if quantize is not None:
         config_overrides = {**config_overrides, **release_quant_fields(quantize)}
     cfg = tiny_config(preset, **config_overrides)
+    if preset in STREAMED:
+        write_streamed(out_dir, cfg, seed, device)
+        log.info("wrote %s checkpoint (seed %d, %s) to %s", preset, seed, quantize, out_dir)
+        return out_dir
     gen = torch.Generator().manual_seed(seed)
     dtype = getattr(torch, cfg.torch_dtype)
     model = DSV4Reference(cfg, torch.float32)
@@ -121,6 +144,69 @@ def make_tiny(
     write_byte_tokenizer(out_dir)
     log.info("wrote %s checkpoint (seed %d, %s) to %s", preset, seed, quantize, out_dir)
     return out_dir
+
+
+def write_streamed(out_dir: str, cfg: ModelConfig, seed: int, device: str) -> None:
+    """A random checkpoint of any size, one tensor at a time: each is drawn on ``device`` with
+    `randomise`'s scales, stored as the release stores it (or in the config's dtype) and appended
+    to the current shard; a shard is written once it holds SHARD_BYTES. Host memory holds one
+    shard, the device one tensor. The lm head keeps the fan-in scale (not calibrated: a forward
+    pass would need the whole model), and hash tables are drawn as a batch of permutations."""
+    with torch.device("meta"):
+        model = DSV4Reference(cfg, torch.float32)
+        if cfg.mtp_layer is not None:
+            model.mtp.append(MTPBlock(cfg))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dtype = getattr(torch, cfg.torch_dtype)
+    os.makedirs(out_dir, exist_ok=True)
+    shards: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    total = 0
+    for name, meta in model.state_dict().items():
+        value = _random_streamed(name, meta, gen, cfg.n_routed_experts)
+        stored = (
+            release_tensors({name: value}, cfg.quantization)
+            if cfg.quantization is not None
+            else {name: _disk(value, dtype)}
+        )
+        shard.update(stored)
+        total += sum(t.numel() * t.element_size() for t in stored.values())
+        if sum(t.numel() * t.element_size() for t in shard.values()) >= SHARD_BYTES:
+            shards.append(_write_shard(out_dir, shard, len(shards)))
+            shard = {}
+    if shard:
+        shards.append(_write_shard(out_dir, shard, len(shards)))
+    _name_shards(out_dir, shards, total)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(cfg.to_official_dict(), f, indent=2)
+    write_byte_tokenizer(out_dir)
+
+
+def _random_streamed(name: str, meta: torch.Tensor, gen: torch.Generator, num_experts: int):
+    if name.endswith("tid2eid"):
+        rows, k = meta.shape
+        keys = torch.rand(rows, num_experts, generator=gen, device=gen.device)
+        return keys.argsort(dim=1)[:, :k].contiguous()
+    return _random_like(name, meta, gen)
+
+
+def _write_shard(out_dir: str, shard: dict[str, torch.Tensor], index: int) -> list[str]:
+    from safetensors.torch import save_file
+
+    save_file(shard, os.path.join(out_dir, f".shard-{index}"), metadata={"format": "pt"})
+    return list(shard)
+
+
+def _name_shards(out_dir: str, shards: list[list[str]], total: int) -> None:
+    """Renames the written shards to model-0000i-of-0000n.safetensors and writes the index."""
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        os.replace(os.path.join(out_dir, f".shard-{i}"), os.path.join(out_dir, file))
+        weight_map.update(dict.fromkeys(names, file))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
 
 
 def _disk(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -143,7 +229,7 @@ def randomise(model: torch.nn.Module, gen: torch.Generator) -> None:
 
 def _random_like(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     def normal(std, mean=0.0):
-        return torch.randn(p.shape, generator=gen) * std + mean
+        return torch.randn(p.shape, generator=gen, device=gen.device) * std + mean
 
     if name.endswith("norm.weight"):
         return normal(0.1, 1.0)
@@ -154,7 +240,7 @@ def _random_like(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tens
     if name.endswith("gate.bias"):
         return normal(0.1)
     if name.endswith("_scale"):
-        return torch.rand(p.shape, generator=gen) + 0.5
+        return torch.rand(p.shape, generator=gen, device=gen.device) + 0.5
     if name.endswith("_base"):
         return normal(0.5)
     if name.endswith("_fn"):

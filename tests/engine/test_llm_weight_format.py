@@ -8,13 +8,19 @@ instead of to every weight, and sum in another order, so logits differ in the la
 greedy tokens must still be the dequantised engine's.
 """
 
+import json
+import os
+
 import pytest
 import torch
+from safetensors import safe_open
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.kernels import dispatch
 from dsv4ray.kernels import sparse_mqa as sparse_mqa_kernels
+from dsv4ray.model import tiny
 from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.tiny import make_tiny
 
@@ -84,3 +90,35 @@ def test_weight_format_is_validated_and_resolved(flash_ckpt, tmp_path):
         LLM(plain, weight_format="native")
     stage, _ = _serve(flash_ckpt, "auto", [])  # CPU: dequantised at load
     assert isinstance(stage.block(0).attn.wq_a, torch.nn.Linear)
+
+
+def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypatch):
+    """dsv4-flash-layers is written a tensor at a time (shrunk here to the tiny preset's widths,
+    its 6-of-N routing and C4 / C128 pattern kept): several shards of at most about SHARD_BYTES,
+    an index naming every stored tensor, no temporary file left, and a checkpoint that serves
+    the same greedy tokens with native and with dequantised weights."""
+    monkeypatch.setattr(tiny, "SHARD_BYTES", 1 << 20)
+    widths = {k: tiny.PRESETS["tiny"][k] for k in ("vocab_size", "hidden_size", "q_lora_rank",
+              "o_groups", "o_lora_rank", "hc_mult", "index_n_heads", "index_head_dim",
+              "index_topk", "moe_intermediate_size")}  # fmt: skip
+    path = make_tiny(str(tmp_path / "flash"), "dsv4-flash-layers", seed=3,
+                     quantize="fp8+fp4-experts", num_hidden_layers=3, num_attention_heads=2,
+                     n_routed_experts=16, num_hash_layers=1, **widths)  # fmt: skip
+    cfg = ModelConfig.from_hf(path)
+    assert cfg.compress_ratios == (4, 128, 4) and cfg.num_experts_per_tok == 6
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    assert len(files) > 2 and set(weight_map.values()) == set(files)
+    assert not [f for f in os.listdir(path) if f.startswith(".shard")]
+    stored = {}
+    for file in files:
+        with safe_open(os.path.join(path, file), "pt") as f:
+            stored.update({k: f.get_slice(k).get_dtype() for k in f.keys()})
+    assert set(stored) == set(weight_map)
+    assert stored["layers.0.ffn.experts.15.w1.weight"] == "I8"  # packed FP4
+    assert stored["layers.0.attn.wq_b.weight"] == "F8_E4M3"
+    prompts = _prompts([7, 30])
+    _, got = _serve(path, "native", prompts)
+    _, want = _serve(path, "dequantized", prompts)
+    assert got == want
