@@ -17,9 +17,14 @@ from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, mod
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
-    from dsv4ray.model.tiny import make_tiny
+    import torch
 
-    path = make_tiny(args.out, args.preset, args.seed, quantize=args.quantize)
+    from dsv4ray.model.tiny import STREAMED, make_tiny
+
+    device = args.device or ("cuda" if args.preset in STREAMED and torch.cuda.is_available()
+                             else "cpu")  # fmt: skip
+    over = {"num_hidden_layers": args.layers} if args.layers else {}
+    path = make_tiny(args.out, args.preset, args.seed, device, args.quantize, **over)
     layout = f", {args.quantize} release layout" if args.quantize else ""
     print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}{layout}) to {path}")
     return 0
@@ -217,8 +222,19 @@ def _add_make_tiny(sub) -> None:
         "make-tiny", parents=[_log_parent()], help="write a random tiny checkpoint"
     )
     tiny.add_argument("--out", required=True)
-    tiny.add_argument("--preset", default="tiny", choices=["tiny", "dsv4-mini"])
+    tiny.add_argument(
+        "--preset", default="tiny", choices=["tiny", "dsv4-mini", "dsv4-flash-layers"]
+    )
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--layers", type=int, default=None, help="num_hidden_layers (default: preset's)"
+    )
+    tiny.add_argument(
+        "--device",
+        default=None,
+        help="where tensors are drawn (default: cuda for dsv4-flash-layers "
+        "when there is one, else cpu)",
+    )
     tiny.add_argument(
         "--quantize",
         default=None,

@@ -101,11 +101,16 @@ TARGET_TOP1 = 0.3
 def tiny_config(preset: str = "tiny", **overrides) -> ModelConfig:
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    raw = {**PRESETS[preset], **overrides}
-    pattern = raw.pop("compress_pattern", None)
-    if raw.get("compress_ratios") is None:  # one per layer and MTP layer, cycling the pattern
-        count = raw["num_hidden_layers"] + raw.get("num_nextn_predict_layers", 1)
-        raw["compress_ratios"] = [pattern[i % len(pattern)] for i in range(count)]
+    base = PRESETS[preset]
+    raw = {**base, **overrides}
+    pattern = (
+        raw.pop("compress_pattern", None) or base["compress_ratios"][: base["num_hidden_layers"]]
+    )
+    if "compress_ratios" not in overrides and (
+        base["compress_ratios"] is None or raw["num_hidden_layers"] != base["num_hidden_layers"]
+    ):  # the layers cycle the preset's pattern; MTP layers attend densely
+        layers = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
+        raw["compress_ratios"] = layers + [0] * raw.get("num_nextn_predict_layers", 1)
     return ModelConfig.from_hf(raw)
 
 

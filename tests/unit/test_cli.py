@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from dsv4ray.__main__ import main
+from dsv4ray.config import ModelConfig
 from dsv4ray.model import load_reference
+from dsv4ray.model.weights import checkpoint_index
 from dsv4ray.text.tokenizer import Tokenizer
 
 
@@ -123,3 +125,14 @@ def test_no_model_means_the_demo_checkpoint_said_loudly(tiny_ckpt, tmp_path, mon
     caplog.clear()
     assert not ServeSettings.from_config({"model": tiny_ckpt, "device": "cpu"}).demo_model
     assert "DEMO" not in caplog.text
+
+
+def test_make_tiny_layers_cycle_the_presets_attention_pattern(tmp_path):
+    """--layers changes the depth of any preset: its layers repeat the preset's compression
+    pattern (the MTP layer stays dense), and the checkpoint has exactly those layers."""
+    assert main(["make-tiny", "--out", str(tmp_path / "m"), "--layers", "8"]) == 0
+    cfg = ModelConfig.from_hf(str(tmp_path / "m"))
+    assert cfg.compress_ratios == (0, 4, 128, 4, 4, 128, 0, 4, 0)
+    index = checkpoint_index(str(tmp_path / "m"))
+    stored = {name.split(".")[1] for name in index if name.startswith("layers.")}
+    assert stored == {str(i) for i in range(8)}
