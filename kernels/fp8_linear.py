@@ -76,7 +76,7 @@ def _fp8_linear_kernel(
     m_ok, n_ok = m < M, n < N
     w_rows = g * N + n  # rows of the whole [G N, K] weight
     x_rows = x_ptr + m.to(tl.int64)[:, None] * stride_xm + g * K
-    k_start = split * k_per_split
+    k_start = tl.multiple_of(split * k_per_split, BLOCK_K)  # k_per_split: whole K steps
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.bits import interpreting, num_sms
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
@@ -105,7 +105,7 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, count)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "k_per_split", "num_splits"])
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -114,6 +114,9 @@ def _gate_up_kernel(
     blocks_ptr,
     counts_ptr,
     h_ptr,
+    part_ptr,
+    k_per_split,
+    num_splits,
     num_pairs,
     num_experts,
     hidden,
@@ -136,20 +139,23 @@ def _gate_up_kernel(
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
 ):
-    # program (pair block, column block n): h[pairs, n] for the pairs' expert
+    # program (pair block, column block n * num_splits + split): h[pairs, n] for the pairs'
+    # expert, or with K split, the split's gate and up sums at part[split, pairs, n | inter + n]
     expert, pair, ok, active = _pairs(
         list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
     )
     if active:
         token = pair // num_slots
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1) % num_splits
+        n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         w_rows = expert.to(tl.int64) * 2 * inter + n
         s_rows = expert.to(tl.int64) * s_per_expert + n // block_n  # gate rows; up: + s_up
         x_rows = x_ptr + token[:, None] * hidden
         acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
         acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-        for k0 in range(0, hidden, BLOCK_K):
+        k_start = tl.multiple_of(split * k_per_split, BLOCK_K)  # k_per_split: whole K steps
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, hidden), BLOCK_K):
             xa, xb = load_x(x_rows, ok[:, None], k0, hidden, FMT, BLOCK_K)
             acc_g += weight_dot(
                 xa,
@@ -189,17 +195,19 @@ def _gate_up_kernel(
                 IEEE,
                 SWAP,
             )
-        gate = tl.minimum(acc_rows(acc_g, SWAP), limit)
-        up = tl.minimum(tl.maximum(acc_rows(acc_u, SWAP), -limit), limit)
-        h = gate * tl.sigmoid(gate) * up
-        tl.store(
-            h_ptr + pair[:, None] * inter + n[None, :],
-            h.to(h_ptr.dtype.element_ty),
-            mask=ok[:, None] & n_ok[None, :],
-        )
+        mask = ok[:, None] & n_ok[None, :]
+        if num_splits == 1:
+            gate = tl.minimum(acc_rows(acc_g, SWAP), limit)
+            up = tl.minimum(tl.maximum(acc_rows(acc_u, SWAP), -limit), limit)
+            h = gate * tl.sigmoid(gate) * up
+            tl.store(h_ptr + pair[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty), mask)
+        else:
+            row = part_ptr + (split.to(tl.int64) * num_pairs + pair[:, None]) * (2 * inter)
+            tl.store(row + n[None, :], acc_rows(acc_g, SWAP), mask)
+            tl.store(row + inter + n[None, :], acc_rows(acc_u, SWAP), mask)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_experts"])
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "k_per_split", "num_splits"])
 def _down_kernel(
     h_ptr,
     w2_ptr,
@@ -209,6 +217,8 @@ def _down_kernel(
     counts_ptr,
     weight_ptr,
     out_ptr,
+    k_per_split,
+    num_splits,
     num_pairs,
     num_experts,
     hidden,
@@ -228,18 +238,21 @@ def _down_kernel(
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
 ):
-    # program (pair block, column block n): out[pair, n] = weight[pair] * h[pair] w2[e, n]^T
+    # program (pair block, column block n * num_splits + split):
+    # out[split, pair, n] = weight[pair] * h[pair, split's K] w2[e, n, split's K]^T
     expert, pair, ok, active = _pairs(
         list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
     )
     if active:
-        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1) % num_splits
+        n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_rows = expert.to(tl.int64) * hidden + n
         s_rows = expert.to(tl.int64) * s_per_expert + n // block_n
         h_rows = h_ptr + pair[:, None] * inter
         acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
-        for k0 in range(0, inter, BLOCK_K):
+        k_start = tl.multiple_of(split * k_per_split, BLOCK_K)  # k_per_split: whole K steps
+        for k0 in range(k_start, tl.minimum(k_start + k_per_split, inter), BLOCK_K):
             xa, xb = load_x(h_rows, ok[:, None], k0, inter, FMT, BLOCK_K)
             acc += weight_dot(
                 xa,
@@ -261,8 +274,9 @@ def _down_kernel(
                 SWAP,
             )
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
+        rows = split.to(tl.int64) * num_pairs + pair[:, None]
         tl.store(
-            out_ptr + pair[:, None] * hidden + n[None, :],
+            out_ptr + rows * hidden + n[None, :],
             acc_rows(acc, SWAP) * w[:, None],
             mask=ok[:, None] & n_ok[None, :],
         )
@@ -411,8 +425,12 @@ def fused_moe(
     layout13 = _layout(fmt, s13, 2 * inter, hidden, block)
     layout2 = _layout(fmt, s2, hidden, inter, block)
     s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
+    k13, split13 = _k_splits(listed, num_blocks, inter, hidden, tiles, x.device)
+    k2, split2 = _k_splits(listed, num_blocks, hidden, inter, tiles, x.device)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    out = torch.empty(num_pairs, hidden, dtype=torch.float32, device=x.device)
+    part_shape = (split13, num_pairs, 2 * inter) if split13 > 1 else (1,)
+    part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    out = torch.empty(split2, num_pairs, hidden, dtype=torch.float32, device=x.device)
     flags = dict(
         LISTED=listed,
         E_PAD=triton.next_power_of_2(num_experts),
@@ -422,7 +440,7 @@ def fused_moe(
         **tiles,
     )
     w13, w2 = kernel_bytes(w13), kernel_bytes(w2)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]))](
+    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]) * split13)](
         x,
         w13,
         s13,
@@ -430,6 +448,9 @@ def fused_moe(
         blocks,
         counts,
         h,
+        part,
+        k13,
+        split13,
         num_pairs,
         num_experts,
         hidden,
@@ -444,7 +465,9 @@ def fused_moe(
         block[1],
         **flags,
     )
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]))](
+    if split13 > 1:
+        h.copy_(_activate(part.sum(0), inter, limit))
+    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]) * split2)](
         h,
         w2,
         s2,
@@ -453,6 +476,8 @@ def fused_moe(
         counts,
         weights.float().contiguous(),
         out,
+        k2,
+        split2,
         num_pairs,
         num_experts,
         hidden,
@@ -461,7 +486,26 @@ def fused_moe(
         block[1],
         **flags,
     )
-    return out.view(num_tokens, num_slots, hidden).sum(dim=1).to(x.dtype)
+    return out.view(split2, num_tokens, num_slots, hidden).sum(dim=(0, 2)).to(x.dtype)
+
+
+def _k_splits(listed: bool, num_blocks: int, n: int, k: int, tiles: dict, device):
+    """(K columns per split, splits) of one grouped GEMM with n output and k input columns: a
+    decode call whose programs would not fill the GPU twice over (a few experts with a few pairs
+    each) splits K so that they do; a split's sums go to a partial buffer that torch adds up (no
+    atomics: the result does not depend on timing). Prefills (sorted pairs) never split."""
+    steps = triton.cdiv(k, tiles["BLOCK_K"])
+    programs = num_blocks * triton.cdiv(n, tiles["BLOCK_N"])
+    target = 2 * num_sms(device)
+    splits = 1 if not listed or programs >= target else min(steps, triton.cdiv(target, programs))
+    per_split = triton.cdiv(steps, splits)
+    return per_split * tiles["BLOCK_K"], triton.cdiv(steps, per_split)
+
+
+def _activate(gate_up: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
+    """h = silu(min(g, limit)) * clamp(u, -limit, limit) from summed [P, 2 inter] gate | up."""
+    gate = gate_up[:, :inter].clamp(max=limit)
+    return gate * torch.sigmoid(gate) * gate_up[:, inter:].clamp(-limit, limit)
 
 
 def compile_variants(

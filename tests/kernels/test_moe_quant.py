@@ -179,18 +179,18 @@ class _Block(torch.nn.Module):
 MANY = 40  # experts: the grid is bounded by the pairs, not by the experts
 
 
-def _many_stacks(fmt, device, seed=2):
+def _many_stacks(fmt, device, seed=2, experts=MANY, hidden=HIDDEN, inter=INTER):
     g = torch.Generator().manual_seed(seed)
 
     def one(rows, cols):
         return _quantize(torch.randn(rows, cols, generator=g) * cols**-0.5, fmt, "ue8m0")
 
     def gate_up():  # w1 and w3 quantised apart: each has its own FP8 block rows
-        (a, sa), (b, sb) = one(INTER, HIDDEN), one(INTER, HIDDEN)
+        (a, sa), (b, sb) = one(inter, hidden), one(inter, hidden)
         return torch.cat([a, b]), torch.cat([sa, sb])
 
-    q13 = [gate_up() for _ in range(MANY)]
-    q2 = [one(HIDDEN, INTER) for _ in range(MANY)]
+    q13 = [gate_up() for _ in range(experts)]
+    q2 = [one(hidden, inter) for _ in range(experts)]
     stack = lambda qs, i: torch.stack([q[i] for q in qs]).to(device)  # noqa: E731
     return stack(q13, 0), stack(q2, 0), (stack(q13, 1), stack(q2, 1))
 
@@ -234,3 +234,22 @@ def test_fp4_every_code_at_the_extreme_scales(device):
     out = fused_moe(*args, 1.0, scales, "fp4")
     ref = fused_moe_ref(*args, 1.0, scales, "fp4")
     assert_close("moe fp4 extreme scales", out, ref, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_k_split_partial_sums_equal_the_reference(fmt, device, monkeypatch):
+    """A decode call with too few programs to fill the GPU splits K over programs (gate and up
+    sums added up before the activation, down-projection partials before the slot sum): with
+    512 x 512 experts, one and three tokens take 2 or more splits, and equal the reference."""
+    w13, w2, scales = _many_stacks(fmt, device, experts=6, hidden=512, inter=512)
+    taken, real = [], moe_kernels._k_splits
+    monkeypatch.setattr(moe_kernels, "_k_splits", lambda *a: taken.append(real(*a)) or taken[-1])
+    g = torch.Generator().manual_seed(8)
+    for num_tokens in (1, 3):
+        x = torch.randn(num_tokens, 512, generator=g).to(device)
+        ids = torch.randint(0, 6, (num_tokens, 2), generator=g).to(device)
+        weights = torch.rand(num_tokens, 2, generator=g).to(device)
+        out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
+        ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
+        assert_close(f"moe {fmt} split", out, ref, 1e-5, 1e-4)
+    assert min(splits for _, splits in taken) >= 2, taken
