@@ -23,6 +23,7 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.actors.host_tier import HostTier
 from dsv4ray.bench.report import bench_parser, result, save_results
+from dsv4ray.cache.hicache import HostOps
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
@@ -60,7 +61,7 @@ def reload_bandwidth(model: str, num_pages: int, kv_dtype: str, device) -> tuple
         for buf in io.host.c4 + io.host.indexer + io.host.c128:
             buf.random_(0, 255)
         ids = list(range(num_pages))
-        plan = StepPlan(step_id=0, host_loads=list(zip(ids, ids)))
+        plan = StepPlan(step_id=0, host=HostOps(loads=list(zip(ids, ids))))
 
         def load():
             events = io.run(plan)

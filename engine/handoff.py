@@ -164,6 +164,23 @@ class CheckReport:
     checksums: tuple[tuple[int, str], ...]
 
 
+@dataclass
+class Handoffs:
+    """A step plan's handoffs, run after the step: writes (a prefill plan), then checks (a decode
+    plan)."""
+
+    sends: list[KVSend] = field(default_factory=list)
+    checks: list[KVCheck] = field(default_factory=list)
+
+
+@dataclass
+class HandoffReports:
+    """A stage result's reports of its plan's Handoffs, from this and the earlier stages."""
+
+    sends: list[SendReport] = field(default_factory=list)
+    checks: list[CheckReport] = field(default_factory=list)
+
+
 @dataclass(frozen=True)
 class PrefillRequest:
     """A decode engine's request to a prefill engine. key: unique per handoff; prompt_ids: every

@@ -139,8 +139,7 @@ class KVCacheManager:
         if not self.hicache:
             return
         ops = self.radix.pop_ops(plan.step_id)
-        plan.host_backups, plan.host_snapshot_backups = ops.backups, ops.snapshot_backups
-        plan.host_loads, plan.host_snapshot_loads = ops.loads, ops.snapshot_loads
+        plan.host = ops if ops else None
 
     def has_pending_host_ops(self) -> bool:
         return self.hicache and bool(self.radix.ops)

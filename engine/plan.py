@@ -35,7 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 
-from dsv4ray.engine.handoff import KVCheck, KVSend, to_dict
+from dsv4ray.cache.hicache import HostOps
+from dsv4ray.engine.handoff import HandoffReports, Handoffs, KVCheck, KVSend, to_dict
 
 if TYPE_CHECKING:
     import torch
@@ -136,23 +137,14 @@ class StepPlan:
     # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device
     # and writes them into token_ids before it settles the step (worker/spec/draft_fill.py)
     draft_lookahead: list[str] = field(default_factory=list)
-    # host tier copies, run before the step in this order (cache/hicache.py)
-    host_backups: list[tuple[int, int]] = field(default_factory=list)  # (device, host) pages
-    host_snapshot_backups: list[tuple[int, int, int]] = field(default_factory=list)
-    host_loads: list[tuple[int, int]] = field(default_factory=list)  # (host, device) pages
-    host_snapshot_loads: list[tuple[int, int, int]] = field(default_factory=list)
-    # prefill/decode handoffs (engine/handoff.py), run after the step: writes, then checks
-    kv_sends: list[KVSend] = field(default_factory=list)
-    kv_checks: list[KVCheck] = field(default_factory=list)
+    # host tier copies, run before the step (cache/hicache.py); None: none
+    host: HostOps | None = None
+    # prefill/decode handoffs, run after the step (engine/handoff.py); None: none
+    kv: Handoffs | None = None
 
     @property
     def has_host_ops(self) -> bool:
-        return bool(
-            self.host_backups
-            or self.host_snapshot_backups
-            or self.host_loads
-            or self.host_snapshot_loads
-        )
+        return bool(self.host)
 
     def __post_init__(self) -> None:
         num_tokens = sum(entry.num_tokens for entry in self.batch)
@@ -189,8 +181,7 @@ class StageResult:
     accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
     drafts: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
     draft_stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
-    kv_reports: list = field(default_factory=list)  # SendReports of this and earlier stages
-    kv_checks: list = field(default_factory=list)  # CheckReports of this and earlier stages
+    kv: HandoffReports | None = None  # the reports of the plan's handoffs
     # the last stage's sampling still on the device (a deferred step): StageWorker.finish reads
     # it into sampled / logprobs / errors; never set on a result that leaves the process
     pending: Any = None
@@ -226,8 +217,12 @@ def encode(plan: StepPlan) -> bytes:
     raw["new_requests"] = [_fields(r, _NEW_FIELDS) for r in plan.new_requests]
     raw["diffs"] = [_fields(d, _DIFF_FIELDS) for d in plan.diffs]
     raw["batch"] = [_fields(e, _ENTRY_FIELDS) for e in plan.batch]
-    raw["kv_sends"] = [to_dict(m) for m in plan.kv_sends]
-    raw["kv_checks"] = [to_dict(m) for m in plan.kv_checks]
+    host = plan.host
+    raw["host"] = None if host is None else _fields(host, _HOST_FIELDS)
+    kv = plan.kv
+    raw["kv"] = (
+        None if kv is None else [[to_dict(m) for m in kv.sends], [to_dict(m) for m in kv.checks]]
+    )
     return msgpack.packb(raw, use_bin_type=True)
 
 
@@ -240,12 +235,17 @@ def decode(data: bytes) -> StepPlan:
         diffs=[_diff(*item) for item in raw["diffs"]],
         batch=[BatchEntry(*item) for item in raw["batch"]],
         token_ids=raw["token_ids"],
-        kv_sends=[KVSend.from_dict(item) for item in raw["kv_sends"]],
-        kv_checks=[KVCheck.from_dict(item) for item in raw["kv_checks"]],
     )
+    if raw["host"] is not None:
+        plan.host = HostOps(*([tuple(op) for op in ops] for ops in raw["host"]))
+    if raw["kv"] is not None:
+        sends, checks = raw["kv"]
+        plan.kv = Handoffs(
+            [KVSend.from_dict(m) for m in sends], [KVCheck.from_dict(m) for m in checks]
+        )
     for name in _PLAIN_FIELDS:
         value = raw[name]
-        if name in _PAIR_FIELDS:
+        if name == "snapshots":
             value = [tuple(pair) for pair in value]
         setattr(plan, name, value)
     return plan
@@ -259,10 +259,9 @@ def _diff(req_id, new_page_ids, new_window_pages, *rest) -> RequestDiff:
     return RequestDiff(req_id, new_page_ids, [tuple(pair) for pair in new_window_pages], *rest)
 
 
-HOST_OP_FIELDS = ("host_backups", "host_snapshot_backups", "host_loads", "host_snapshot_loads")
+_HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostOps))
 _NEW_FIELDS = tuple(f.name for f in dataclasses.fields(NewRequest))
 _DIFF_FIELDS = tuple(f.name for f in dataclasses.fields(RequestDiff))
 _ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(BatchEntry))
-_NESTED = {"new_requests", "diffs", "batch", "kv_sends", "kv_checks"}
+_NESTED = {"new_requests", "diffs", "batch", "host", "kv"}
 _PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan) if f.name not in _NESTED)
-_PAIR_FIELDS = {"snapshots", *HOST_OP_FIELDS}  # lists of tuples

@@ -297,7 +297,7 @@ class StageWorker:
             self._compute(prepared, inputs, result, handoff, draft_fill)
         except Exception as exc:  # an engine bug or a bad input must not take the stage down
             self._fail(plan.step_id, exc, result)
-        if plan.kv_sends or plan.kv_checks:  # prefill/decode handoffs, with the step's samples
+        if plan.kv is not None:  # prefill/decode handoffs, with the step's samples
             run_handoffs(self.kv_port, plan, self.tables, inputs, self.finish(result))
         if self.is_last and prepared.resolved:  # the engine keeps the drafts it verified
             result.resolved_drafts = prepared.resolved

@@ -32,6 +32,7 @@ from typing import Any, Protocol
 from dsv4ray.engine.core import EngineCore, RequestUpdate
 from dsv4ray.engine.handoff import (
     DeviceIds,
+    Handoffs,
     KVCheck,
     KVDestination,
     KVSend,
@@ -257,19 +258,22 @@ class DecodeCore(EngineCore):
             if not self._current(h):  # it ended before its check (its ids went back then)
                 del self.handoffs[h.transfer_id]
                 continue
-            plan.kv_checks.append(KVCheck(h.req_id, h.num_tokens, h.device))
+            plan.kv = plan.kv or Handoffs()
+            plan.kv.checks.append(KVCheck(h.req_id, h.num_tokens, h.device))
             h.state, h.step_id = "checking", plan.step_id
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
         updates = super()._commit(plan, result)
-        for check in plan.kv_checks:
+        checks = plan.kv.checks if plan.kv is not None else []
+        reports = result.kv.checks if result.kv is not None else []
+        for check in checks:
             h = self._checking(plan.step_id, check.req_id)
             if h is None:
                 continue
             if not self._current(h):  # it ended while checked (its ids went back when it ended)
                 del self.handoffs[h.transfer_id]
                 continue
-            self._verify(h, result, [c for c in result.kv_checks if c.req_id == check.req_id])
+            self._verify(h, result, [c for c in reports if c.req_id == check.req_id])
         return updates
 
     def _checking(self, step_id: int, req_id: str) -> Handoff | None:
@@ -345,12 +349,13 @@ class PrefillCore(EngineCore):
             request = self.requests.get(entry.req_id)
             if request is not None and entry.sample:
                 num_tokens = entry.start_pos + entry.num_tokens
-                plan.kv_sends.append(
+                plan.kv = plan.kv or Handoffs()
+                plan.kv.sends.append(
                     KVSend(entry.req_id, num_tokens, request.dest, request.corrupt)
                 )
 
     def _commit(self, plan, result) -> list[RequestUpdate]:
-        for report in result.kv_reports:
+        for report in result.kv.sends if result.kv is not None else []:
             self.reports.setdefault(report.req_id, []).append(report)
         for req_id, logprobs in result.logprobs.items():
             if req_id in self.requests:

@@ -45,18 +45,20 @@ class FakeStage:
 
     def _host_ops(self, plan):
         """Backups, then loads, as a stage runs them before the step (cache/hicache.py)."""
-        for dev, host in plan.host_backups:
+        if plan.host is None:
+            return
+        for dev, host in plan.host.backups:
             self.host_pages[host] = [self.full.get(dev * self.page + i) for i in range(self.page)]
-        for window, slot, host in plan.host_snapshot_backups:
+        for window, slot, host in plan.host.snapshot_backups:
             base = window * self.window
             self.host_snaps[host] = (
                 [self.win.get(base + i) for i in range(self.window)],
                 self.cached[slot],
             )
-        for host, dev in plan.host_loads:
+        for host, dev in plan.host.loads:
             for i, tok in enumerate(self.host_pages[host]):
                 self.full[dev * self.page + i] = tok
-        for host, window, slot in plan.host_snapshot_loads:
+        for host, window, slot in plan.host.snapshot_loads:
             tokens, ring = self.host_snaps[host]
             for i, tok in enumerate(tokens):
                 self.win[window * self.window + i] = tok

@@ -1,8 +1,10 @@
 """A step plan survives its msgpack bytes with every field set (the form stage actors get)."""
 
+from dsv4ray.cache.hicache import HostOps
 from dsv4ray.engine.handoff import (
     BufferDesc,
     DeviceIds,
+    Handoffs,
     KVCheck,
     KVDestination,
     KVSend,
@@ -41,12 +43,11 @@ def _full_plan() -> StepPlan:
         lag=True,
         next_tokens={"a": 9},
         draft_lookahead=["b"],
-        host_backups=[(1, 2)],
-        host_snapshot_backups=[(1, 2, 3)],
-        host_loads=[(4, 5)],
-        host_snapshot_loads=[(6, 7, 8)],
-        kv_sends=[KVSend("a", 256, KVDestination((endpoint,), device), corrupt=True)],
-        kv_checks=[KVCheck("b", 512, device)],
+        host=HostOps([(1, 2)], [(1, 2, 3)], [(4, 5)], [(6, 7, 8)]),
+        kv=Handoffs(
+            [KVSend("a", 256, KVDestination((endpoint,), device), corrupt=True)],
+            [KVCheck("b", 512, device)],
+        ),
     )
 
 

@@ -59,17 +59,20 @@ class HostIO:
     def run(self, plan: StepPlan) -> LayerEvents:
         if self.pools.hisparse is not None and self.side is not None:
             torch.cuda.current_stream(self.device).synchronize()
-        if plan.host_backups:
-            dev, host = _ids(plan.host_backups, self.device)
+        ops = plan.host
+        if ops is None:
+            return LayerEvents()
+        if ops.backups:
+            dev, host = _ids(ops.backups, self.device)
             for src, dst in self._page_pairs():
                 dispatch.transfer_page_rows([src], [dst], dev, host)
-        for window, slot, hs in plan.host_snapshot_backups:
+        for window, slot, hs in ops.snapshot_backups:
             self._copy_snapshot(window, self.pools.cached_row(slot), hs, to_host=True)
-        for hs, window, slot in plan.host_snapshot_loads:
+        for hs, window, slot in ops.snapshot_loads:
             self._copy_snapshot(window, self.pools.cached_row(slot), hs, to_host=False)
-        if not plan.host_loads:
+        if not ops.loads:
             return LayerEvents()
-        host, dev = _ids(plan.host_loads, self.device)
+        host, dev = _ids(ops.loads, self.device)
         return self._load_pages(host, dev)
 
     def _page_pairs(self):

@@ -25,6 +25,7 @@ from dsv4ray.engine.handoff import (
     BufferDesc,
     CheckReport,
     DeviceIds,
+    HandoffReports,
     KVCheck,
     KVSend,
     SendReport,
@@ -168,16 +169,15 @@ def run_handoffs(
 ) -> None:
     """Appends this stage's SendReports and CheckReports to those of the stages before it.
     Nothing is sent from a step that failed (the prefill engine answers with that error)."""
-    if inputs is not None:
-        result.kv_reports = list(inputs.kv_reports)
-        result.kv_checks = list(inputs.kv_checks)
+    earlier = inputs.kv if inputs is not None and inputs.kv is not None else HandoffReports()
+    reports = result.kv = HandoffReports(list(earlier.sends), list(earlier.checks))
     if result.failed is not None:
         return
-    for send in plan.kv_sends:
+    for send in plan.kv.sends:
         if port is None:
-            result.kv_reports.append(SendReport(send.req_id, 0, 0, error="no transfer engine"))
+            reports.sends.append(SendReport(send.req_id, 0, 0, error="no transfer engine"))
             continue
-        result.kv_reports.append(port.send(send, tables.get(send.req_id)))
-    for check in plan.kv_checks:
+        reports.sends.append(port.send(send, tables.get(send.req_id)))
+    for check in plan.kv.checks:
         if port is not None:
-            result.kv_checks.append(port.check(check))
+            reports.checks.append(port.check(check))
