@@ -100,6 +100,19 @@ class BatchEntry:
 
 
 @dataclass
+class DraftPlan:
+    """A step plan's section for the draft worker that follows the last stage."""
+
+    # non-sampling entries' next token (their chunk's last row drafts from it)
+    next_tokens: dict[str, int] = field(default_factory=dict)
+    # entries whose drafts the previous plan's draft pass proposed and that have not reached the
+    # host: token_ids holds PENDING_DRAFT there; the stages fill them (on the device in process,
+    # from the draft actor's held proposals otherwise) before they settle the step
+    # (worker/spec/draft_fill.py)
+    lookahead: list[str] = field(default_factory=list)
+
+
+@dataclass
 class StepPlan:
     """One engine step. token_ids holds the batch's tokens flattened in batch order.
     logprobs: req_id -> number of top logprobs wanted, for sampling entries that asked.
@@ -124,7 +137,6 @@ class StepPlan:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     eager: bool = False
     lookahead: list[str] = field(default_factory=list)
-    draft: bool = False  # a draft worker follows the last stage
     # the driver keeps another plan in flight behind this one: the last stage launches this
     # step, then returns the previous lagged step's result, settled (a FLUSH_STEP plan returns
     # it alone; worker/stage_worker.py ``step``)
@@ -132,11 +144,8 @@ class StepPlan:
     # with lag, the last stage's sampled ids go back to the first stage (overlap scheduling:
     # the next plan's lookahead entries read them there)
     take: bool = False
-    next_tokens: dict[str, int] = field(default_factory=dict)  # non-sampling entries, with draft
-    # entries whose drafts the previous plan's draft pass proposed and that have not reached the
-    # host: token_ids holds PENDING_DRAFT there; an in-process pipeline fills them on the device
-    # and writes them into token_ids before it settles the step (worker/spec/draft_fill.py)
-    draft_lookahead: list[str] = field(default_factory=list)
+    # speculative decoding: a draft worker follows the last stage (engine/spec.py); None: none
+    drafts: DraftPlan | None = None
     # host tier copies, run before the step (cache/hicache.py); None: none
     host: HostOps | None = None
     # prefill/decode handoffs, run after the step (engine/handoff.py); None: none
@@ -145,6 +154,16 @@ class StepPlan:
     @property
     def has_host_ops(self) -> bool:
         return bool(self.host)
+
+    @property
+    def draft(self) -> bool:
+        """A draft worker follows the last stage."""
+        return self.drafts is not None
+
+    @property
+    def draft_lookahead(self) -> list[str]:
+        """The entries whose drafts are still PENDING_DRAFT (DraftPlan.lookahead)."""
+        return self.drafts.lookahead if self.drafts is not None else []
 
     def __post_init__(self) -> None:
         num_tokens = sum(entry.num_tokens for entry in self.batch)
@@ -219,6 +238,7 @@ def encode(plan: StepPlan) -> bytes:
     raw["batch"] = [_fields(e, _ENTRY_FIELDS) for e in plan.batch]
     host = plan.host
     raw["host"] = None if host is None else _fields(host, _HOST_FIELDS)
+    raw["drafts"] = None if plan.drafts is None else _fields(plan.drafts, _DRAFT_FIELDS)
     kv = plan.kv
     raw["kv"] = (
         None if kv is None else [[to_dict(m) for m in kv.sends], [to_dict(m) for m in kv.checks]]
@@ -238,6 +258,8 @@ def decode(data: bytes) -> StepPlan:
     )
     if raw["host"] is not None:
         plan.host = HostOps(*([tuple(op) for op in ops] for ops in raw["host"]))
+    if raw["drafts"] is not None:
+        plan.drafts = DraftPlan(*raw["drafts"])
     if raw["kv"] is not None:
         sends, checks = raw["kv"]
         plan.kv = Handoffs(
@@ -260,8 +282,9 @@ def _diff(req_id, new_page_ids, new_window_pages, *rest) -> RequestDiff:
 
 
 _HOST_FIELDS = tuple(f.name for f in dataclasses.fields(HostOps))
+_DRAFT_FIELDS = tuple(f.name for f in dataclasses.fields(DraftPlan))
 _NEW_FIELDS = tuple(f.name for f in dataclasses.fields(NewRequest))
 _DIFF_FIELDS = tuple(f.name for f in dataclasses.fields(RequestDiff))
 _ENTRY_FIELDS = tuple(f.name for f in dataclasses.fields(BatchEntry))
-_NESTED = {"new_requests", "diffs", "batch", "host", "kv"}
+_NESTED = {"new_requests", "diffs", "batch", "host", "kv", "drafts"}
 _PLAIN_FIELDS = tuple(f.name for f in dataclasses.fields(StepPlan) if f.name not in _NESTED)

@@ -42,7 +42,7 @@ from dsv4ray.engine.config import SchedulerConfig
 from dsv4ray.engine.kv_manager import KVCacheManager
 from dsv4ray.engine.outcome import StepOutcome
 from dsv4ray.engine.outputs import FINISH_REASONS
-from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, PENDING_DRAFT, BatchEntry, StepPlan
+from dsv4ray.engine.plan import LOOKAHEAD_TOKEN, PENDING_DRAFT, BatchEntry, DraftPlan, StepPlan
 from dsv4ray.engine.request import FinishedRequest, Request, Status
 from dsv4ray.engine.sampling import SamplingParams
 
@@ -327,7 +327,8 @@ class Scheduler:
         eos = self.config.eos_token_id
         plan.new_requests = [sync.new_request(req, eos) for req in step.admitted]
         plan.diffs = [diff for req in self._running if (diff := sync.pop_diff(req)) is not None]
-        plan.draft = self.config.num_speculative_steps > 0
+        if self.config.num_speculative_steps > 0:
+            plan.drafts = DraftPlan()
         lookahead_reqs = set(step.lookahead)
         for req, start, num_tokens in step.entries:
             if req in lookahead_reqs:
@@ -343,11 +344,11 @@ class Scheduler:
             plan.token_ids.extend(req.token_ids[start : start + num_tokens - num_drafts])
             plan.token_ids.extend(req.draft_token_ids[:num_drafts])
             if num_drafts and req.draft_token_ids[0] == PENDING_DRAFT:
-                plan.draft_lookahead.append(req.req_id)
+                plan.drafts.lookahead.append(req.req_id)
             if sample:
                 self._want_logprobs(plan, req)
-            elif plan.draft:
-                plan.next_tokens[req.req_id] = req.token_ids[start + num_tokens]
+            elif plan.drafts is not None:
+                plan.drafts.next_tokens[req.req_id] = req.token_ids[start + num_tokens]
             req.in_flight_step, req.samples_in_flight = step_id, sample
         plan.finished_ids, self._finished_ids = self._finished_ids, []
         self._in_flight[step_id] = list(step.entries)

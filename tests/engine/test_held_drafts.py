@@ -14,7 +14,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from dsv4ray.engine.plan import PENDING_DRAFT, StepPlan
+from dsv4ray.engine.plan import PENDING_DRAFT, DraftPlan, StepPlan
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
@@ -172,11 +172,12 @@ def test_fill_held_drafts_writes_pending_positions_and_fills_what_is_missing():
                   BatchEntry("c", 7, 4, True, num_drafts=3)]  # fmt: skip
     plan.token_ids = [5, PENDING_DRAFT, PENDING_DRAFT, 6, 9, PENDING_DRAFT, PENDING_DRAFT,
                       PENDING_DRAFT]  # fmt: skip
-    plan.draft_lookahead = ["a", "c"]
+    plan.drafts = DraftPlan(lookahead=["a", "c"])
     resolved = fill_held_drafts(plan, {"a": [11, 12, 13], "z": [1, 2, 3]})
     assert plan.token_ids == [5, 11, 12, 6, 9] + [FILLER_DRAFT] * 3
     assert resolved == {"a": [11, 12, 13], "z": [1, 2, 3], "c": [FILLER_DRAFT] * 3}
     assert plan.draft_lookahead == []
     untouched = StepPlan(step_id=4, batch=[BatchEntry("a", 3, 2, True, num_drafts=1)],
-                         token_ids=[1, PENDING_DRAFT], draft_lookahead=["a"])  # fmt: skip
+                         token_ids=[1, PENDING_DRAFT])  # fmt: skip
+    untouched.drafts = DraftPlan(lookahead=["a"])
     assert fill_held_drafts(untouched, None) == {} and untouched.draft_lookahead == ["a"]

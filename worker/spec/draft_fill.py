@@ -89,7 +89,8 @@ def fill_held_drafts(plan: StepPlan, values: dict[str, list[int]] | None) -> dic
             start = first + e.num_tokens - e.num_drafts
             plan.token_ids[start : start + e.num_drafts] = got[: e.num_drafts]
         first += e.num_tokens
-    plan.draft_lookahead = []
+    if plan.drafts is not None:
+        plan.drafts.lookahead = []
     return resolved
 
 

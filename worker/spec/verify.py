@@ -54,8 +54,9 @@ def draft_spans(plan: StepPlan, result: StageResult) -> list[DraftSpan]:
     spans, first = [], 0
     for e in plan.batch:
         tokens = plan.token_ids[first : first + e.num_tokens]
-        if not e.sample and e.req_id in plan.next_tokens:
-            nxt = [*tokens[1:], plan.next_tokens[e.req_id]]
+        next_tokens = plan.drafts.next_tokens if plan.drafts is not None else {}
+        if not e.sample and e.req_id in next_tokens:
+            nxt = [*tokens[1:], next_tokens[e.req_id]]
             spans.append(DraftSpan(e.req_id, e.start_pos, first, nxt, False))
         elif e.sample and e.req_id in result.sampled:
             num_rows = e.num_tokens - e.num_drafts + len(result.accepted.get(e.req_id, ()))
