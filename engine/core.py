@@ -30,6 +30,7 @@ from dsv4ray.engine.config import EngineConfig, SchedulerConfig
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
+from dsv4ray.engine.plan import NO_DRAFTS
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
 from dsv4ray.engine.stats import hisparse_totals
@@ -248,16 +249,17 @@ class EngineCore:
             out = self.abort(req_id, error)  # before commit: its step entry no longer counts
             if out is not None:
                 updates[req_id] = RequestUpdate(req_id, output=out)
-        self.scheduler.keep_drafts(result.resolved_drafts)  # the values its drafts had
-        outcome = self.scheduler.commit(plan, result.sampled, result.accepted, result.drafts)
+        drafts = result.spec or NO_DRAFTS
+        self.scheduler.keep_drafts(drafts.resolved)  # the values its drafts had
+        outcome = self.scheduler.commit(plan, result.sampled, drafts.accepted, drafts.proposals)
         finished = outcome.finished
         spec.count_drafts(plan, outcome, result, self.outputs.outputs, self.spec_stats)
         k = self.config.speculative_num_steps
-        if result.pending_drafts is not None:  # the next plan takes them on the device
-            self.scheduler.expect_drafts(result.pending_drafts.req_ids, k)
-            self.pending_drafts = result.pending_drafts
-        elif result.proposed:  # a draft actor holds them; the next plan's stages take them
-            self.scheduler.expect_drafts(result.proposed, k)
+        if drafts.pending is not None:  # the next plan takes them on the device
+            self.scheduler.expect_drafts(drafts.pending.req_ids, k)
+            self.pending_drafts = drafts.pending
+        elif drafts.held:  # a draft actor holds them; the next plan's stages take them
+            self.scheduler.expect_drafts(drafts.held, k)
         # With overlap the next plan goes out now, before this step's tokens are detokenised
         # and handed over: the stages start it while the host makes the outputs. A stop string
         # found below ends its request after that plan took it, like a request that ends while
@@ -303,7 +305,8 @@ class EngineCore:
         if len(tokens) == 1:  # a decode's one token (no drafts accepted)
             delta, stop = self.outputs.on_token(req_id, tokens[0], result.logprobs.get(req_id))
             return tokens, delta, stop
-        logprobs = result.accepted_logprobs.get(req_id) or [None] * (len(tokens) - 1)
+        accepted = (result.spec or NO_DRAFTS).accepted_logprobs.get(req_id)
+        logprobs = accepted or [None] * (len(tokens) - 1)
         logprobs = [*logprobs, result.logprobs.get(req_id)]
         text = ""
         for i, token in enumerate(tokens):

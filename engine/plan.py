@@ -18,13 +18,14 @@ Stages apply plans in step order, so diffs stay valid with several micro-batches
 
 Speculative decoding (engine/spec.py): an entry with num_drafts > 0 runs the request's last token
 then num_drafts draft tokens; the last stage samples at every one of those positions, accepts the
-longest prefix of drafts its own tokens match and reports them in StageResult.accepted (the token
-after them in sampled). With a draft worker (plan.draft) the last stage then hands it, in
+longest prefix of drafts its own tokens match and reports them in StageResult.spec.accepted (the
+token after them in sampled). With a draft worker (plan.drafts) the last stage then hands it, in
 residual / topk, the rows of every position whose next token is known (accepted positions, and
-whole prefill chunks, whose next token is plan.next_tokens), and the draft worker returns the
-result with its proposals in drafts. In process a replayed verification hands its rows over on
-the device instead (handoff), the proposals stay there (pending_drafts) and the next plan's
-draft_lookahead entries are filled from them (worker/spec/draft_fill.py).
+whole prefill chunks, whose next token is in plan.drafts.next_tokens), and the draft worker
+returns the result with its proposals in spec.proposals. In process a replayed verification
+hands its rows over on the device instead (handoff), the proposals stay there (spec.pending) and
+the next plan's plan.drafts.lookahead entries are filled from them (worker/spec/draft_fill.py);
+a draft actor holds them (spec.held) for the next plan's stages to read.
 """
 
 from __future__ import annotations
@@ -196,10 +197,7 @@ class StageResult:
     prompt_logprobs: dict[str, list] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     failed: str | None = None
-    accepted: dict[str, list[int]] = field(default_factory=dict)  # drafts accepted before sampled
-    accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # proposals for the next step
-    draft_stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
+    spec: DraftResult | None = None  # speculative decoding: verification and draft proposals
     kv: HandoffReports | None = None  # the reports of the plan's handoffs
     # the last stage's sampling still on the device (a deferred step): StageWorker.finish reads
     # it into sampled / logprobs / errors; never set on a result that leaves the process
@@ -207,17 +205,9 @@ class StageResult:
     # a replayed verification's rows for the draft worker of the same process
     # (worker/spec/verify.Handoff); never set on a result that leaves the process
     handoff: Any = None
-    # an in-process draft worker's proposals still on their way to the host
-    # (worker/spec/draft.PendingDrafts): the next plan's entries take them on the device
-    pending_drafts: Any = None
-    # the plan's draft_lookahead proposals as they reached the host (req_id -> drafts)
-    resolved_drafts: dict[str, list[int]] = field(default_factory=dict)
     # to a draft actor: residual / topk are a replayed verification's slotted rows and token_ids
     # the target's token per batch token (the draft drafts from them on the device)
     verified: bool = False
-    # a draft actor's proposals of this step, held there for the next plans' stages (the
-    # requests whose next plan schedules PENDING_DRAFT drafts; worker/spec/draft_fill.py)
-    proposed: list[str] = field(default_factory=list)
     # overlap scheduling over several stages (worker/graphs/overlap.py): the last stage's
     # sampled ids [R] for the first stage's table, and the step's token ids [T] as the first
     # stage filled them, for the stages after it
@@ -226,6 +216,34 @@ class StageResult:
     # stages on one GPU: where the rows above wait in device memory (worker/graphs/device_link.py's
     # LinkTicket; residual, topk and token_ids are then None)
     link: Any = None
+
+    def spec_section(self) -> DraftResult:
+        """``spec``, made on first use."""
+        if self.spec is None:
+            self.spec = DraftResult()
+        return self.spec
+
+
+@dataclass
+class DraftResult:
+    """A stage result's speculative-decoding section: what the last stage's verification
+    accepted, and what the draft worker proposed for the next step."""
+
+    accepted: dict[str, list[int]] = field(default_factory=dict)  # drafts accepted before sampled
+    accepted_logprobs: dict[str, list[Any]] = field(default_factory=dict)  # theirs, where asked
+    proposals: dict[str, list[int]] = field(default_factory=dict)  # for the next step, read back
+    stats: dict[str, int] = field(default_factory=dict)  # the draft worker's step counters
+    # an in-process draft worker's proposals still on their way to the host
+    # (worker/spec/draft.PendingDrafts): the next plan's entries take them on the device
+    pending: Any = None
+    # a draft actor's proposals of this step, held there for the next plans' stages (the
+    # requests whose next plan schedules PENDING_DRAFT drafts; worker/spec/draft_fill.py)
+    held: list[str] = field(default_factory=list)
+    # the plan's DraftPlan.lookahead proposals as they reached the host (req_id -> drafts)
+    resolved: dict[str, list[int]] = field(default_factory=dict)
+
+
+NO_DRAFTS = DraftResult()  # what a result without a section reads as (never written)
 
 
 def encode(plan: StepPlan) -> bytes:

@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from dsv4ray.config_error import is_int
+from dsv4ray.engine.plan import NO_DRAFTS
 from dsv4ray.engine.request import Request
 
 # C4 rings of 16 rows: rows of positions p - 7 .. p - 1 survive writes up to p + 8.
@@ -166,7 +167,7 @@ def resume_points(scheduler, req_ids) -> dict[str, Resume]:
     return points
 
 
-# The draft worker's counters (StageResult.draft_stats per step): passes run (and of them those
+# The draft worker's counters (DraftResult.stats per step): passes run (and of them those
 # replayed from a CUDA graph), tokens proposed, chain-step rows whose attention read step 0's
 # reused top-k, passes that raised (their steps ran without proposals).
 DRAFT_STAT_NAMES = ("num_draft_passes", "num_draft_graph_passes", "num_drafted_tokens")
@@ -192,5 +193,5 @@ def count_drafts(plan, outcome, result, outputs, stats: dict[str, int]) -> None:
             stats["num_verify_steps"] += 1
             stats["num_draft_tokens"] += entry.num_drafts
             stats["num_accepted_draft_tokens"] += accepted
-    for name, value in result.draft_stats.items():
+    for name, value in (result.spec or NO_DRAFTS).stats.items():
         stats[name] = stats.get(name, 0) + value

@@ -83,13 +83,13 @@ class LocalPipeline:
         if self.draft is None:
             return self.workers[0].take(plan, result) if len(self.workers) > 1 else result
         result = self.draft.execute(plan, result, fill)
-        self.last_drafts = result.pending_drafts
+        self.last_drafts = result.spec.pending if result.spec is not None else None
         return result
 
     def collect(self, handle: StageResult) -> StageResult:
         fill = self.fills.pop(handle.step_id, None)
         if fill is not None:  # settling reads the drafts
-            handle.resolved_drafts = fill.resolve()
+            handle.spec_section().resolved = fill.resolve()
         return self.workers[-1].finish(handle)
 
     def rebuild(self) -> None:

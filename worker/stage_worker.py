@@ -300,7 +300,7 @@ class StageWorker:
         if plan.kv is not None:  # prefill/decode handoffs, with the step's samples
             run_handoffs(self.kv_port, plan, self.tables, inputs, self.finish(result))
         if self.is_last and prepared.resolved:  # the engine keeps the drafts it verified
-            result.resolved_drafts = prepared.resolved
+            result.spec_section().resolved = prepared.resolved
         deferred = defer_sampling or result.handoff is not None
         return result if deferred else self.finish(result)
 

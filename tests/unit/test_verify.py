@@ -60,7 +60,7 @@ def test_verified_tokens_follow_the_target_distribution(params):
     first, second, third = (torch.zeros(VOCAB) for _ in range(3))
     num_accepted = torch.zeros(3)
     for req_id, token in result.sampled.items():
-        emitted = [*result.accepted[req_id], token]
+        emitted = [*result.spec.accepted[req_id], token]
         assert emitted[:-1] == drafts[: len(emitted) - 1]  # accepted tokens are a draft prefix
         num_accepted[len(emitted) - 1] += 1
         for counts, tok in zip((first, second, third), emitted):
@@ -78,9 +78,9 @@ def test_greedy_accepts_the_longest_matching_prefix_and_reports_logprobs():
     plan.logprobs = {"r0": 1}
     result = StageResult(0)
     verify(plan, logits, {"r0": SamplingRow.from_plan({}, 0)}, result)
-    assert result.accepted == {"r0": [1]} and result.sampled == {"r0": 0}
+    assert result.spec.accepted == {"r0": [1]} and result.sampled == {"r0": 0}
     logp = torch.log_softmax(logits, dim=-1)
-    assert result.accepted_logprobs["r0"][0][0] == pytest.approx(float(logp[0, 1]))
+    assert result.spec.accepted_logprobs["r0"][0][0] == pytest.approx(float(logp[0, 1]))
     assert result.logprobs["r0"][0] == pytest.approx(float(logp[1, 0]))
 
 

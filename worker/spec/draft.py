@@ -41,7 +41,7 @@ import torch
 from dsv4ray.cache.draft_pools import DraftPools
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.config import ModelConfig
-from dsv4ray.engine.plan import BatchEntry, NewRequest, StageResult, StepPlan
+from dsv4ray.engine.plan import BatchEntry, DraftResult, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
@@ -132,14 +132,15 @@ class DraftWorker:
     @torch.no_grad()
     def execute_prepared(self, prepared: PreparedDraft, inputs: StageResult,
                          draft_fill: DraftFill | None = None) -> StageResult:  # fmt: skip
-        """The last stage's result without its tensors, with proposals in ``drafts`` (or
-        ``pending_drafts``, or held: ``proposed``); draft_fill: the plan's drafts still on the
-        device, if any."""
+        """The last stage's result without its tensors, with proposals in ``spec.proposals``
+        (or ``spec.pending``, or held: ``spec.held``); draft_fill: the plan's drafts still on
+        the device, if any."""
         plan = prepared.plan
         self._receive(inputs)
-        out = dataclasses.replace(inputs, residual=None, topk=None, handoff=None, drafts={},
-                                  draft_stats={}, link=None, token_ids=None,
-                                  verified=False)  # fmt: skip
+        verified = inputs.spec or DraftResult()  # the verification's; this pass's proposals next
+        spec = dataclasses.replace(verified, proposals={}, stats={})
+        out = dataclasses.replace(inputs, residual=None, topk=None, handoff=None, link=None,
+                                  token_ids=None, verified=False, spec=spec)  # fmt: skip
         if inputs.failed is not None or not plan.batch:
             self._release(inputs)
             return out
@@ -152,8 +153,8 @@ class DraftWorker:
             # lost, and the draft layer's cache may miss the step's rows, which can lower these
             # requests' later acceptance
             log.exception("draft pass of step %d failed", plan.step_id)
-            out.drafts, out.pending_drafts, out.proposed = {}, None, []
-            out.draft_stats = {"num_failed_draft_passes": 1}
+            out.spec.proposals, out.spec.pending, out.spec.held = {}, None, []
+            out.spec.stats = {"num_failed_draft_passes": 1}
             self.stats["num_failed_draft_passes"] += 1
         finally:  # every read of the linked rows is enqueued: the last stage may reuse them
             self._release(inputs)
@@ -272,11 +273,11 @@ class DraftWorker:
         req_ids = [s.req_id for s in spans]
         if self.held is not None:  # read back when the next plan asks: the driver commits now
             self.held.hold(PendingDrafts(req_ids, drafts))
-            out.proposed = req_ids
+            out.spec.held = req_ids
         elif self.defer_drafts:
-            out.pending_drafts = PendingDrafts(req_ids, drafts)
+            out.spec.pending = PendingDrafts(req_ids, drafts)
         else:
-            out.drafts = dict(zip(req_ids, drafts.cpu().tolist(), strict=True))
+            out.spec.proposals = dict(zip(req_ids, drafts.cpu().tolist(), strict=True))
         chain_rows = len(spans) * (self.num_steps - 1)
         step_stats = {
             "num_draft_passes": 1,
@@ -286,7 +287,7 @@ class DraftWorker:
         }
         for name, value in step_stats.items():
             self.stats[name] += value
-        out.draft_stats = step_stats
+        out.spec.stats = step_stats
 
     def _exact(self, step_id: int, spans: list[DraftSpan], inputs: StageResult):
         """The block over every span's positions with the target's rows -> (its output stack

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dsv4ray.engine.plan import StageResult, StepPlan
+from dsv4ray.engine.plan import NO_DRAFTS, StageResult, StepPlan
 from dsv4ray.worker.sampling.sampler import GREEDY, SamplingRow, sample_batch_async, to_device
 
 
@@ -59,7 +59,8 @@ def draft_spans(plan: StepPlan, result: StageResult) -> list[DraftSpan]:
             nxt = [*tokens[1:], next_tokens[e.req_id]]
             spans.append(DraftSpan(e.req_id, e.start_pos, first, nxt, False))
         elif e.sample and e.req_id in result.sampled:
-            num_rows = e.num_tokens - e.num_drafts + len(result.accepted.get(e.req_id, ()))
+            accepted = (result.spec or NO_DRAFTS).accepted.get(e.req_id, ())
+            num_rows = e.num_tokens - e.num_drafts + len(accepted)
             nxt = [*tokens[1:num_rows], result.sampled[e.req_id]]
             spans.append(DraftSpan(e.req_id, e.start_pos, first, nxt, True))
         first += e.num_tokens
@@ -213,8 +214,8 @@ def _accept(entry, drafts: list[int], outcomes, row, result: StageResult) -> Non
         return
     result.sampled[entry.req_id] = used[-1].token_id
     if entry.num_drafts:
-        result.accepted[entry.req_id] = drafts[:num_accepted]
+        result.spec_section().accepted[entry.req_id] = drafts[:num_accepted]
     if used[-1].logprobs is not None:
         result.logprobs[entry.req_id] = used[-1].logprobs
         if num_accepted:
-            result.accepted_logprobs[entry.req_id] = [o.logprobs for o in used[:-1]]
+            result.spec_section().accepted_logprobs[entry.req_id] = [o.logprobs for o in used[:-1]]
