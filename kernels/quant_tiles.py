@@ -40,7 +40,7 @@ def e2m1_scaled_down(byte, HIGH: tl.constexpr):
     times 2^-14, as fp32. The code's exponent and mantissa bits become an fp16's exponent bits
     11..10 and mantissa bit 9, its sign the fp16's sign: with fp16's exponent bias of 15 against
     e2m1's 1, every code, the subnormal 0.5 included, is exactly its value times 2^-14 (four
-    integer operations and one conversion per value)."""
+    integer operations and two conversions per value)."""
     if HIGH:
         bits = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
     else:

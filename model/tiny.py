@@ -199,6 +199,8 @@ def _write_shard(out_dir: str, shard: dict[str, torch.Tensor], index: int) -> li
     from safetensors.torch import save_file
 
     save_file(shard, os.path.join(out_dir, f".shard-{index}"), metadata={"format": "pt"})
+    size = sum(t.numel() * t.element_size() for t in shard.values())
+    log.info("wrote shard %d: %d tensors, %.2f GiB", index + 1, len(shard), size / 2**30)
     return list(shard)
 
 
