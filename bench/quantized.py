@@ -26,7 +26,7 @@ import os
 
 import torch
 
-from dsv4ray import LLM
+from dsv4ray import LLM, SamplingParams
 from dsv4ray.bench.report import random_prompts, result, save_results
 from dsv4ray.bench.roofline import ceilings, kv_bytes_per_step, weight_bytes_per_step
 from dsv4ray.bench.step_clock import engine_decode_s
@@ -64,7 +64,7 @@ def touched_experts(llm: LLM, prompts: list, batches: list[int]) -> dict[int, fl
             record = lambda _m, _a, out, i=name: chosen.setdefault(i, []).append(out[1].cpu())  # noqa: E731
             hooks.append(block.ffn.gate.register_forward_hook(record))
     try:
-        llm.generate(prompts, _params(1))
+        llm.generate(prompts, SamplingParams(max_tokens=1, ignore_eos=True))
     finally:
         for h in hooks:
             h.remove()
@@ -78,12 +78,6 @@ def touched_experts(llm: LLM, prompts: list, batches: list[int]) -> dict[int, fl
                 counts.append(ids[rows].unique().numel())
         out[batch] = sum(counts) / len(counts)
     return out
-
-
-def _params(n: int):
-    from dsv4ray import SamplingParams
-
-    return SamplingParams(max_tokens=n, ignore_eos=True)
 
 
 def _steps_ms(args, path: str, fmt: str) -> tuple[dict[int, float], dict[int, float]]:

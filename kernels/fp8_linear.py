@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting, num_sms
+from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.quant_tiles import (
     FMT_FP8,
     dequantize_ref,
@@ -37,6 +37,7 @@ from dsv4ray.kernels.quant_tiles import (
     kernel_bytes,
     load_x,
     scale_shape,
+    split_k,
     store_rounded,
     weight_dot,
 )
@@ -117,14 +118,6 @@ def tiles(num_rows: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
 
 
-def num_splits(num_tiles: int, k_steps: int, device: torch.device) -> int:
-    """K splits so that num_tiles * splits programs fill the SMs about twice (1 when they do)."""
-    target = 2 * num_sms(device)
-    if num_tiles >= target:
-        return 1
-    return min(k_steps, triton.cdiv(target, num_tiles))
-
-
 def _check(x, weight, scale, block, groups) -> tuple[int, int]:
     assert x.dim() == 2 and x.stride(1) == 1, (x.shape, x.stride())
     assert x.dtype in DTYPES, x.dtype
@@ -156,11 +149,8 @@ def fp8_linear(
         return out
     t = tiles(num_rows)
     t["BLOCK_K"] = k_tile(t["BLOCK_K"], block[1])
-    k_steps = triton.cdiv(k, t["BLOCK_K"])
     grid_mn = triton.cdiv(num_rows, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
-    splits = num_splits(grid_mn * groups, k_steps, x.device)
-    steps_per_split = triton.cdiv(k_steps, splits)
-    splits = triton.cdiv(k_steps, steps_per_split)  # no empty split
+    k_per_split, splits = split_k(grid_mn * groups, k, t["BLOCK_K"], x.device)
     part = torch.empty(
         (splits if splits > 1 else 1, num_rows if splits > 1 else 1, groups * n),
         dtype=torch.float32,
@@ -180,7 +170,7 @@ def fp8_linear(
         scale.shape[1],
         block[0],
         block[1],
-        steps_per_split * t["BLOCK_K"],
+        k_per_split,
         splits,
         SCALE_BYTES=scale.element_size() == 1,
         IEEE=x.dtype == torch.float32 or interpreting(),

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting, num_sms
+from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
@@ -51,6 +51,7 @@ from dsv4ray.kernels.quant_tiles import (
     kernel_bytes,
     load_x,
     scale_shape,
+    split_k,
     weight_dot,
 )
 
@@ -340,8 +341,8 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
     weights over a few pairs per expert (decode batches of a model with many experts: 256
     experts at top-6 see 1.5 pairs each at batch 64) take 16-pair blocks. FP8 computes W x^T
     there (SWAP: 64 weight rows a program, K steps of 128): at V4-Flash's expert shape on an
-    H200 its experts read 0.40 / 0.64 / 0.67 of the copy ceiling at 1 / 16 / 64 tokens against
-    0.32 / 0.37 / 0.38 with 16 x 32 output tiles. FP4 keeps 16 x 32 output tiles with K steps of
+    H200 (a development sweep, docs/benchmarks.md) its experts read 0.40 / 0.64 / 0.67 of the
+    copy ceiling at 1 / 16 / 64 tokens against 0.32 / 0.37 / 0.38 with 16 x 32 output tiles. FP4 keeps 16 x 32 output tiles with K steps of
     256 (0.08-0.10; W x^T, 128 rows a program, was slower: its codes decoded in registers cost
     more than the MMA shape saves). fp32 products run on CUDA cores, where a tile's empty rows
     cost as much as full ones: 16-pair blocks, and 16 columns a program for a few pairs."""
@@ -429,8 +430,9 @@ def fused_moe(
     k13, split13 = _k_splits(listed, num_blocks, inter, hidden, tiles, x.device)
     k2, split2 = _k_splits(listed, num_blocks, hidden, inter, tiles, x.device)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    part_shape = (split13, num_pairs, 2 * inter) if split13 > 1 else (1,)
-    part = torch.empty(part_shape, dtype=torch.float32, device=x.device)
+    part = h  # unused without a split
+    if split13 > 1:
+        part = torch.empty(split13, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     out = torch.empty(split2, num_pairs, hidden, dtype=torch.float32, device=x.device)
     flags = dict(
         LISTED=listed,
@@ -493,14 +495,12 @@ def fused_moe(
 def _k_splits(listed: bool, num_blocks: int, n: int, k: int, tiles: dict, device):
     """(K columns per split, splits) of one grouped GEMM with n output and k input columns: a
     decode call whose programs would not fill the GPU twice over (a few experts with a few pairs
-    each) splits K so that they do; a split's sums go to a partial buffer that torch adds up (no
-    atomics: the result does not depend on timing). Prefills (sorted pairs) never split."""
-    steps = triton.cdiv(k, tiles["BLOCK_K"])
-    programs = num_blocks * triton.cdiv(n, tiles["BLOCK_N"])
-    target = 2 * num_sms(device)
-    splits = 1 if not listed or programs >= target else min(steps, triton.cdiv(target, programs))
-    per_split = triton.cdiv(steps, splits)
-    return per_split * tiles["BLOCK_K"], triton.cdiv(steps, per_split)
+    each) splits K so that they do (`split_k`); a split's sums go to a partial buffer that torch
+    adds up (no atomics: the result does not depend on timing). Prefills (sorted pairs) never
+    split."""
+    if not listed:
+        return triton.cdiv(k, tiles["BLOCK_K"]) * tiles["BLOCK_K"], 1
+    return split_k(num_blocks * triton.cdiv(n, tiles["BLOCK_N"]), k, tiles["BLOCK_K"], device)
 
 
 def _activate(gate_up: torch.Tensor, inter: int, limit: float) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import f32_to_bf16_bits, pow2_from_byte
+from dsv4ray.kernels.bits import f32_to_bf16_bits, num_sms, pow2_from_byte
 
 FORMATS = {"dense": 0, "fp8": 1, "fp4": 2}  # the kernels' FMT argument
 FMT_FP8 = tl.constexpr(FORMATS["fp8"])
@@ -189,6 +189,23 @@ def _tile(rows, stride, rows_ok, cols, cols_ok, SWAP: tl.constexpr):
         offs = rows[None, :] * stride + cols[:, None]
         mask = rows_ok[None, :] & cols_ok[:, None]
     return offs, mask
+
+
+def num_splits(num_tiles: int, k_steps: int, device: torch.device) -> int:
+    """K splits so that num_tiles * splits programs fill the SMs about twice (1 when they do)."""
+    target = 2 * num_sms(device)
+    if num_tiles >= target:
+        return 1
+    return min(k_steps, triton.cdiv(target, num_tiles))
+
+
+def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """(K columns per split, splits) of a GEMM of num_tiles output tiles over k input columns in
+    K steps of block_k (`num_splits`, then no empty split); columns per split are whole steps,
+    which a kernel's K loop may take as its alignment."""
+    steps = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(steps, num_splits(num_tiles, steps, device))
+    return per_split * block_k, triton.cdiv(steps, per_split)
 
 
 def k_tile(preferred: int, block_k: int) -> int:

@@ -166,7 +166,7 @@ def write_streamed(out_dir: str, cfg: ModelConfig, seed: int, device: str) -> No
     os.makedirs(out_dir, exist_ok=True)
     shards: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
-    total = 0
+    total = shard_bytes = 0
     for name, meta in model.state_dict().items():
         value = _random_streamed(name, meta, gen, cfg.n_routed_experts)
         stored = (
@@ -175,12 +175,13 @@ def write_streamed(out_dir: str, cfg: ModelConfig, seed: int, device: str) -> No
             else {name: _disk(value, dtype)}
         )
         shard.update(stored)
-        total += sum(t.numel() * t.element_size() for t in stored.values())
-        if sum(t.numel() * t.element_size() for t in shard.values()) >= SHARD_BYTES:
-            shards.append(_write_shard(out_dir, shard, len(shards)))
-            shard = {}
+        size = sum(t.numel() * t.element_size() for t in stored.values())
+        total, shard_bytes = total + size, shard_bytes + size
+        if shard_bytes >= SHARD_BYTES:
+            shards.append(_write_shard(out_dir, shard, len(shards), shard_bytes))
+            shard, shard_bytes = {}, 0
     if shard:
-        shards.append(_write_shard(out_dir, shard, len(shards)))
+        shards.append(_write_shard(out_dir, shard, len(shards), shard_bytes))
     _name_shards(out_dir, shards, total)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(cfg.to_official_dict(), f, indent=2)
@@ -195,11 +196,10 @@ def _random_streamed(name: str, meta: torch.Tensor, gen: torch.Generator, num_ex
     return _random_like(name, meta, gen)
 
 
-def _write_shard(out_dir: str, shard: dict[str, torch.Tensor], index: int) -> list[str]:
+def _write_shard(out_dir: str, shard: dict[str, torch.Tensor], index: int, size: int) -> list[str]:
     from safetensors.torch import save_file
 
     save_file(shard, os.path.join(out_dir, f".shard-{index}"), metadata={"format": "pt"})
-    size = sum(t.numel() * t.element_size() for t in shard.values())
     log.info("wrote shard %d: %d tensors, %.2f GiB", index + 1, len(shard), size / 2**30)
     return list(shard)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dsv4ray.kernels import fp8_linear as fp8
+from dsv4ray.kernels import quant_tiles
 from dsv4ray.kernels.quant_tiles import dequantize_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.quant import QuantizedWeight, quantize_fp8
@@ -56,7 +57,7 @@ def test_grouped_bf16_and_unsplit(split, device, monkeypatch):
     """Two groups (the grouped output projection), bf16 activations, small scale blocks; with one
     K split the kernel stores bf16 itself (rounded to nearest even as bits)."""
     if split == "one":
-        monkeypatch.setattr(fp8, "num_splits", lambda *args: 1)
+        monkeypatch.setattr(quant_tiles, "num_splits", lambda *args: 1)
     block = (64, 32)
     weight, scale = _weight(2 * 72, 96, "ue8m0", block, device)
     x = torch.randn(5, 2 * 96, device=device).to(torch.bfloat16)
@@ -71,7 +72,7 @@ def test_decode_rows_split_k(device):
     """Few output tiles split K across programs (fp32 partials summed after)."""
     weight, scale = _weight(64, 1000, "float", device=device)
     tiles = fp8.tiles(1)
-    assert fp8.num_splits(1, -(-1000 // tiles["BLOCK_K"]), torch.device(device)) > 1
+    assert quant_tiles.split_k(1, 1000, tiles["BLOCK_K"], torch.device(device))[1] > 1
     x = torch.randn(1, 1000, device=device)
     ref = fp8.fp8_linear_ref(x, weight, scale)
     assert_close("split-k", fp8.fp8_linear(x, weight, scale), ref,
