@@ -342,10 +342,11 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
     experts at top-6 see 1.5 pairs each at batch 64) take 16-pair blocks. FP8 computes W x^T
     there (SWAP: 64 weight rows a program, K steps of 128): at V4-Flash's expert shape on an
     H200 (a development sweep, docs/benchmarks.md) its experts read 0.40 / 0.64 / 0.67 of the
-    copy ceiling at 1 / 16 / 64 tokens against 0.32 / 0.37 / 0.38 with 16 x 32 output tiles. FP4 keeps 16 x 32 output tiles with K steps of
-    256 (0.08-0.10; W x^T, 128 rows a program, was slower: its codes decoded in registers cost
-    more than the MMA shape saves). fp32 products run on CUDA cores, where a tile's empty rows
-    cost as much as full ones: 16-pair blocks, and 16 columns a program for a few pairs."""
+    copy ceiling at 1 / 16 / 64 tokens against 0.32 / 0.37 / 0.38 with 16 x 32 output tiles.
+    FP4 keeps 16 x 32 output tiles with K steps of 256 (0.08-0.10; W x^T, 128 rows a program,
+    was slower: its codes decoded in registers cost more than the MMA shape saves). fp32
+    products run on CUDA cores, where a tile's empty rows cost as much as full ones: 16-pair
+    blocks, and 16 columns a program for a few pairs."""
     if listed and fp32 and fmt == "dense":
         block_n = 16 if num_pairs <= FP32_FEW_PAIRS else 64
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
