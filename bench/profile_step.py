@@ -20,7 +20,6 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.bench.paths import seed_context
 from dsv4ray.bench.report import bench_parser, random_prompts
 
 
@@ -51,6 +50,8 @@ def cached_prompts(llm: LLM, batch: int, context: int) -> list:
         return prompts
     if context % 256:
         raise SystemExit(f"--context {context}: past 8192 it must be a multiple of 256")
+    from dsv4ray.bench.paths import seed_context  # imports ray: only for long contexts
+
     prompts = random_prompts(batch, context - 256, 1)
     for ids in prompts:
         seed_context(llm, ids)
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
         make_tiny(args.model, "dsv4-mini", seed=0, device="cuda")
     llm = LLM(args.model, device="cuda", max_running_requests=args.batch, cuda_graphs=False,
               max_num_batched_tokens=max(8192, args.prefill_len),
-              max_model_len=max(8192, args.prefill_len, args.context),
+              max_model_len=max(8192, args.prefill_len, args.context) + 64,
               weight_format=args.weight_format)  # fmt: skip
     prompts = cached_prompts(llm, args.batch, args.context)
     core = llm.core

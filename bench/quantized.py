@@ -12,8 +12,13 @@ spreads real text. The experts a step touches are measured, not assumed: the rou
 for the prompts' tokens (hooks on every gate while they prefill) are drawn into batches of each
 size, and the mean number of distinct experts a layer sees sets the roofline's expert bytes.
 Rows: each step against its own roofline (weight bytes read per step in that format + KV bytes,
-over the device copy ceiling) and native against dequantized. Writes
-bench/results/decode-quantized[-<preset>]-<device>.json.
+over the device copy ceiling) and native against dequantized. Prefill: tokens/s over PREFILL_PROMPTS
+prompts of --prefill-len tokens in each format (native prefill quantises the FP8 linears'
+activations per 1 x 128 block, kernels/fp8_act.py), and its accuracy against the dequantized
+engine, teacher-forced over ACCURACY_PROMPTS random prompts of --prompt-len tokens: how often both
+rank the same token first at a position, and the mean absolute difference of the logprob each
+gives the prompt's next token (prompt_logprobs; full distributions, hence a KL, are not returned
+by the engine). Writes bench/results/decode-quantized[-<preset>]-<device>.json.
 
 On a CPU machine it runs as a smoke check (`--preset tiny --batches 1,4`): no ceilings, no
 roofline rows.
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import torch
 
@@ -35,6 +41,8 @@ from dsv4ray.config import ModelConfig
 FORMATS = ("dequantized", "native")
 ROUTINGS = {"router": "the checkpoint's router", "hash": "token-id hash in every layer"}
 DRAWS = 64  # batches drawn per size when counting touched experts
+PREFILL_PROMPTS = 4
+ACCURACY_PROMPTS = 4
 
 
 def _checkpoint(args, routing: str) -> str:
@@ -80,24 +88,61 @@ def touched_experts(llm: LLM, prompts: list, batches: list[int]) -> dict[int, fl
     return out
 
 
-def _steps_ms(args, path: str, fmt: str) -> tuple[dict[int, float], dict[int, float]]:
-    """(median decode step ms per batch, touched experts per batch: native only) with `fmt`."""
+def prefill_tok_s(llm: LLM, length: int) -> float:
+    """Prefill tokens/s over PREFILL_PROMPTS prompts of `length` tokens (one token each)."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    llm.generate(random_prompts(1, length, seed=5), params)  # warm-up
+    start = time.perf_counter()
+    llm.generate(random_prompts(PREFILL_PROMPTS, length, seed=6), params)
+    return PREFILL_PROMPTS * length / (time.perf_counter() - start)
+
+
+def teacher_forced(llm: LLM, length: int) -> list[tuple[int, float]]:
+    """(first-ranked token, logprob of the prompt's next token) at every position after the first
+    of ACCURACY_PROMPTS random prompts, computed in their prefills."""
+    params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    outs = llm.generate(random_prompts(ACCURACY_PROMPTS, length, seed=9), params)
+    rows = []
+    for out in outs:
+        for entries in out.prompt_logprobs[1:]:
+            first = next(tok for tok, _, rank in entries if rank == 1)
+            rows.append((first, entries[0][1]))
+    return rows
+
+
+def accuracy(native: list, dense: list) -> dict:
+    """Top-1 agreement and mean |logprob difference| of the native against the dequantized."""
+    same = sum(a[0] == b[0] for a, b in zip(native, dense, strict=True))
+    diff = sum(abs(a[1] - b[1]) for a, b in zip(native, dense, strict=True))
+    return {"top1_agreement": same / len(dense), "mean_abs_logprob_diff": diff / len(dense),
+            "positions": len(dense)}  # fmt: skip
+
+
+def _steps_ms(args, path: str, fmt: str) -> dict:
+    """{"steps": median decode step ms per batch, "touched": touched experts per batch (native
+    only), "prefill_tok_s", "forced": `teacher_forced`} with `fmt`."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    longest = max(args.prompt_len + args.new_tokens, args.prefill_len)
     llm = LLM(path, device=device, kv_cache_dtype=args.kv_cache_dtype, weight_format=fmt,
               dtype="bfloat16", max_running_requests=max(args.batches), cuda_graphs=not args.eager,
-              max_model_len=max(4096, args.prompt_len + args.new_tokens + 8))  # fmt: skip
+              max_model_len=max(4096, longest + 8),
+              max_num_batched_tokens=max(8192, args.prefill_len))  # fmt: skip
     try:
-        out = {}
+        out = {"steps": {}, "touched": {}}
         for batch in args.batches:
             s = engine_decode_s(llm, batch, args.prompt_len, args.new_tokens, 10 * batch)
-            out[batch] = 1e3 * s / args.new_tokens
-            print(json.dumps({"weights": fmt, "batch": batch, "step_ms": out[batch]}), flush=True)
-        touched = {}
+            out["steps"][batch] = 1e3 * s / args.new_tokens
+            print(json.dumps({"weights": fmt, "batch": batch, "step_ms": out["steps"][batch]}),
+                  flush=True)  # fmt: skip
         if fmt == "native":
             prompts = random_prompts(max(args.batches), args.prompt_len, seed=7)
-            touched = touched_experts(llm, prompts, args.batches)
-            print(json.dumps({"touched_experts_per_layer": touched}), flush=True)
-        return out, touched
+            out["touched"] = touched_experts(llm, prompts, args.batches)
+            print(json.dumps({"touched_experts_per_layer": out["touched"]}), flush=True)
+        if args.prefill_len:
+            out["prefill_tok_s"] = prefill_tok_s(llm, args.prefill_len)
+            out["forced"] = teacher_forced(llm, args.prompt_len)
+            print(json.dumps({"weights": fmt, "prefill_tok_s": out["prefill_tok_s"]}), flush=True)
+        return out
     finally:
         llm.shutdown()
 
@@ -128,6 +173,27 @@ def _rows(args, cfg, copy_bw, steps, touched, routing: str) -> tuple[list, dict]
     return rows, raw
 
 
+def _prefill_rows(args, runs: dict, raw: dict, routing: str) -> list:
+    """Native against dequantized prefill tokens/s (target >= 1.2x), with the accuracy figures."""
+    if not args.prefill_len:
+        return []
+    native, dense = runs["native"]["prefill_tok_s"], runs["dequantized"]["prefill_tok_s"]
+    acc = accuracy(runs["native"]["forced"], runs["dequantized"]["forced"])
+    raw["prefill_tok_s"] = {"native": native, "dequantized": dense}
+    raw["accuracy"] = acc
+    label = "" if routing == "router" else f", {routing} routing"
+    fp8 = "FP8 linears on FP8 activations (1 x 128 blocks); " if torch.cuda.is_available() else ""
+    note = (
+        f"{PREFILL_PROMPTS} prompts of {args.prefill_len} tokens; {fp8}teacher-forced against "
+        f"the dequantized engine over "
+        f"{acc['positions']} positions: top-1 agreement {acc['top1_agreement']:.3f}, mean "
+        f"|logprob difference| of the next token {acc['mean_abs_logprob_diff']:.4f} nats"
+    )
+    size = f"{args.prefill_len // 1024}k" if args.prefill_len % 1024 == 0 else args.prefill_len
+    name = f"prefill tokens/s, {size}-token prompts, native vs dequantized"
+    return [result(name + label, native, "tok/s", dense, 1.2, ">=", note)]
+
+
 def run(args) -> None:
     """Runs the comparison and writes the results file (args: decode.py's parse_args(); its
     main calls this with --quantize)."""
@@ -140,9 +206,9 @@ def run(args) -> None:
         if cfg.quantization is None:
             raise SystemExit(f"--quantize: {path} is not a quantized checkpoint")
         runs = {fmt: _steps_ms(args, path, fmt) for fmt in FORMATS}
-        steps = {fmt: r[0] for fmt, r in runs.items()}
-        more, raw[routing] = _rows(args, cfg, copy_bw, steps, runs["native"][1], routing)
-        rows += more
+        steps = {fmt: r["steps"] for fmt, r in runs.items()}
+        more, raw[routing] = _rows(args, cfg, copy_bw, steps, runs["native"]["touched"], routing)
+        rows += more + _prefill_rows(args, runs, raw[routing], routing)
     device = torch.cuda.get_device_name() if cuda else "cpu"
     ceil = {}
     if cuda:

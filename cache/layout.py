@@ -146,7 +146,7 @@ def ue8m0_exponent_byte(amax: torch.Tensor) -> torch.Tensor:
     return ((bits >> 23) & 0xFF) - 8 + ((bits & 0x7FFFFF) > 0x600000).to(torch.int32)
 
 
-def _pow2_from_byte(exp_byte: torch.Tensor) -> torch.Tensor:
+def pow2_from_byte(exp_byte: torch.Tensor) -> torch.Tensor:
     """2^(byte - 127) as fp32 for int32 bytes in [1, 254]."""
     return (exp_byte.to(torch.int32) << 23).view(torch.float32)
 
@@ -161,7 +161,7 @@ def _quantize_fp8_kv(x: torch.Tensor):
     nope = x[:, :NOPE_DIM].reshape(num, NUM_GROUPS, GROUP_DIM)
     amax = nope.abs().amax(-1).clamp_min(AMAX_FLOOR)  # [N, 7]
     exp_byte = ue8m0_exponent_byte(amax)
-    inv_scale = _pow2_from_byte(254 - exp_byte)  # 2^-e: exact, so x * 2^-e == x / 2^e
+    inv_scale = pow2_from_byte(254 - exp_byte)  # 2^-e: exact, so x * 2^-e == x / 2^e
     nope_bits = to_e4m3_bits(nope * inv_scale[..., None]).reshape(num, NOPE_DIM)
     rope_bits = x[:, NOPE_DIM:].to(torch.bfloat16).contiguous().view(torch.uint8)
     pad = torch.zeros(num, 1, dtype=torch.uint8, device=x.device)
@@ -207,7 +207,7 @@ def dequantize_entries(
     q = fp8.view(torch.float8_e4m3fn).float()
     if not layout.is_fp8_kv:
         return q * scales.contiguous().view(torch.float32).reshape(num, 1)
-    scale = _pow2_from_byte(scales[:, :NUM_GROUPS].to(torch.int32))  # [N, 7]
+    scale = pow2_from_byte(scales[:, :NUM_GROUPS].to(torch.int32))  # [N, 7]
     nope = (q.view(num, NUM_GROUPS, GROUP_DIM) * scale[..., None]).reshape(num, NOPE_DIM)
     rope = values[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
     return torch.cat((nope, rope), 1)

@@ -1,4 +1,5 @@
-"""Weight-only FP8 linear: the weight stays in e4m3 with block scales, the activations in bf16.
+"""FP8 linear: the weight stays in e4m3 with block scales; decode calls keep bf16 activations,
+prefill chunks quantise theirs to FP8 (kernels/fp8_act.py).
 
     fp8_linear(x [M, G * K], weight [G * N, K], scale, block=(bn, bk), groups=G) -> [M, G * N]
     group g: y[:, g N:(g + 1) N] = x[:, g K:(g + 1) K] @ dequant(W[g N:(g + 1) N])^T
@@ -19,7 +20,9 @@ of M's bucket only, so a bucket compiles once):
     program (per 64 rows of M); when the output tiles are too few to fill the GPU twice over, K
     is split across programs, each writing an fp32 partial [splits, M, G N] that torch sums
     (deterministic, no atomics);
-  - M > 64 (prefill chunks): 128 x 128 tiles, K steps of 64; split only while the tiles are too few.
+  - M > 64 (prefill chunks): on GPUs with FP8 tensor cores, bf16 / fp16 x is quantised per 1 x 128
+    block and multiplied in FP8 (kernels/fp8_act.py: the weight is not widened at all); else
+    128 x 128 tiles, K steps of 64, split only while the tiles are too few.
 With one split the kernel writes the result directly (bf16 rounded to nearest even as bits). M and
 the split are runtime values (not specialised): `compile_variants` compiles all of a layer's
 variants up front.
@@ -29,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4ray.kernels import fp8_act
 from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.quant_tiles import (
     FMT_FP8,
@@ -140,10 +144,17 @@ def fp8_linear(
     scale: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     groups: int = 1,
+    act_fp8: bool | None = None,
 ) -> torch.Tensor:
-    """See the module docstring."""
+    """See the module docstring. act_fp8: quantise x to FP8 and multiply on FP8 tensor cores
+    (kernels/fp8_act.py); None: for calls of more than BUCKET_M[-1] rows (prefill chunks) where
+    the GPU and the shapes allow it."""
     n, k = _check(x, weight, scale, block, groups)
     num_rows = x.shape[0]
+    if act_fp8 is None:
+        act_fp8 = num_rows > BUCKET_M[-1] and uses_fp8_act(x, k, block, groups)
+    if act_fp8:
+        return fp8_act.fp8_act_linear(x, weight, scale, block, groups)
     out = torch.empty(num_rows, groups * n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
@@ -182,6 +193,12 @@ def fp8_linear(
     return out
 
 
+def uses_fp8_act(x: torch.Tensor, k: int, block: tuple[int, int], groups: int) -> bool:
+    """Whether a prefill-sized call with x [M, G K] runs on FP8 activations (fp8_act.fits on a
+    GPU with FP8 tensor cores)."""
+    return fp8_act.supported(x.device) and fp8_act.fits(x, k, block, groups)
+
+
 def fp8_linear_ref(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -204,9 +221,10 @@ def compile_variants(
     groups: int,
     dtype: torch.dtype,
 ) -> None:
-    """Runs the kernel once per M bucket (and once split, once not) so that serving compiles
-    nothing (M and the split count are not specialised, so one call per tile shape suffices)."""
+    """Runs the kernels once per M bucket (and once split, once not; both FP8-activation tiles)
+    so that serving compiles nothing (M and the split count are not specialised, so one call per
+    tile shape suffices)."""
     k = weight.shape[1]
-    for num_rows in (1, BUCKET_M[0] + 1, BUCKET_M[1] + 1):
+    for num_rows in (1, BUCKET_M[0] + 1, BUCKET_M[1] + 1, fp8_act.SMALL_M + 1):
         x = torch.zeros(num_rows, groups * k, dtype=dtype, device=weight.device)
         fp8_linear(x, weight, scale, block, groups)

@@ -327,6 +327,14 @@ SMALL_TILES = {
 }
 
 
+# sorted pairs (prefills): quantized weights decoded in registers take narrower tiles than bf16
+# (at V4-Flash's expert shape, 8192 tokens on an H200, a development sweep: FP4 42 ms against
+# 72 ms with bf16's 128 x 128 tiles, FP8 13 ms against 20 ms; bf16 10 ms)
+PREFILL_TILES = {
+    "dense": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP=False),
+    "fp4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SWAP=False),
+    "fp8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SWAP=False),
+}
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
 
 
@@ -354,7 +362,7 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
         return dict(SMALL_TILES[fmt])
     if listed:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SWAP=False)
+    return dict(PREFILL_TILES.get(fmt, PREFILL_TILES["dense"]))
 
 
 def _layout(fmt: str, scale, rows: int, cols: int, block) -> tuple[int, int, int, int]:
