@@ -263,6 +263,8 @@ def parse_args(argv=None):
     p.add_argument("--preset", default="dsv4-mini", help="make_tiny preset for --quantize")
     p.add_argument("--layers", type=int, default=None, help="num_hidden_layers for --quantize")
     p.add_argument("--routing", default="router", help="router, hash or router,hash (--quantize)")
+    p.add_argument("--fp8-prefill", action="store_true",
+                   help="native engine with EngineConfig.fp8_prefill (--quantize)")  # fmt: skip
     return p.parse_args(argv)
 
 

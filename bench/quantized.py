@@ -12,13 +12,14 @@ spreads real text. The experts a step touches are measured, not assumed: the rou
 for the prompts' tokens (hooks on every gate while they prefill) are drawn into batches of each
 size, and the mean number of distinct experts a layer sees sets the roofline's expert bytes.
 Rows: each step against its own roofline (weight bytes read per step in that format + KV bytes,
-over the device copy ceiling) and native against dequantized. Prefill: tokens/s over PREFILL_PROMPTS
-prompts of --prefill-len tokens in each format (native prefill quantises the FP8 linears'
-activations per 1 x 128 block, kernels/fp8_act.py), and its accuracy against the dequantized
-engine, teacher-forced over ACCURACY_PROMPTS random prompts of --prompt-len tokens: how often both
-rank the same token first at a position, and the mean absolute difference of the logprob each
-gives the prompt's next token (prompt_logprobs; full distributions, hence a KL, are not returned
-by the engine). Writes bench/results/decode-quantized[-<preset>]-<device>.json.
+over the device copy ceiling) and native against dequantized. Prefill: tokens/s over
+PREFILL_PROMPTS prompts of --prefill-len tokens in each format (with --fp8-prefill the native
+engine quantises the FP8 linears' activations per 1 x 128 block, kernels/fp8_act.py), and its
+accuracy against the dequantized engine, teacher-forced over ACCURACY_PROMPTS random prompts of
+--prompt-len tokens: how often both rank the same token first at a position, and the mean
+absolute difference of the logprob each gives the prompt's next token (prompt_logprobs; the
+engine returns no full distributions, hence no KL here: tests/gpu/test_quantized_cuda.py has it).
+Writes bench/results/decode-quantized[-<preset>]-<device>.json.
 
 On a CPU machine it runs as a smoke check (`--preset tiny --batches 1,4`): no ceilings, no
 roofline rows.
@@ -126,7 +127,8 @@ def _steps_ms(args, path: str, fmt: str) -> dict:
     llm = LLM(path, device=device, kv_cache_dtype=args.kv_cache_dtype, weight_format=fmt,
               dtype="bfloat16", max_running_requests=max(args.batches), cuda_graphs=not args.eager,
               max_model_len=max(4096, longest + 8),
-              max_num_batched_tokens=max(8192, args.prefill_len))  # fmt: skip
+              max_num_batched_tokens=max(8192, args.prefill_len),
+              fp8_prefill=args.fp8_prefill and fmt == "native")  # fmt: skip
     try:
         out = {"steps": {}, "touched": {}}
         for batch in args.batches:
@@ -182,9 +184,10 @@ def _prefill_rows(args, runs: dict, raw: dict, routing: str) -> list:
     raw["prefill_tok_s"] = {"native": native, "dequantized": dense}
     raw["accuracy"] = acc
     label = "" if routing == "router" else f", {routing} routing"
-    fp8 = "FP8 linears on FP8 activations (1 x 128 blocks); " if torch.cuda.is_available() else ""
+    fp8 = "fp8_prefill: FP8 linears on FP8 activations (1 x 128 blocks)" if args.fp8_prefill \
+        else "bf16 activations"  # fmt: skip
     note = (
-        f"{PREFILL_PROMPTS} prompts of {args.prefill_len} tokens; {fp8}teacher-forced against "
+        f"{PREFILL_PROMPTS} prompts of {args.prefill_len} tokens, {fp8}; teacher-forced against "
         f"the dequantized engine over "
         f"{acc['positions']} positions: top-1 agreement {acc['top1_agreement']:.3f}, mean "
         f"|logprob difference| of the next token {acc['mean_abs_logprob_diff']:.4f} nats"

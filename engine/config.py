@@ -67,6 +67,10 @@ class EngineConfig:
     # quantized checkpoints: "native" keeps FP8 / FP4 weights (kernels compute with them),
     # "dequantized" converts them to the compute dtype at load; "auto": native on CUDA
     weight_format: str = "auto"
+    # native FP8 linears quantise the activations of prefill-sized calls (more than 64 rows) per
+    # 1 x 128 block and multiply FP8 x FP8 (kernels/fp8_act.py): faster prefills, at the accuracy
+    # of FP8 activations (below the bf16-page gates on a random tiny model; docs/benchmarks.md)
+    fp8_prefill: bool = False
     # the URI ``model`` was fetched from (model is then the local copy): stage actors on
     # other machines fetch it there
     model_source: str | None = None
@@ -111,7 +115,7 @@ class EngineConfig:
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
         if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("cuda_graphs", "enable_hisparse"):
+        for name in ("cuda_graphs", "enable_hisparse", "fp8_prefill"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.weight_format not in WEIGHT_FORMATS:

@@ -1,5 +1,5 @@
-"""FP8 linear: the weight stays in e4m3 with block scales; decode calls keep bf16 activations,
-prefill chunks quantise theirs to FP8 (kernels/fp8_act.py).
+"""FP8 linear: the weight stays in e4m3 with block scales, the activations in bf16 (prefill chunks
+may quantise theirs to FP8: kernels/fp8_act.py).
 
     fp8_linear(x [M, G * K], weight [G * N, K], scale, block=(bn, bk), groups=G) -> [M, G * N]
     group g: y[:, g N:(g + 1) N] = x[:, g K:(g + 1) K] @ dequant(W[g N:(g + 1) N])^T
@@ -20,9 +20,9 @@ of M's bucket only, so a bucket compiles once):
     program (per 64 rows of M); when the output tiles are too few to fill the GPU twice over, K
     is split across programs, each writing an fp32 partial [splits, M, G N] that torch sums
     (deterministic, no atomics);
-  - M > 64 (prefill chunks): on GPUs with FP8 tensor cores, bf16 / fp16 x is quantised per 1 x 128
-    block and multiplied in FP8 (kernels/fp8_act.py: the weight is not widened at all); else
-    128 x 128 tiles, K steps of 64, split only while the tiles are too few.
+  - M > 64 (prefill chunks): 128 x 128 tiles, K steps of 64, split only while the tiles are too
+    few; or, asked for (act_fp8, EngineConfig.fp8_prefill) on GPUs with FP8 tensor cores, bf16 /
+    fp16 x quantised per 1 x 128 block and multiplied in FP8 (kernels/fp8_act.py).
 With one split the kernel writes the result directly (bf16 rounded to nearest even as bits). M and
 the split are runtime values (not specialised): `compile_variants` compiles all of a layer's
 variants up front.
@@ -144,11 +144,11 @@ def fp8_linear(
     scale: torch.Tensor,
     block: tuple[int, int] = (128, 128),
     groups: int = 1,
-    act_fp8: bool | None = None,
+    act_fp8: bool | None = False,
 ) -> torch.Tensor:
     """See the module docstring. act_fp8: quantise x to FP8 and multiply on FP8 tensor cores
     (kernels/fp8_act.py); None: for calls of more than BUCKET_M[-1] rows (prefill chunks) where
-    the GPU and the shapes allow it."""
+    the GPU and the shapes allow it (EngineConfig.fp8_prefill)."""
     n, k = _check(x, weight, scale, block, groups)
     num_rows = x.shape[0]
     if act_fp8 is None:
@@ -220,11 +220,13 @@ def compile_variants(
     block: tuple[int, int],
     groups: int,
     dtype: torch.dtype,
+    fp8_prefill: bool = False,
 ) -> None:
-    """Runs the kernels once per M bucket (and once split, once not; both FP8-activation tiles)
-    so that serving compiles nothing (M and the split count are not specialised, so one call per
-    tile shape suffices)."""
+    """Runs the kernels once per M bucket (and once split, once not; with fp8_prefill both
+    FP8-activation tiles) so that serving compiles nothing (M and the split count are not
+    specialised, so one call per tile shape suffices)."""
     k = weight.shape[1]
-    for num_rows in (1, BUCKET_M[0] + 1, BUCKET_M[1] + 1, fp8_act.SMALL_M + 1):
+    act = [(BUCKET_M[1] + 1, None), (fp8_act.SMALL_M + 1, None)] if fp8_prefill else []
+    for num_rows, act_fp8 in [(1, False), (BUCKET_M[0] + 1, False), (BUCKET_M[1] + 1, False), *act]:
         x = torch.zeros(num_rows, groups * k, dtype=dtype, device=weight.device)
-        fp8_linear(x, weight, scale, block, groups)
+        fp8_linear(x, weight, scale, block, groups, act_fp8)

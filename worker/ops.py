@@ -12,6 +12,7 @@ The torch side is the reference these kernels are tested against, and what CPU m
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv4ray.config import ModelConfig
-from dsv4ray.kernels import dispatch, small_linear
+from dsv4ray.kernels import dispatch, fp8_act, small_linear
 from dsv4ray.kernels import fp8_linear as fp8_kernels
 from dsv4ray.kernels import mhc as mhc_kernels
 from dsv4ray.kernels import moe as moe_kernels
@@ -65,13 +66,34 @@ def resolve_weight_format(requested: str, cfg: ModelConfig, device: torch.device
     return requested
 
 
-def prepare(blocks, dtype: torch.dtype | None = None) -> None:
+def check_fp8_prefill(requested: bool, weight_format: str, cfg: ModelConfig,
+                      device: torch.device) -> bool:  # fmt: skip
+    """EngineConfig.fp8_prefill for a stage: True needs native FP8 linears on a GPU with FP8
+    tensor cores (a clear error names what is missing)."""
+    if not requested:
+        return False
+    quant = cfg.quantization
+    if weight_format != "native" or quant is None:
+        raise ValueError(f"fp8_prefill needs a checkpoint with FP8 linears kept native "
+                         f"(weight_format {weight_format!r})")  # fmt: skip
+    if not (fused() and fp8_act.supported(device)):
+        raise ValueError(
+            f"fp8_prefill needs a GPU with FP8 tensor cores (compute capability 8.9 or newer) "
+            f"and the Triton backend; this stage runs on {device}"
+        )
+    log.info("FP8 linears: prefill-sized calls on FP8 activations (1 x 128 blocks)")
+    return True
+
+
+def prepare(blocks, dtype: torch.dtype | None = None, fp8_prefill: bool = False) -> None:
     """One-time weight layouts the fused ops read: each MoE's experts stacked (the experts'
     parameters become views, so nothing is held twice), and FP8 linears kept quantised bound to
-    their kernel; on CUDA the experts' and the FP8 linears' kernel variants are compiled here for
-    the model dtype, so serving compiles nothing. Call before sizing pools."""
+    their kernel (with fp8_prefill, prefill-sized calls on FP8 activations); on CUDA the experts'
+    and the FP8 linears' kernel variants are compiled here for the model dtype, so serving
+    compiles nothing. Call before sizing pools."""
     if not fused():
         return
+    matmul = functools.partial(fp8_kernels.fp8_linear, act_fp8=None if fp8_prefill else False)
     for block in blocks:
         ffn = block.ffn
         w13, w2 = ffn.stack_experts()
@@ -84,10 +106,10 @@ def prepare(blocks, dtype: torch.dtype | None = None) -> None:
         in_stack = {id(layer) for expert in stacked for layer in expert.modules()}
         for layer in block.modules():  # the rest run one by one
             if isinstance(layer, QuantLinear) and layer.kind == "fp8" and id(layer) not in in_stack:
-                layer.matmul = fp8_kernels.fp8_linear
+                layer.matmul = matmul
                 if layer.weight.is_cuda and dtype is not None:
                     fp8_kernels.compile_variants(
-                        layer.weight, layer.scale, layer.block, layer.groups, dtype
+                        layer.weight, layer.scale, layer.block, layer.groups, dtype, fp8_prefill
                     )
 
 

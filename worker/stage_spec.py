@@ -19,13 +19,14 @@ class StageSpec:
     device: str = "cpu"
     weight_format: str = "auto"  # EngineConfig.weight_format
     cuda_graphs: bool = False  # capture decode steps (CUDA only)
+    fp8_prefill: bool = False  # EngineConfig.fp8_prefill
 
     @classmethod
     def of(cls, ec: EngineConfig, start: int, end: int, model: str | None = None) -> StageSpec:
         """Layers [start, end) of an engine's pipeline; model: where this stage reads the
         checkpoint (default ec.model)."""
         return cls(model or ec.model, start, end, ec.kv_cache_dtype, ec.dtype, ec.device,
-                   ec.weight_format, ec.cuda_graphs)  # fmt: skip
+                   ec.weight_format, ec.cuda_graphs, ec.fp8_prefill)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)

@@ -57,7 +57,9 @@ class StageWorker:
         self.model = load_stage(model_path, start, end, spec.dtype or self.cfg.torch_dtype,
                                 self.device, self.cfg, self.weight_format)  # fmt: skip
         blocks = [self.model.block(i) for i in range(start, end)]
-        ops.prepare(blocks, self.model.dtype)
+        fp8_prefill = ops.check_fp8_prefill(spec.fp8_prefill, self.weight_format, self.cfg,
+                                            self.device)  # fmt: skip
+        ops.prepare(blocks, self.model.dtype, fp8_prefill)
         ops.bind_few_row_kernels(self.model)
         self.pools: StagePools | None = None
         self.host_io = None

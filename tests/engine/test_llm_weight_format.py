@@ -92,6 +92,17 @@ def test_weight_format_is_validated_and_resolved(flash_ckpt, tmp_path):
     assert isinstance(stage.block(0).attn.wq_a, torch.nn.Linear)
 
 
+def test_fp8_prefill_is_refused_where_it_cannot_run(flash_ckpt):
+    """EngineConfig.fp8_prefill needs native FP8 linears on a GPU with FP8 tensor cores: asked for
+    elsewhere, the engine does not start and says what is missing."""
+    with pytest.raises(ValueError, match="fp8_prefill must be True or False"):
+        EngineConfig.build(flash_ckpt, fp8_prefill="yes")
+    with pytest.raises(ValueError, match="FP8 linears kept native"):
+        LLM(flash_ckpt, fp8_prefill=True)  # CPU: "auto" dequantises at load
+    with dispatch.use_backend("triton"), pytest.raises(ValueError, match="FP8 tensor cores"):
+        LLM(flash_ckpt, weight_format="native", fp8_prefill=True)
+
+
 def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypatch):
     """dsv4-flash-layers is written a tensor at a time (shrunk here to the tiny preset's widths,
     its 6-of-N routing and C4 / C128 pattern kept): several shards of at most about SHARD_BYTES,

@@ -78,16 +78,18 @@ def test_no_rows_and_refusals(device):
         fp8.fp8_linear(x, weight, scale, (64, 64), act_fp8=True)
 
 
-def test_prefill_calls_take_fp8_activations_only_on_fp8_gpus(device):
-    """fp8_linear's choice: decode buckets keep bf16 activations; larger calls quantise theirs
-    where the GPU has FP8 tensor cores (never under the interpreter)."""
+def test_auto_takes_fp8_activations_for_prefill_calls_on_fp8_gpus(device):
+    """fp8_linear with act_fp8=None (EngineConfig.fp8_prefill): decode buckets keep bf16
+    activations; larger calls quantise theirs where the GPU has FP8 tensor cores (never under
+    the interpreter); the default never does."""
     weight, scale = _weight(64, 256, device=device)
     x = torch.randn(65, 256, dtype=torch.bfloat16, device=device)
-    y = fp8.fp8_linear(x, weight, scale)
+    plain = fp8.fp8_linear(x, weight, scale, act_fp8=False)
+    assert torch.equal(fp8.fp8_linear(x, weight, scale), plain)
+    auto = fp8.fp8_linear(x, weight, scale, act_fp8=None)
     if fp8_act.supported(x.device):
-        assert torch.equal(y, fp8_act.fp8_act_linear(x, weight, scale))
+        assert torch.equal(auto, fp8_act.fp8_act_linear(x, weight, scale))
     else:
-        assert torch.equal(y, fp8.fp8_linear(x, weight, scale, act_fp8=False))
-    assert torch.equal(
-        fp8.fp8_linear(x[:64], weight, scale), fp8.fp8_linear(x[:64], weight, scale, act_fp8=False)
-    )
+        assert torch.equal(auto, plain)
+    few = fp8.fp8_linear(x[:64], weight, scale, act_fp8=None)
+    assert torch.equal(few, fp8.fp8_linear(x[:64], weight, scale, act_fp8=False))
