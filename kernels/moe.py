@@ -31,7 +31,10 @@ slot order. Two ways to group, by the number of pairs P:
     programs, bounds the blocks whatever the routing: with 256 experts and a few pairs each, no
     program is launched per untouched expert;
   - sort (prefills): `align` sorts the pairs by expert and cuts each expert's run into blocks of
-    BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks).
+    BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks). FP4 experts with many pairs each (a
+    prefill chunk of thousands of tokens) are decoded once into bf16 / fp16 chunks of experts
+    first (`dequantize_fp4_experts`), and the dense kernels multiply those: decoding codes in
+    every program that reads a weight tile costs more than the products there.
 fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 accumulation (under
 the interpreter every dot runs in fp32). `fused_moe_ref` is the torch reference.
 """
@@ -40,18 +43,20 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.bits import interpreting, pow2_from_byte
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
     acc_rows,
     acc_zeros,
     dequantize_ref,
+    e2m1_scaled_down,
     k_tile,
     kernel_bytes,
     load_x,
     scale_shape,
     split_k,
+    store_rounded,
     weight_dot,
 )
 
@@ -68,8 +73,12 @@ def _pairs(
     LISTED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     E_PAD: tl.constexpr,
+    expert_lo=0,
+    expert_hi=-1,
 ):
-    """(expert, pair ids [BLOCK_M], their mask, whether the program has any) of program_id(0)."""
+    """(expert, pair ids [BLOCK_M], their mask, whether the program has any) of program_id(0);
+    with expert_hi >= 0 only experts in [expert_lo, expert_hi) are active (a chunk of experts
+    whose weights were dequantised first)."""
     pid = tl.program_id(0)
     if LISTED:  # the pid-th block of BLOCK_M pairs over the experts' rows of the [E, P] table
         e = tl.arange(0, E_PAD)
@@ -89,7 +98,10 @@ def _pairs(
     r = first + tl.arange(0, BLOCK_M)
     ok = r < end
     pair = tl.load(list_ptr + base + r, mask=ok, other=0).to(tl.int64)
-    return expert, pair, ok, (expert >= 0) & (expert < num_experts) & (first < end)
+    active = (expert >= 0) & (expert < num_experts) & (first < end)
+    if expert_hi >= 0:
+        active = active & (expert >= expert_lo) & (expert < expert_hi)
+    return expert, pair, ok, active
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
@@ -106,7 +118,16 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, count)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_experts", "k_per_split", "num_splits"])
+@triton.jit(
+    do_not_specialize=[
+        "num_pairs",
+        "num_experts",
+        "k_per_split",
+        "num_splits",
+        "expert_lo",
+        "expert_hi",
+    ]
+)
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -130,6 +151,8 @@ def _gate_up_kernel(
     s_up,
     block_n,
     block_k,
+    expert_lo,
+    expert_hi,
     LISTED: tl.constexpr,
     E_PAD: tl.constexpr,
     FMT: tl.constexpr,
@@ -142,9 +165,9 @@ def _gate_up_kernel(
 ):
     # program (pair block, column block n * num_splits + split): h[pairs, n] for the pairs'
     # expert, or with K split, the split's gate and up sums at part[split, pairs, n | inter + n]
-    expert, pair, ok, active = _pairs(
-        list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
-    )
+    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts,
+                                      LISTED, BLOCK_M, E_PAD, expert_lo, expert_hi)  # fmt: skip
+    expert -= expert_lo  # the weights' index: a dequantised chunk starts at expert_lo
     if active:
         token = pair // num_slots
         split = tl.program_id(1) % num_splits
@@ -208,7 +231,16 @@ def _gate_up_kernel(
             tl.store(row + inter + n[None, :], acc_rows(acc_u, SWAP), mask)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_experts", "k_per_split", "num_splits"])
+@triton.jit(
+    do_not_specialize=[
+        "num_pairs",
+        "num_experts",
+        "k_per_split",
+        "num_splits",
+        "expert_lo",
+        "expert_hi",
+    ]
+)
 def _down_kernel(
     h_ptr,
     w2_ptr,
@@ -229,6 +261,8 @@ def _down_kernel(
     s_per_expert,
     block_n,
     block_k,
+    expert_lo,
+    expert_hi,
     LISTED: tl.constexpr,
     E_PAD: tl.constexpr,
     FMT: tl.constexpr,
@@ -241,9 +275,9 @@ def _down_kernel(
 ):
     # program (pair block, column block n * num_splits + split):
     # out[split, pair, n] = weight[pair] * h[pair, split's K] w2[e, n, split's K]^T
-    expert, pair, ok, active = _pairs(
-        list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts, LISTED, BLOCK_M, E_PAD
-    )
+    expert, pair, ok, active = _pairs(list_ptr, blocks_ptr, counts_ptr, num_pairs, num_experts,
+                                      LISTED, BLOCK_M, E_PAD, expert_lo, expert_hi)  # fmt: skip
+    expert -= expert_lo  # the weights' index: a dequantised chunk starts at expert_lo
     if active:
         split = tl.program_id(1) % num_splits
         n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,11 +317,82 @@ def _down_kernel(
         )
 
 
+@triton.jit(do_not_specialize=["expert_lo"])
+def _dequant_fp4_kernel(
+    w_ptr,
+    s_ptr,
+    counts_ptr,
+    out_ptr,
+    expert_lo,
+    rows,
+    cols,
+    OUT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # program (expert e of the chunk, row block, column block): out[e] = W[expert_lo + e] decoded,
+    # for experts with pairs (the others' rows stay as they were: no pair reads them)
+    e = tl.program_id(0)
+    expert = (expert_lo + e).to(tl.int64)
+    if tl.load(counts_ptr + expert) > 0:
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)  # byte columns
+        mask = (r < rows)[:, None] & (2 * j < cols)[None, :]
+        row = (expert * rows + r)[:, None]
+        byte = tl.load(w_ptr + row * (cols // 2) + j[None, :], mask=mask, other=0)
+        byte = byte.to(tl.int32) & 0xFF
+        s_byte = tl.load(s_ptr + row * (cols // FP4_GROUP) + (j // 16)[None, :], mask=mask, other=0)
+        scale = pow2_from_byte(s_byte.to(tl.int32) + 14)  # 2^14 x the group's scale
+        dst = (e.to(tl.int64) * rows + r)[:, None] * cols + 2 * j[None, :]
+        store_rounded(out_ptr, dst, e2m1_scaled_down(byte, False) * scale, mask, OUT_BF16)
+        store_rounded(out_ptr, dst + 1, e2m1_scaled_down(byte, True) * scale, mask, OUT_BF16)
+
+
+def dequantize_fp4_experts(w, s, counts, expert_lo: int, out: torch.Tensor) -> torch.Tensor:
+    """out [n, rows, cols] (bf16 / fp16) = experts [expert_lo, expert_lo + n) of packed FP4 w
+    [E, rows, cols / 2] with ue8m0 scales s [E, rows, cols / 32], decoded exactly (two bits of
+    significand times a power of two), for the experts whose counts [E] are not zero."""
+    n, rows, cols = out.shape
+    grid = (n, triton.cdiv(rows, 32), triton.cdiv(cols, 256))
+    _dequant_fp4_kernel[grid](kernel_bytes(w), kernel_bytes(s), counts, out, expert_lo, rows,
+                              cols, OUT_BF16=out.dtype == torch.bfloat16, BLOCK_R=32,
+                              BLOCK_C=256)  # fmt: skip
+    return out
+
+
+def _dequantize_first(fmt: str, listed: bool, num_pairs: int, num_experts: int, x) -> bool:
+    """FP4 experts over sorted pairs, DEQUANT_PAIRS_PER_EXPERT or more a expert on average, with
+    16-bit activations: decoding each weight once into a scratch (then bf16 products) costs less
+    than decoding it in every program that reads it."""
+    return (fmt == "fp4" and not listed and x.dtype != torch.float32
+            and num_pairs >= DEQUANT_PAIRS_PER_EXPERT * num_experts)  # fmt: skip
+
+
+def _run_dequantized(call: "_Call", w13, w2, scales, tiles: dict) -> None:
+    """The FP4 experts in chunks that fit DEQUANT_SCRATCH_BYTES: each chunk's experts decoded to
+    the activations' dtype, then both grouped GEMMs on them with dense tiles, for the pairs
+    of that chunk's experts only (stream order keeps a chunk's scratch until its GEMMs ran)."""
+    num_experts, inter, hidden = call.num_experts, call.inter, call.hidden
+    per_expert = 3 * inter * hidden * call.x.element_size()
+    chunk = max(1, min(num_experts, DEQUANT_SCRATCH_BYTES // per_expert))
+    dtype, device = call.x.dtype, call.x.device
+    s13, s2 = scales
+    counts = call.groups[2]
+    for lo in range(0, num_experts, chunk):
+        n = min(chunk, num_experts - lo)
+        w = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
+        call.gate_up(dequantize_fp4_experts(w13, s13, counts, lo, w), None, "dense", tiles,
+                     (lo, lo + n))  # fmt: skip
+        w = torch.empty(n, hidden, inter, dtype=dtype, device=device)
+        call.down(dequantize_fp4_experts(w2, s2, counts, lo, w), None, "dense", tiles,
+                  (lo, lo + n))  # fmt: skip
+
+
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
-    """(order [P], blocks [B, 3] int32) for the P = ids.numel() pairs: order lists pair indices by
-    expert; block b covers sorted pairs [first, end) of one expert, at most block_m of them; rows
-    (expert, first, end) = (-1, 0, 0) are spare blocks. B is a function of P and E alone, and no
-    value goes to the host."""
+    """(order [P], blocks [B, 3] int32, counts [E] int64) for the P = ids.numel() pairs: order
+    lists pair indices by expert; block b covers sorted pairs [first, end) of one expert, at most
+    block_m of them; rows (expert, first, end) = (-1, 0, 0) are spare blocks; counts: each
+    expert's pairs. B is a function of P and E alone, and no value goes to the host."""
     flat = ids.reshape(-1)
     num_pairs = flat.numel()
     order = torch.argsort(flat.to(torch.int32), stable=True)
@@ -305,7 +410,7 @@ def align(ids: torch.Tensor, num_experts: int, block_m: int):
     first = run_end[e] - counts[e] + local * block_m
     end = torch.minimum(first + block_m, run_end[e])
     rows = [torch.where(valid, col, fill) for col, fill in ((expert, -1), (first, 0), (end, 0))]
-    return order, torch.stack(rows, dim=1).to(torch.int32)
+    return order, torch.stack(rows, dim=1).to(torch.int32), counts
 
 
 def list_pairs(ids: torch.Tensor, num_experts: int):
@@ -335,6 +440,10 @@ PREFILL_TILES = {
     "fp4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SWAP=False),
     "fp8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SWAP=False),
 }
+# sorted FP4 calls with at least this many pairs per expert on average decode their experts into
+# a scratch of at most DEQUANT_SCRATCH_BYTES at a time first (`_dequantize_first`)
+DEQUANT_PAIRS_PER_EXPERT = 96
+DEQUANT_SCRATCH_BYTES = 1 << 30
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
 
 
@@ -420,7 +529,9 @@ def fused_moe(
     listed = num_pairs <= LIST_MAX_PAIRS
     # the interpreter pays per program and op: it keeps the wide tiles
     fp32 = x.dtype == torch.float32 and not interpreting()
-    tiles = _tiles(listed, fmt, num_pairs, fp32, num_experts)
+    dequant = _dequantize_first(fmt, listed, num_pairs, num_experts, x)
+    tiles = dict(PREFILL_TILES["dense"]) if dequant else _tiles(listed, fmt, num_pairs, fp32,
+                                                                 num_experts)  # fmt: skip
     if fmt == "fp8":
         tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:
@@ -429,13 +540,8 @@ def fused_moe(
         # sum_e cdiv(count_e, BLOCK_M) <= cdiv(P, BLOCK_M) + (experts with a pair)
         num_blocks = triton.cdiv(num_pairs, tiles["BLOCK_M"]) + min(num_experts, num_pairs)
     else:
-        pair_list, blocks = align(ids, num_experts, tiles["BLOCK_M"])
-        counts = blocks  # unused
+        pair_list, blocks, counts = align(ids, num_experts, tiles["BLOCK_M"])
         num_blocks = blocks.shape[0]
-    s13, s2 = (kernel_bytes(s) for s in scales) if fmt != "dense" else (w13, w2)
-    layout13 = _layout(fmt, s13, 2 * inter, hidden, block)
-    layout2 = _layout(fmt, s2, hidden, inter, block)
-    s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
     k13, split13 = _k_splits(listed, num_blocks, inter, hidden, tiles, x.device)
     k2, split2 = _k_splits(listed, num_blocks, hidden, inter, tiles, x.device)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
@@ -443,62 +549,65 @@ def fused_moe(
     if split13 > 1:
         part = torch.empty(split13, num_pairs, 2 * inter, dtype=torch.float32, device=x.device)
     out = torch.empty(split2, num_pairs, hidden, dtype=torch.float32, device=x.device)
-    flags = dict(
-        LISTED=listed,
-        E_PAD=triton.next_power_of_2(num_experts),
-        FMT=FORMATS[fmt],
-        SCALE_BYTES=s13.element_size() == 1,
-        IEEE=x.dtype == torch.float32 or interpreting(),
-        **tiles,
-    )
-    w13, w2 = kernel_bytes(w13), kernel_bytes(w2)
-    _gate_up_kernel[(num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]) * split13)](
-        x,
-        w13,
-        s13,
-        pair_list,
-        blocks,
-        counts,
-        h,
-        part,
-        k13,
-        split13,
-        num_pairs,
-        num_experts,
-        hidden,
-        inter,
-        num_slots,
-        limit,
-        layout13[0],
-        layout13[1],
-        layout13[2],
-        s_up,
-        layout13[3],
-        block[1],
-        **flags,
-    )
-    if split13 > 1:
-        h.copy_(_activate(part.sum(0), inter, limit))
-    _down_kernel[(num_blocks, triton.cdiv(hidden, tiles["BLOCK_N"]) * split2)](
-        h,
-        w2,
-        s2,
-        pair_list,
-        blocks,
-        counts,
-        weights.float().contiguous(),
-        out,
-        k2,
-        split2,
-        num_pairs,
-        num_experts,
-        hidden,
-        inter,
-        *layout2,
-        block[1],
-        **flags,
-    )
+    groups = (pair_list, blocks, counts)
+    call = _Call(x, weights.float().contiguous(), groups, num_blocks, h, part, out, num_experts,
+                 num_slots, limit, block, listed, (k13, split13), (k2, split2))  # fmt: skip
+    if dequant:
+        _run_dequantized(call, w13, w2, scales, tiles)
+    else:
+        call.gate_up(w13, scales[0] if scales else None, fmt, tiles)
+        call.down(w2, scales[1] if scales else None, fmt, tiles)
     return out.view(split2, num_tokens, num_slots, hidden).sum(dim=(0, 2)).to(x.dtype)
+
+
+class _Call:
+    """One fused_moe call's launches: the pairs grouped by expert, the buffers between the two
+    GEMMs, and the K splits; `gate_up` then `down`, optionally for a window of experts whose
+    weights sit at the start of the tensors given (a dequantised chunk)."""
+
+    def __init__(self, x, weights, groups, num_blocks, h, part, out, num_experts, num_slots,
+                 limit, block, listed, split13, split2) -> None:  # fmt: skip
+        self.x, self.weights, self.h, self.part, self.out = x, weights, h, part, out
+        self.groups, self.num_blocks = groups, num_blocks  # (pair list, blocks, counts)
+        self.num_experts, self.num_slots, self.limit = num_experts, num_slots, limit
+        self.block, self.listed = block, listed
+        self.split13, self.split2 = split13, split2
+        self.num_pairs, self.hidden, self.inter = h.shape[0], x.shape[1], h.shape[1]
+
+    def _flags(self, fmt: str, scale, tiles: dict) -> dict:
+        return dict(
+            LISTED=self.listed,
+            E_PAD=triton.next_power_of_2(self.num_experts),
+            FMT=FORMATS[fmt],
+            SCALE_BYTES=fmt != "dense" and scale.element_size() == 1,
+            IEEE=self.x.dtype == torch.float32 or interpreting(),
+            **tiles,
+        )
+
+    def gate_up(self, w13, s13, fmt: str, tiles: dict, window=(0, -1)) -> None:
+        inter, hidden = self.inter, self.hidden
+        s13 = kernel_bytes(s13) if s13 is not None else w13
+        layout = _layout(fmt, s13, 2 * inter, hidden, self.block)
+        s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
+        k13, split13 = self.split13
+        grid = (self.num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]) * split13)
+        _gate_up_kernel[grid](self.x, kernel_bytes(w13), s13, *self.groups, self.h, self.part,
+                              k13, split13, self.num_pairs, self.num_experts, hidden, inter,
+                              self.num_slots, self.limit, layout[0], layout[1], layout[2], s_up,
+                              layout[3], self.block[1], *window,
+                              **self._flags(fmt, s13, tiles))  # fmt: skip
+        if split13 > 1:
+            self.h.copy_(_activate(self.part.sum(0), inter, self.limit))
+
+    def down(self, w2, s2, fmt: str, tiles: dict, window=(0, -1)) -> None:
+        s2 = kernel_bytes(s2) if s2 is not None else w2
+        layout = _layout(fmt, s2, self.hidden, self.inter, self.block)
+        k2, split2 = self.split2
+        grid = (self.num_blocks, triton.cdiv(self.hidden, tiles["BLOCK_N"]) * split2)
+        _down_kernel[grid](self.h, kernel_bytes(w2), s2, *self.groups, self.weights, self.out,
+                           k2, split2, self.num_pairs, self.num_experts, self.hidden, self.inter,
+                           *layout, self.block[1], *window,
+                           **self._flags(fmt, s2, tiles))  # fmt: skip
 
 
 def _k_splits(listed: bool, num_blocks: int, n: int, k: int, tiles: dict, device):
@@ -522,9 +631,12 @@ def compile_variants(
     w13, w2, scales, fmt: str, block: tuple[int, int], num_slots: int, dtype: torch.dtype
 ) -> None:
     """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
-    pairs, listed, sorted), so that serving compiles nothing whatever batches arrive."""
+    pairs, listed, sorted, and 16-bit FP4 prefills that decode their experts first), so that
+    serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
     counts = (small_pairs(w13.shape[0]), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    if fmt == "fp4" and dtype != torch.float32:  # prefills that decode the experts first
+        counts += (DEQUANT_PAIRS_PER_EXPERT * w13.shape[0],)
     for num_tokens in (1, *(pairs // num_slots + 1 for pairs in counts)):
         x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)
         ids = torch.zeros(num_tokens, num_slots, dtype=torch.long, device=device)

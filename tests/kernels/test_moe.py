@@ -79,8 +79,9 @@ def test_stacked_experts_are_the_module_weights(device):
 
 def test_align_covers_every_pair_once_by_expert(device):
     ids = torch.tensor([[3, 0], [3, 1], [0, 3], [2, 3], [3, 3]], device=device)
-    order, blocks = align(ids, num_experts=5, block_m=2)
+    order, blocks, counts = align(ids, num_experts=5, block_m=2)
     flat = ids.reshape(-1)
+    assert counts.tolist() == torch.bincount(flat.cpu(), minlength=5).tolist()
     seen = []
     for expert, first, end in blocks.tolist():
         if expert < 0:

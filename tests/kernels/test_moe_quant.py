@@ -253,3 +253,34 @@ def test_k_split_partial_sums_equal_the_reference(fmt, device, monkeypatch):
         ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
         assert_close(f"moe {fmt} split", out, ref, 1e-5, 1e-4)
     assert min(splits for _, splits in taken) >= 2, taken
+
+
+@pytest.mark.parametrize("chunk_experts", [EXPERTS, 2])
+def test_fp4_prefill_decodes_its_experts_first(chunk_experts, device, monkeypatch):
+    """Sorted FP4 calls with many pairs per expert decode their experts into a scratch (here in
+    chunks of 2 experts as well as all at once) and multiply with the dense kernels: bit for bit
+    what those kernels compute on the same weights dequantised to bf16, an expert without pairs
+    included."""
+    w13, w2, scales, dense13, dense2 = _stacks("fp4", "ue8m0", device)
+    monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
+    per_expert = 3 * INTER * HIDDEN * 2  # bf16
+    monkeypatch.setattr(moe_kernels, "DEQUANT_SCRATCH_BYTES", chunk_experts * per_expert)
+    x, ids, weights = _routing(400, device)  # 1,200 pairs: sorted
+    x, ids = x.bfloat16(), torch.where(ids == 4, 3, ids)  # expert 4 gets no pair
+    got = fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4")
+    want = fused_moe(x, ids, weights, dense13.bfloat16(), dense2.bfloat16(), 1.0)
+    assert torch.equal(got, want)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, "fp4")
+    assert_close("moe fp4 decoded first", got, ref, 2e-2, 2e-2)
+
+
+def test_fp4_experts_decode_exactly(device):
+    """dequantize_fp4_experts: every expert with pairs equals the loader's dequantisation in
+    bf16, byte for byte; experts without pairs are left as they were."""
+    w13, _, (s13, _), dense13, _ = _stacks("fp4", "ue8m0", device)
+    counts = torch.tensor([0, 3, 1, 0, 2], device=device)
+    out = torch.full((3, 2 * INTER, HIDDEN), 7.0, dtype=torch.bfloat16, device=device)
+    moe_kernels.dequantize_fp4_experts(w13, s13, counts, 2, out)  # experts 2, 3, 4
+    assert torch.equal(out[0], dense13[2].bfloat16())
+    assert torch.equal(out[1], torch.full_like(out[1], 7.0))
+    assert torch.equal(out[2], dense13[4].bfloat16())
