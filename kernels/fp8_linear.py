@@ -20,9 +20,12 @@ of M's bucket only, so a bucket compiles once):
     program (per 64 rows of M); when the output tiles are too few to fill the GPU twice over, K
     is split across programs, each writing an fp32 partial [splits, M, G N] that torch sums
     (deterministic, no atomics);
-  - M > 64 (prefill chunks): 128 x 128 tiles, K steps of 64, split only while the tiles are too
-    few; or, asked for (act_fp8, EngineConfig.fp8_prefill) on GPUs with FP8 tensor cores, bf16 /
-    fp16 x quantised per 1 x 128 block and multiplied in FP8 (kernels/fp8_act.py).
+  - M > 64: 128 x 128 tiles, K steps of 64, split only while the tiles are too few; from
+    DEQUANT_ROWS rows of bf16 / fp16 x (prefill chunks) W is decoded into a scratch in x's dtype
+    first (kernels/dequant.py) and multiplied there (cuBLAS on GPUs: the dequantised model's
+    GEMM, bit for bit), since widening every tile in registers costs more than the products;
+    or, asked for (act_fp8, EngineConfig.fp8_prefill) on GPUs with FP8 tensor cores, x is
+    quantised per 1 x 128 block and multiplied in FP8 (kernels/fp8_act.py).
 With one split the kernel writes the result directly (bf16 rounded to nearest even as bits). M and
 the split are runtime values (not specialised): `compile_variants` compiles all of a layer's
 variants up front.
@@ -34,6 +37,7 @@ import triton.language as tl
 
 from dsv4ray.kernels import fp8_act
 from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.quant_tiles import (
     FMT_FP8,
     dequantize_ref,
@@ -48,6 +52,7 @@ from dsv4ray.kernels.quant_tiles import (
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BUCKET_M = (16, 64)  # the largest M of each decode bucket; larger M takes the prefill tiles
+DEQUANT_ROWS = 512  # 16-bit calls of at least this many rows multiply a decoded copy of W
 
 
 @triton.jit(do_not_specialize=["M", "k_per_split", "num_splits"])
@@ -155,6 +160,8 @@ def fp8_linear(
         act_fp8 = num_rows > BUCKET_M[-1] and uses_fp8_act(x, k, block, groups)
     if act_fp8:
         return fp8_act.fp8_act_linear(x, weight, scale, block, groups)
+    if num_rows >= DEQUANT_ROWS and x.dtype != torch.float32:
+        return _dequantized_linear(x, weight, scale, block, groups)
     out = torch.empty(num_rows, groups * n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
@@ -193,6 +200,18 @@ def fp8_linear(
     return out
 
 
+def _dequantized_linear(x, weight, scale, block, groups: int) -> torch.Tensor:
+    """x @ W^T with W decoded into a scratch in x's dtype first (kernels/dequant.py): the
+    dequantised model's own GEMM (cuBLAS on GPUs), groups as one batched GEMM."""
+    w = dequantize(weight, scale, "fp8", block, torch.empty(weight.shape, dtype=x.dtype,
+                                                            device=x.device))  # fmt: skip
+    if groups == 1:
+        return torch.nn.functional.linear(x, w)
+    k = weight.shape[1]
+    y = torch.bmm(x.view(-1, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))
+    return y.transpose(0, 1).reshape(x.shape[0], -1)
+
+
 def uses_fp8_act(x: torch.Tensor, k: int, block: tuple[int, int], groups: int) -> bool:
     """Whether a prefill-sized call with x [M, G K] runs on FP8 activations (fp8_act.fits on a
     GPU with FP8 tensor cores)."""
@@ -227,6 +246,7 @@ def compile_variants(
     specialised, so one call per tile shape suffices)."""
     k = weight.shape[1]
     act = [(BUCKET_M[1] + 1, None), (fp8_act.SMALL_M + 1, None)] if fp8_prefill else []
-    for num_rows, act_fp8 in [(1, False), (BUCKET_M[0] + 1, False), (BUCKET_M[1] + 1, False), *act]:
+    plain = [(rows, False) for rows in (1, BUCKET_M[0] + 1, BUCKET_M[1] + 1, DEQUANT_ROWS)]
+    for num_rows, act_fp8 in [*plain, *act]:
         x = torch.zeros(num_rows, groups * k, dtype=dtype, device=weight.device)
         fp8_linear(x, weight, scale, block, groups, act_fp8)

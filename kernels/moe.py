@@ -31,10 +31,10 @@ slot order. Two ways to group, by the number of pairs P:
     programs, bounds the blocks whatever the routing: with 256 experts and a few pairs each, no
     program is launched per untouched expert;
   - sort (prefills): `align` sorts the pairs by expert and cuts each expert's run into blocks of
-    BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks). FP4 experts with many pairs each (a
-    prefill chunk of thousands of tokens) are decoded once into bf16 / fp16 chunks of experts
-    first (`dequantize_fp4_experts`), and the dense kernels multiply those: decoding codes in
-    every program that reads a weight tile costs more than the products there.
+    BLOCK_M pairs (at most cdiv(P, BLOCK_M) + E blocks). Quantized experts with many pairs each
+    (a prefill chunk of thousands of tokens) are decoded once into bf16 / fp16 chunks of experts
+    first (kernels/dequant.py), and the dense kernels multiply those: decoding a weight tile in
+    every program that reads it costs more than the products there.
 fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 accumulation (under
 the interpreter every dot runs in fp32). `fused_moe_ref` is the torch reference.
 """
@@ -43,20 +43,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting, pow2_from_byte
+from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
     acc_rows,
     acc_zeros,
     dequantize_ref,
-    e2m1_scaled_down,
     k_tile,
     kernel_bytes,
     load_x,
     scale_shape,
     split_k,
-    store_rounded,
     weight_dot,
 )
 
@@ -317,74 +316,37 @@ def _down_kernel(
         )
 
 
-@triton.jit(do_not_specialize=["expert_lo"])
-def _dequant_fp4_kernel(
-    w_ptr,
-    s_ptr,
-    counts_ptr,
-    out_ptr,
-    expert_lo,
-    rows,
-    cols,
-    OUT_BF16: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_C: tl.constexpr,
-):
-    # program (expert e of the chunk, row block, column block): out[e] = W[expert_lo + e] decoded,
-    # for experts with pairs (the others' rows stay as they were: no pair reads them)
-    e = tl.program_id(0)
-    expert = (expert_lo + e).to(tl.int64)
-    if tl.load(counts_ptr + expert) > 0:
-        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)  # byte columns
-        mask = (r < rows)[:, None] & (2 * j < cols)[None, :]
-        row = (expert * rows + r)[:, None]
-        byte = tl.load(w_ptr + row * (cols // 2) + j[None, :], mask=mask, other=0)
-        byte = byte.to(tl.int32) & 0xFF
-        s_byte = tl.load(s_ptr + row * (cols // FP4_GROUP) + (j // 16)[None, :], mask=mask, other=0)
-        scale = pow2_from_byte(s_byte.to(tl.int32) + 14)  # 2^14 x the group's scale
-        dst = (e.to(tl.int64) * rows + r)[:, None] * cols + 2 * j[None, :]
-        store_rounded(out_ptr, dst, e2m1_scaled_down(byte, False) * scale, mask, OUT_BF16)
-        store_rounded(out_ptr, dst + 1, e2m1_scaled_down(byte, True) * scale, mask, OUT_BF16)
-
-
-def dequantize_fp4_experts(w, s, counts, expert_lo: int, out: torch.Tensor) -> torch.Tensor:
-    """out [n, rows, cols] (bf16 / fp16) = experts [expert_lo, expert_lo + n) of packed FP4 w
-    [E, rows, cols / 2] with ue8m0 scales s [E, rows, cols / 32], decoded exactly (two bits of
-    significand times a power of two), for the experts whose counts [E] are not zero."""
-    n, rows, cols = out.shape
-    grid = (n, triton.cdiv(rows, 32), triton.cdiv(cols, 256))
-    _dequant_fp4_kernel[grid](kernel_bytes(w), kernel_bytes(s), counts, out, expert_lo, rows,
-                              cols, OUT_BF16=out.dtype == torch.bfloat16, BLOCK_R=32,
-                              BLOCK_C=256)  # fmt: skip
-    return out
-
-
 def _dequantize_first(fmt: str, listed: bool, num_pairs: int, num_experts: int, x) -> bool:
-    """FP4 experts over sorted pairs, DEQUANT_PAIRS_PER_EXPERT or more a expert on average, with
-    16-bit activations: decoding each weight once into a scratch (then bf16 products) costs less
-    than decoding it in every program that reads it."""
-    return (fmt == "fp4" and not listed and x.dtype != torch.float32
+    """Quantized experts over sorted pairs, DEQUANT_PAIRS_PER_EXPERT or more a expert on
+    average, with 16-bit activations: decoding each weight once into a scratch (then bf16
+    products) costs less than decoding it in every program that reads it."""
+    return (fmt != "dense" and not listed and x.dtype != torch.float32
             and num_pairs >= DEQUANT_PAIRS_PER_EXPERT * num_experts)  # fmt: skip
 
 
-def _run_dequantized(call: "_Call", w13, w2, scales, tiles: dict) -> None:
-    """The FP4 experts in chunks that fit DEQUANT_SCRATCH_BYTES: each chunk's experts decoded to
-    the activations' dtype, then both grouped GEMMs on them with dense tiles, for the pairs
-    of that chunk's experts only (stream order keeps a chunk's scratch until its GEMMs ran)."""
-    num_experts, inter, hidden = call.num_experts, call.inter, call.hidden
+def _run_dequantized(call: "_Call", w13, w2, scales, fmt: str, tiles: dict) -> None:
+    """The experts in chunks that fit DEQUANT_SCRATCH_BYTES: each chunk's experts (those with
+    pairs) decoded to the activations' dtype (kernels/dequant.py), then both grouped GEMMs on
+    them with dense tiles, for the pairs of that chunk's experts only (stream order keeps a
+    chunk's scratch until its GEMMs ran)."""
+    num_experts, inter, hidden, block = call.num_experts, call.inter, call.hidden, call.block
     per_expert = 3 * inter * hidden * call.x.element_size()
     chunk = max(1, min(num_experts, DEQUANT_SCRATCH_BYTES // per_expert))
     dtype, device = call.x.dtype, call.x.device
     s13, s2 = scales
+    half = s13.shape[1] // 2  # w1's scale rows, then w3's (their own block grids)
     counts = call.groups[2]
     for lo in range(0, num_experts, chunk):
         n = min(chunk, num_experts - lo)
         w = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
-        call.gate_up(dequantize_fp4_experts(w13, s13, counts, lo, w), None, "dense", tiles,
-                     (lo, lo + n))  # fmt: skip
+        if fmt == "fp4":  # one scale row per weight row
+            dequantize(w13, s13, fmt, block, w, lo, counts)
+        else:
+            dequantize(w13[:, :inter], s13[:, :half], fmt, block, w[:, :inter], lo, counts)
+            dequantize(w13[:, inter:], s13[:, half:], fmt, block, w[:, inter:], lo, counts)
+        call.gate_up(w, None, "dense", tiles, (lo, lo + n))
         w = torch.empty(n, hidden, inter, dtype=dtype, device=device)
-        call.down(dequantize_fp4_experts(w2, s2, counts, lo, w), None, "dense", tiles,
+        call.down(dequantize(w2, s2, fmt, block, w, lo, counts), None, "dense", tiles,
                   (lo, lo + n))  # fmt: skip
 
 
@@ -440,8 +402,8 @@ PREFILL_TILES = {
     "fp4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4, SWAP=False),
     "fp8": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=4, SWAP=False),
 }
-# sorted FP4 calls with at least this many pairs per expert on average decode their experts into
-# a scratch of at most DEQUANT_SCRATCH_BYTES at a time first (`_dequantize_first`)
+# sorted quantized calls with at least this many pairs per expert on average decode their experts
+# into a scratch of at most DEQUANT_SCRATCH_BYTES at a time first (`_dequantize_first`)
 DEQUANT_PAIRS_PER_EXPERT = 96
 DEQUANT_SCRATCH_BYTES = 1 << 30
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
@@ -553,7 +515,7 @@ def fused_moe(
     call = _Call(x, weights.float().contiguous(), groups, num_blocks, h, part, out, num_experts,
                  num_slots, limit, block, listed, (k13, split13), (k2, split2))  # fmt: skip
     if dequant:
-        _run_dequantized(call, w13, w2, scales, tiles)
+        _run_dequantized(call, w13, w2, scales, fmt, tiles)
     else:
         call.gate_up(w13, scales[0] if scales else None, fmt, tiles)
         call.down(w2, scales[1] if scales else None, fmt, tiles)
@@ -631,11 +593,11 @@ def compile_variants(
     w13, w2, scales, fmt: str, block: tuple[int, int], num_slots: int, dtype: torch.dtype
 ) -> None:
     """Runs fused_moe once per tile variant a call with num_slots slots per token can take (a few
-    pairs, listed, sorted, and 16-bit FP4 prefills that decode their experts first), so that
+    pairs, listed, sorted, and 16-bit prefills that decode their experts first), so that
     serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
     counts = (small_pairs(w13.shape[0]), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
-    if fmt == "fp4" and dtype != torch.float32:  # prefills that decode the experts first
+    if fmt != "dense" and dtype != torch.float32:  # prefills that decode the experts first
         counts += (DEQUANT_PAIRS_PER_EXPERT * w13.shape[0],)
     for num_tokens in (1, *(pairs // num_slots + 1 for pairs in counts)):
         x = torch.zeros(num_tokens, hidden, dtype=dtype, device=device)

@@ -83,3 +83,22 @@ def test_no_rows(device):
     weight, scale = _weight(N, K, "ue8m0", device=device)
     out = fp8.fp8_linear(torch.zeros(0, K, device=device), weight, scale)
     assert out.shape == (0, N)
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+@pytest.mark.parametrize("groups,block", [(1, (128, 128)), (2, (100, 128))])
+def test_prefill_rows_multiply_the_dequantised_weight(groups, block, scale_fmt, device):
+    """From DEQUANT_ROWS rows of bf16 x on, the linear is the dequantised model's: the weight
+    decoded to bf16 as the loader decodes it, then F.linear (the grouped output projection: one
+    batched GEMM over the groups), bit for bit."""
+    weight, scale = _weight(N, K, scale_fmt, block, device=device)
+    w = QuantizedWeight("w", weight, scale, "fp8", block).dequantize(torch.bfloat16)
+    x = torch.randn(fp8.DEQUANT_ROWS, groups * K, device=device).bfloat16()
+    got = fp8.fp8_linear(x, weight, scale, block, groups)
+    if groups == 1:
+        want = torch.nn.functional.linear(x, w)
+    else:
+        rows = N // groups
+        y = torch.bmm(x.view(-1, groups, K).transpose(0, 1), w.view(groups, rows, K).mT)
+        want = y.transpose(0, 1).reshape(x.shape[0], -1)
+    assert torch.equal(got, want)

@@ -9,6 +9,7 @@ from dsv4ray.config_quant import FP4_MAX_SCALE_BYTE
 from dsv4ray.kernels import dispatch
 from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.moe import (
     FP32_FEW_PAIRS,
     LIST_MAX_PAIRS,
@@ -256,31 +257,37 @@ def test_k_split_partial_sums_equal_the_reference(fmt, device, monkeypatch):
 
 
 @pytest.mark.parametrize("chunk_experts", [EXPERTS, 2])
-def test_fp4_prefill_decodes_its_experts_first(chunk_experts, device, monkeypatch):
-    """Sorted FP4 calls with many pairs per expert decode their experts into a scratch (here in
-    chunks of 2 experts as well as all at once) and multiply with the dense kernels: bit for bit
-    what those kernels compute on the same weights dequantised to bf16, an expert without pairs
-    included."""
-    w13, w2, scales, dense13, dense2 = _stacks("fp4", "ue8m0", device)
+@pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
+def test_prefill_decodes_its_experts_first(fmt, scale_fmt, chunk_experts, device, monkeypatch):
+    """Sorted quantized calls with many pairs per expert decode their experts into a scratch (here
+    in chunks of 2 experts as well as all at once) and multiply with the dense kernels: bit for
+    bit what those kernels compute on the same weights dequantised to bf16, an expert without
+    pairs included."""
+    w13, w2, scales, dense13, dense2 = _stacks(fmt, scale_fmt, device)
     monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
     per_expert = 3 * INTER * HIDDEN * 2  # bf16
     monkeypatch.setattr(moe_kernels, "DEQUANT_SCRATCH_BYTES", chunk_experts * per_expert)
     x, ids, weights = _routing(400, device)  # 1,200 pairs: sorted
     x, ids = x.bfloat16(), torch.where(ids == 4, 3, ids)  # expert 4 gets no pair
-    got = fused_moe(x, ids, weights, w13, w2, 1.0, scales, "fp4")
+    got = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
     want = fused_moe(x, ids, weights, dense13.bfloat16(), dense2.bfloat16(), 1.0)
     assert torch.equal(got, want)
-    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, "fp4")
-    assert_close("moe fp4 decoded first", got, ref, 2e-2, 2e-2)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
+    assert_close(f"moe {fmt} decoded first", got, ref, 2e-2, 2e-2)
 
 
-def test_fp4_experts_decode_exactly(device):
-    """dequantize_fp4_experts: every expert with pairs equals the loader's dequantisation in
-    bf16, byte for byte; experts without pairs are left as they were."""
-    w13, _, (s13, _), dense13, _ = _stacks("fp4", "ue8m0", device)
+@pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
+def test_experts_decode_exactly(fmt, scale_fmt, device):
+    """kernels/dequant.py: every expert with pairs equals the loader's dequantisation in bf16,
+    byte for byte (FP8's gate and up halves each on their own scale grid); experts without pairs
+    are left as they were."""
+    w13, w2, (s13, s2), dense13, dense2 = _stacks(fmt, scale_fmt, device)
     counts = torch.tensor([0, 3, 1, 0, 2], device=device)
-    out = torch.full((3, 2 * INTER, HIDDEN), 7.0, dtype=torch.bfloat16, device=device)
-    moe_kernels.dequantize_fp4_experts(w13, s13, counts, 2, out)  # experts 2, 3, 4
-    assert torch.equal(out[0], dense13[2].bfloat16())
+    out = torch.full((3, HIDDEN, INTER), 7.0, dtype=torch.bfloat16, device=device)
+    dequantize(w2, s2, fmt, (128, 128), out, 2, counts)  # experts 2, 3, 4
+    assert torch.equal(out[0], dense2[2].bfloat16())
     assert torch.equal(out[1], torch.full_like(out[1], 7.0))
-    assert torch.equal(out[2], dense13[4].bfloat16())
+    assert torch.equal(out[2], dense2[4].bfloat16())
+    if fmt == "fp4":
+        one = dequantize(w13[1], s13[1], fmt, (128, 128), torch.empty_like(dense13[1]))
+        assert torch.equal(one, dense13[1])  # fp32 out: the exact values

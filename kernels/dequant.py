@@ -1,0 +1,132 @@
+"""Stored FP8 / FP4 weights decoded into a 16-bit (or fp32) scratch, for calls big enough that
+tensor-core GEMMs on the decoded copy beat decoding tiles in registers (prefill chunks).
+
+    dequantize(w [E, rows, cols'], scale, fmt, block, out [n, rows, cols], first=0, counts=None)
+    out[e] = decode(w[first + e]) for e < n, skipping experts whose counts[first + e] is 0
+
+Formats as kernels/quant_tiles.py describes them (fp8: e4m3 with block scales; fp4: packed e2m1
+with a ue8m0 scale per 32 values). The values are decoded exactly in fp32 and rounded once to
+out's dtype, to nearest even as bits (the interpreter's casts truncate), which is what the loader
+does when it dequantises at load (model/quant.py): a GEMM on the decoded copy is the dequantised
+model's GEMM. A 2-D weight [rows, cols'] is one expert.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4ray.kernels.bits import pow2_from_byte
+from dsv4ray.kernels.quant_tiles import (
+    FORMATS,
+    FP4_GROUP,
+    e2m1_scaled_down,
+    kernel_bytes,
+    load_scale,
+    scale_shape,
+    store_rounded,
+)
+
+BLOCK_ROWS, BLOCK_COLS = 32, 256
+
+
+@triton.jit(do_not_specialize=["first"])
+def _dequant_kernel(
+    w_ptr,
+    s_ptr,
+    counts_ptr,
+    out_ptr,
+    first,
+    rows,
+    cols,
+    stride_we,
+    stride_wr,
+    stride_se,
+    stride_oe,
+    s_cols,
+    block_n,
+    block_k,
+    FMT: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    COUNTED: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    # program (expert e of the call, row block, column block): out[e, r, c] for BLOCK_C columns
+    e = tl.program_id(0).to(tl.int64)
+    expert = first + e
+    todo = True
+    if COUNTED:
+        todo = tl.load(counts_ptr + expert) > 0
+    if todo:
+        r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+        w_row = w_ptr + expert * stride_we + r.to(tl.int64)[:, None] * stride_wr
+        s_base = s_ptr + expert * stride_se
+        o_row = out_ptr + e * stride_oe + r.to(tl.int64)[:, None] * cols
+        if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
+            j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
+            mask = (r < rows)[:, None] & (2 * j < cols)[None, :]
+            byte = tl.load(w_row + j[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
+            s_ptrs = s_base + r.to(tl.int64)[:, None] * s_cols + (j // 16)[None, :]
+            s_byte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
+            scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
+            o_offs = 2 * j[None, :]
+            store_rounded(o_row, o_offs, e2m1_scaled_down(byte, False) * scale, mask, OUT_BF16)
+            store_rounded(o_row, o_offs + 1, e2m1_scaled_down(byte, True) * scale, mask, OUT_BF16)
+        else:  # FP8: e4m3 times its block's scale
+            c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+            mask = (r < rows)[:, None] & (c < cols)[None, :]
+            byte = tl.load(w_row + c[None, :], mask=mask, other=0)
+            value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            s_ptrs = (
+                s_base + (r // block_n).to(tl.int64)[:, None] * s_cols + (c // block_k)[None, :]
+            )
+            store_rounded(o_row, c[None, :], value * load_scale(s_ptrs, mask, SCALE_BYTES), mask,
+                          OUT_BF16)  # fmt: skip
+
+
+def dequantize(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    fmt: str,
+    block: tuple[int, int],
+    out: torch.Tensor,
+    first: int = 0,
+    counts: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """See the module docstring. w and scale may be views with strided experts (rows within an
+    expert contiguous); out [n, rows, cols] (or [rows, cols] for a 2-D w) likewise."""
+    assert fmt in ("fp8", "fp4"), fmt
+    w3, s3 = (w, scale) if w.dim() == 3 else (w[None], scale[None])
+    o3 = out if out.dim() == 3 else out[None]
+    n, rows, cols = o3.shape
+    assert w3.shape[1] == rows and w3.shape[2] == (cols // 2 if fmt == "fp4" else cols), w.shape
+    assert s3.shape[1:] == scale_shape(fmt, rows, cols, block), (scale.shape, w.shape, block)
+    assert w3.stride(2) == 1 and w3.stride(1) == w3.shape[2], w.stride()
+    assert s3.stride(2) == 1 and s3.stride(1) == s3.shape[2], scale.stride()
+    assert o3.stride(2) == 1 and o3.stride(1) == cols, out.stride()
+    assert fmt != "fp4" or cols % FP4_GROUP == 0, cols
+    grid = (n, triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
+    _dequant_kernel[grid](
+        kernel_bytes(w3),
+        kernel_bytes(s3),
+        counts if counts is not None else o3,
+        o3,
+        first,
+        rows,
+        cols,
+        w3.stride(0),
+        w3.stride(1),
+        s3.stride(0),
+        o3.stride(0),
+        s3.shape[2],
+        block[0],
+        block[1],
+        FMT=FORMATS[fmt],
+        SCALE_BYTES=scale.element_size() == 1,
+        COUNTED=counts is not None,
+        OUT_BF16=out.dtype == torch.bfloat16,
+        BLOCK_R=BLOCK_ROWS,
+        BLOCK_C=BLOCK_COLS,
+    )
+    return out
