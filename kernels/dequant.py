@@ -106,6 +106,8 @@ def dequantize(
     assert s3.stride(2) == 1 and s3.stride(1) == s3.shape[2], scale.stride()
     assert o3.stride(2) == 1 and o3.stride(1) == cols, out.stride()
     assert fmt != "fp4" or cols % FP4_GROUP == 0, cols
+    if out.numel() == 0:
+        return out
     grid = (n, triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(cols, BLOCK_COLS))
     _dequant_kernel[grid](
         kernel_bytes(w3),

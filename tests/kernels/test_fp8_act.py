@@ -71,6 +71,8 @@ def test_no_rows_and_refusals(device):
     weight, scale = _weight(64, 256, device=device)
     x = torch.zeros(0, 256, dtype=torch.bfloat16, device=device)
     assert fp8_act.fp8_act_linear(x, weight, scale).shape == (0, 64)
+    q, e = fp8_act.quantize_act(x)
+    assert q.shape == (0, 256) and e.shape == (0, 2)
     with pytest.raises(ValueError, match="bf16 or fp16"):
         fp8_act.fp8_act_linear(torch.zeros(4, 256, device=device), weight, scale)
     weight, scale = _weight(64, 256, block=(64, 64), device=device)

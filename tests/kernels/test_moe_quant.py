@@ -291,3 +291,5 @@ def test_experts_decode_exactly(fmt, scale_fmt, device):
     if fmt == "fp4":
         one = dequantize(w13[1], s13[1], fmt, (128, 128), torch.empty_like(dense13[1]))
         assert torch.equal(one, dense13[1])  # fp32 out: the exact values
+    none = torch.empty(0, HIDDEN, INTER, dtype=torch.bfloat16, device=device)
+    assert dequantize(w2, s2, fmt, (128, 128), none, 5, counts).shape == none.shape
