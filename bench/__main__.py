@@ -29,6 +29,7 @@ BENCHMARKS = {  # every module of bench/ with a main(argv=None) -> what it measu
     "kernels": "each kernel's bandwidth against copy ceilings measured in the same run",
     "mtp": "MTP drafts on the trained checkpoint: tokens per verification, batch-1 speed",
     "mtp_depth": "the draft layer's cost as the target deepens: steps with and without drafts",
+    "native_kernels": "FP8 / FP4 kernels at V4-Flash's shapes vs cuBLAS bf16 and the copy ceiling",
     "paths": "every way to run a model next to the fast path, on one GPU",
     "pd": "prefill/decode disaggregation: TTFT with and without, KV transfer bandwidth",
     "pipeline": "pp=N against pp=1 (throughput, capacity); compiled graph vs plain calls",
