@@ -208,7 +208,7 @@ def _dequantized_linear(x, weight, scale, block, groups: int) -> torch.Tensor:
     if groups == 1:
         return torch.nn.functional.linear(x, w)
     k = weight.shape[1]
-    y = torch.bmm(x.view(-1, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))
+    y = torch.bmm(x.reshape(-1, groups, k).transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))
     return y.transpose(0, 1).reshape(x.shape[0], -1)
 
 
