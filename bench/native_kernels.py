@@ -24,6 +24,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from dsv4ray.bench import quant_sweep
 from dsv4ray.bench.quant_sweep import graph_ms
 from dsv4ray.bench.report import bench_parser, result, save_results
 from dsv4ray.bench.roofline import ceilings, median_s
@@ -32,15 +33,9 @@ from dsv4ray.kernels import fp8_linear as fp8
 from dsv4ray.kernels.quant_tiles import dequantize_ref
 from dsv4ray.model.quant import quantize_fp4, quantize_fp8
 
-# (name, N per group, K, groups) of V4-Flash's FP8 linears
-LINEARS = [
-    ("wq_a", 1024, 4096, 1),
-    ("wq_b", 32768, 1024, 1),
-    ("wkv", 512, 4096, 1),
-    ("wo_a", 1024, 4096, 8),
-    ("wo_b", 4096, 8192, 1),
-    ("indexer wq_b", 8192, 1024, 1),
-]
+# (name, N per group, K, groups) of V4-Flash's FP8 linears: dsv4-mini's (the same per-layer
+# shapes) and the KV projection
+LINEARS = [*quant_sweep.LINEARS, ("wkv", 512, 4096, 1)]
 HIDDEN, INTER, EXPERTS, TOPK = 4096, 2048, 256, 6
 DECODE_ROWS = (1, 16, 64)
 

@@ -60,6 +60,8 @@ from dsv4ray.kernels.quant_tiles import (
 )
 
 LIST_MAX_PAIRS = 1024
+# the grouped kernels' arguments that vary between calls of one layer (never specialised)
+RUNTIME_ARGS = ["num_pairs", "num_experts", "k_per_split", "num_splits", "expert_lo", "expert_hi"]
 
 
 @triton.jit
@@ -117,16 +119,7 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, count)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_pairs",
-        "num_experts",
-        "k_per_split",
-        "num_splits",
-        "expert_lo",
-        "expert_hi",
-    ]
-)
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _gate_up_kernel(
     x_ptr,
     w13_ptr,
@@ -230,16 +223,7 @@ def _gate_up_kernel(
             tl.store(row + inter + n[None, :], acc_rows(acc_u, SWAP), mask)
 
 
-@triton.jit(
-    do_not_specialize=[
-        "num_pairs",
-        "num_experts",
-        "k_per_split",
-        "num_splits",
-        "expert_lo",
-        "expert_hi",
-    ]
-)
+@triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _down_kernel(
     h_ptr,
     w2_ptr,

@@ -67,15 +67,22 @@ def resolve_weight_format(requested: str, cfg: ModelConfig, device: torch.device
 
 
 def check_fp8_prefill(requested: bool, weight_format: str, cfg: ModelConfig,
-                      device: torch.device) -> bool:  # fmt: skip
-    """EngineConfig.fp8_prefill for a stage: True needs native FP8 linears on a GPU with FP8
-    tensor cores (a clear error names what is missing)."""
+                      device: torch.device, dtype: torch.dtype) -> bool:  # fmt: skip
+    """EngineConfig.fp8_prefill for a stage: True needs native FP8 linears whose scale blocks
+    span a multiple of 128 columns, bf16 or fp16 compute, and a GPU with FP8 tensor cores (a
+    clear error names what is missing)."""
     if not requested:
         return False
     quant = cfg.quantization
     if weight_format != "native" or quant is None:
         raise ValueError(f"fp8_prefill needs a checkpoint with FP8 linears kept native "
                          f"(weight_format {weight_format!r})")  # fmt: skip
+    if quant.weight_block_size[1] % fp8_act.ACT_GROUP:
+        raise ValueError(f"fp8_prefill needs FP8 scale blocks of a multiple of "
+                         f"{fp8_act.ACT_GROUP} columns, weight_block_size is "
+                         f"{list(quant.weight_block_size)}")  # fmt: skip
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_prefill needs bf16 or fp16 compute, the model runs in {dtype}")
     if not (fused() and fp8_act.supported(device)):
         raise ValueError(
             f"fp8_prefill needs a GPU with FP8 tensor cores (compute capability 8.9 or newer) "

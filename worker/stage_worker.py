@@ -58,7 +58,7 @@ class StageWorker:
                                 self.device, self.cfg, self.weight_format)  # fmt: skip
         blocks = [self.model.block(i) for i in range(start, end)]
         fp8_prefill = ops.check_fp8_prefill(spec.fp8_prefill, self.weight_format, self.cfg,
-                                            self.device)  # fmt: skip
+                                            self.device, self.model.dtype)  # fmt: skip
         ops.prepare(blocks, self.model.dtype, fp8_prefill)
         ops.bind_few_row_kernels(self.model)
         self.pools: StagePools | None = None

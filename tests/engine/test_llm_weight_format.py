@@ -93,14 +93,16 @@ def test_weight_format_is_validated_and_resolved(flash_ckpt, tmp_path):
 
 
 def test_fp8_prefill_is_refused_where_it_cannot_run(flash_ckpt):
-    """EngineConfig.fp8_prefill needs native FP8 linears on a GPU with FP8 tensor cores: asked for
-    elsewhere, the engine does not start and says what is missing."""
+    """EngineConfig.fp8_prefill needs native FP8 linears, 16-bit compute and a GPU with FP8 tensor
+    cores: asked for elsewhere, the engine does not start and says what is missing."""
     with pytest.raises(ValueError, match="fp8_prefill must be True or False"):
         EngineConfig.build(flash_ckpt, fp8_prefill="yes")
     with pytest.raises(ValueError, match="FP8 linears kept native"):
         LLM(flash_ckpt, fp8_prefill=True)  # CPU: "auto" dequantises at load
+    with dispatch.use_backend("triton"), pytest.raises(ValueError, match="bf16 or fp16 compute"):
+        LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype="float32")
     with dispatch.use_backend("triton"), pytest.raises(ValueError, match="FP8 tensor cores"):
-        LLM(flash_ckpt, weight_format="native", fp8_prefill=True)
+        LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype="bfloat16")
 
 
 def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypatch):
