@@ -70,9 +70,13 @@ def _dequant_kernel(
             s_ptrs = s_base + r.to(tl.int64)[:, None] * s_cols + (j // 16)[None, :]
             s_byte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
             scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
-            o_offs = 2 * j[None, :]
-            store_rounded(o_row, o_offs, e2m1_scaled_down(byte, False) * scale, mask, OUT_BF16)
-            store_rounded(o_row, o_offs + 1, e2m1_scaled_down(byte, True) * scale, mask, OUT_BF16)
+            # [R, C/2, 2] -> [R, C]: the nibbles in column order, one contiguous store (two
+            # stride-2 stores leave half of every written sector to merge)
+            low, high = e2m1_scaled_down(byte, False), e2m1_scaled_down(byte, True)
+            value = tl.reshape(tl.join(low * scale, high * scale), (BLOCK_R, BLOCK_C))
+            c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+            c_mask = (r < rows)[:, None] & (c < cols)[None, :]
+            store_rounded(o_row, c[None, :], value, c_mask, OUT_BF16)
         else:  # FP8: e4m3 times its block's scale
             c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
             mask = (r < rows)[:, None] & (c < cols)[None, :]

@@ -39,6 +39,9 @@ fp32 inputs multiply exactly ("ieee"); bf16 and fp16 on tensor cores with fp32 a
 the interpreter every dot runs in fp32). `fused_moe_ref` is the torch reference.
 """
 
+import copy
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -320,18 +323,42 @@ def _run_dequantized(call: "_Call", w13, w2, scales, fmt: str, tiles: dict) -> N
     s13, s2 = scales
     half = s13.shape[1] // 2  # w1's scale rows, then w3's (their own block grids)
     counts = call.groups[2]
-    for lo in range(0, num_experts, chunk):
-        n = min(chunk, num_experts - lo)
+    for lo, hi, blocks in _chunks(call, chunk, tiles["BLOCK_M"]):
+        n, part = hi - lo, call.window(*blocks)
         w = torch.empty(n, 2 * inter, hidden, dtype=dtype, device=device)
         if fmt == "fp4":  # one scale row per weight row
             dequantize(w13, s13, fmt, block, w, lo, counts)
         else:
             dequantize(w13[:, :inter], s13[:, :half], fmt, block, w[:, :inter], lo, counts)
             dequantize(w13[:, inter:], s13[:, half:], fmt, block, w[:, inter:], lo, counts)
-        call.gate_up(w, None, "dense", tiles, (lo, lo + n))
+        part.gate_up(w, None, "dense", tiles, (lo, hi))
         w = torch.empty(n, hidden, inter, dtype=dtype, device=device)
-        call.down(dequantize(w2, s2, fmt, block, w, lo, counts), None, "dense", tiles,
-                  (lo, lo + n))  # fmt: skip
+        part.down(dequantize(w2, s2, fmt, block, w, lo, counts), None, "dense", tiles, (lo, hi))
+
+
+def _capturing(x: torch.Tensor) -> bool:
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _chunks(call: "_Call", chunk: int, block_m: int) -> list[tuple[int, int, tuple[int, int]]]:
+    """(first expert, end expert, (first block, end block)) of each chunk of `chunk` experts.
+    Outside a CUDA graph capture the pair counts come to the host (one sync per prefill-sized
+    call) so that a chunk launches its own experts' blocks alone (the blocks are sorted by expert)
+    and chunks without pairs are skipped: launching every block for every chunk costs each
+    chunk a pass of exiting programs as long as the whole GEMM's. In a capture every chunk
+    launches every block, and programs of other experts return at once."""
+    num_experts, num_blocks = call.num_experts, call.num_blocks
+    starts = range(0, num_experts, chunk)
+    if _capturing(call.x):
+        return [(lo, min(lo + chunk, num_experts), (0, num_blocks)) for lo in starts]
+    ends = list(itertools.accumulate(-(-c // block_m) for c in call.groups[2].tolist()))
+    out = []
+    for lo in starts:
+        hi = min(lo + chunk, num_experts)
+        first = ends[lo - 1] if lo else 0
+        if ends[hi - 1] > first:
+            out.append((lo, hi, (first, ends[hi - 1])))
+    return out
 
 
 def align(ids: torch.Tensor, num_experts: int, block_m: int):
@@ -519,6 +546,13 @@ class _Call:
         self.block, self.listed = block, listed
         self.split13, self.split2 = split13, split2
         self.num_pairs, self.hidden, self.inter = h.shape[0], x.shape[1], h.shape[1]
+
+    def window(self, first: int, end: int) -> "_Call":
+        """This call over sorted blocks [first, end) alone (the blocks of a chunk of experts)."""
+        part = copy.copy(self)
+        pairs, blocks, counts = self.groups
+        part.groups, part.num_blocks = (pairs, blocks[first:end], counts), end - first
+        return part
 
     def _flags(self, fmt: str, scale, tiles: dict) -> dict:
         return dict(

@@ -256,15 +256,20 @@ def test_k_split_partial_sums_equal_the_reference(fmt, device, monkeypatch):
     assert min(splits for _, splits in taken) >= 2, taken
 
 
+@pytest.mark.parametrize("capturing", [False, True], ids=["eager", "in a graph capture"])
 @pytest.mark.parametrize("chunk_experts", [EXPERTS, 2])
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
-def test_prefill_decodes_its_experts_first(fmt, scale_fmt, chunk_experts, device, monkeypatch):
+def test_prefill_decodes_its_experts_first(
+    fmt, scale_fmt, chunk_experts, capturing, device, monkeypatch
+):
     """Sorted quantized calls with many pairs per expert decode their experts into a scratch (here
     in chunks of 2 experts as well as all at once) and multiply with the dense kernels: bit for
     bit what those kernels compute on the same weights dequantised to bf16, an expert without
-    pairs included."""
+    pairs included. Eager calls launch each chunk's own blocks; in a capture (no value may reach
+    the host) every chunk launches all blocks: the same bits either way."""
     w13, w2, scales, dense13, dense2 = _stacks(fmt, scale_fmt, device)
     monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
+    monkeypatch.setattr(moe_kernels, "_capturing", lambda x: capturing)
     per_expert = 3 * INTER * HIDDEN * 2  # bf16
     monkeypatch.setattr(moe_kernels, "DEQUANT_SCRATCH_BYTES", chunk_experts * per_expert)
     x, ids, weights = _routing(400, device)  # 1,200 pairs: sorted
