@@ -6,9 +6,10 @@ tensor-core GEMMs on the decoded copy beat decoding tiles in registers (prefill 
 
 Formats as kernels/quant_tiles.py describes them (fp8: e4m3 with block scales; fp4: packed e2m1
 with a ue8m0 scale per 32 values). The values are decoded exactly in fp32 and rounded once to
-out's dtype, to nearest even as bits (the interpreter's casts truncate), which is what the loader
-does when it dequantises at load (model/quant.py): a GEMM on the decoded copy is the dequantised
-model's GEMM. A 2-D weight [rows, cols'] is one expert.
+out's dtype as the loader does when it dequantises at load (model/quant.py), so a GEMM on the
+decoded copy is the dequantised model's GEMM: FP4 values and FP8 values under power-of-two scales
+are exact in bf16 (a plain cast), FP8 under fp32 scales rounds to nearest even as bits (the
+interpreter's casts truncate). A 2-D weight [rows, cols'] is one expert.
 """
 
 import torch
@@ -26,7 +27,8 @@ from dsv4ray.kernels.quant_tiles import (
     store_rounded,
 )
 
-BLOCK_ROWS, BLOCK_COLS = 32, 256
+BLOCK_ROWS, BLOCK_COLS = 16, 512
+FP4_BYTES = FP4_GROUP // 2  # the bytes of one FP4 scale group
 
 
 @triton.jit(do_not_specialize=["first"])
@@ -48,9 +50,10 @@ def _dequant_kernel(
     FMT: tl.constexpr,
     SCALE_BYTES: tl.constexpr,
     COUNTED: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    GROUP_BYTES: tl.constexpr,
 ):
     # program (expert e of the call, row block, column block): out[e, r, c] for BLOCK_C columns
     e = tl.program_id(0).to(tl.int64)
@@ -60,33 +63,43 @@ def _dequant_kernel(
         todo = tl.load(counts_ptr + expert) > 0
     if todo:
         r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
-        w_row = w_ptr + expert * stride_we + r.to(tl.int64)[:, None] * stride_wr
+        r_ok = r < rows
+        w_row = w_ptr + expert * stride_we + r.to(tl.int64) * stride_wr  # [R]
         s_base = s_ptr + expert * stride_se
-        o_row = out_ptr + e * stride_oe + r.to(tl.int64)[:, None] * cols
-        if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
-            j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
-            mask = (r < rows)[:, None] & (2 * j < cols)[None, :]
-            byte = tl.load(w_row + j[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
-            s_ptrs = s_base + r.to(tl.int64)[:, None] * s_cols + (j // 16)[None, :]
-            s_byte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
-            scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
-            # [R, C/2, 2] -> [R, C]: the nibbles in column order, one contiguous store (two
-            # stride-2 stores leave half of every written sector to merge)
-            low, high = e2m1_scaled_down(byte, False), e2m1_scaled_down(byte, True)
-            value = tl.reshape(tl.join(low * scale, high * scale), (BLOCK_R, BLOCK_C))
-            c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-            c_mask = (r < rows)[:, None] & (c < cols)[None, :]
-            store_rounded(o_row, c[None, :], value, c_mask, OUT_BF16)
+        o_row = out_ptr + e * stride_oe + r.to(tl.int64) * cols
+        if FMT == 2:
+            _fp4_tile(w_row, s_base + r.to(tl.int64) * s_cols, o_row, r_ok, cols, BLOCK_C,
+                      GROUP_BYTES)  # fmt: skip
         else:  # FP8: e4m3 times its block's scale
             c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
-            mask = (r < rows)[:, None] & (c < cols)[None, :]
-            byte = tl.load(w_row + c[None, :], mask=mask, other=0)
+            mask = r_ok[:, None] & (c < cols)[None, :]
+            byte = tl.load(w_row[:, None] + c[None, :], mask=mask, other=0)
             value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s_ptrs = (
                 s_base + (r // block_n).to(tl.int64)[:, None] * s_cols + (c // block_k)[None, :]
             )
-            store_rounded(o_row, c[None, :], value * load_scale(s_ptrs, mask, SCALE_BYTES), mask,
-                          OUT_BF16)  # fmt: skip
+            store_rounded(o_row[:, None], c[None, :], value * load_scale(s_ptrs, mask, SCALE_BYTES),
+                          mask, ROUND_BF16)  # fmt: skip
+
+
+@triton.jit
+def _fp4_tile(w_row, s_row, o_row, r_ok, cols, BLOCK_C: tl.constexpr, GROUP_BYTES: tl.constexpr):
+    """Columns [BLOCK_C) of program_id(2) of rows w_row -> o_row, as [R, groups, bytes, 2]: one
+    scale load per group, and the two nibbles of byte j stored side by side at columns 2j, 2j + 1
+    (contiguous stores). Each value is a power of two times a code of two significant bits, exact
+    in bf16, so the plain cast stores it unrounded (the interpreter's truncating cast included)."""
+    GROUPS: tl.constexpr = BLOCK_C // (2 * GROUP_BYTES)
+    g = tl.program_id(2) * GROUPS + tl.arange(0, GROUPS)
+    g_ok = r_ok[:, None] & (g * 2 * GROUP_BYTES < cols)[None, :]  # [R, G]: cols % 32 == 0
+    j = g[:, None] * GROUP_BYTES + tl.arange(0, GROUP_BYTES)[None, :]  # [G, B] byte index
+    byte = tl.load(w_row[:, None, None] + j[None, :, :], mask=g_ok[:, :, None], other=0)
+    byte = byte.to(tl.int32) & 0xFF
+    s_byte = tl.load(s_row[:, None] + g[None, :], mask=g_ok, other=0).to(tl.int32)
+    scale = pow2_from_byte(s_byte + 14)[:, :, None]  # 2^14 x the group's scale
+    value = tl.join(e2m1_scaled_down(byte, False) * scale, e2m1_scaled_down(byte, True) * scale)
+    offs = 2 * j[None, :, :, None] + tl.arange(0, 2)[None, None, None, :]  # [1, G, B, 2]
+    tl.store(o_row[:, None, None, None] + offs, value.to(o_row.dtype.element_ty),
+             mask=g_ok[:, :, None, None])  # fmt: skip
 
 
 def dequantize(
@@ -131,8 +144,10 @@ def dequantize(
         FMT=FORMATS[fmt],
         SCALE_BYTES=scale.element_size() == 1,
         COUNTED=counts is not None,
-        OUT_BF16=out.dtype == torch.bfloat16,
+        # FP8 times a power-of-two scale is exact in bf16 as well; fp32 scales round
+        ROUND_BF16=out.dtype == torch.bfloat16 and fmt == "fp8" and scale.element_size() != 1,
         BLOCK_R=BLOCK_ROWS,
         BLOCK_C=BLOCK_COLS,
+        GROUP_BYTES=FP4_BYTES,
     )
     return out

@@ -17,6 +17,7 @@ from dsv4ray.kernels.moe import (
     fused_moe_ref,
     small_pairs,
 )
+from dsv4ray.kernels.quant_tiles import dequantize_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -235,6 +236,21 @@ def test_fp4_every_code_at_the_extreme_scales(device):
     out = fused_moe(*args, 1.0, scales, "fp4")
     ref = fused_moe_ref(*args, 1.0, scales, "fp4")
     assert_close("moe fp4 extreme scales", out, ref, 1e-5, 1e-4)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_fp4_decodes_every_code_at_the_extreme_scales_exactly(out_dtype, device):
+    """kernels/dequant.py on all 16 e2m1 codes under scale bytes from 2 (2^-125) to
+    FP4_MAX_SCALE_BYTE: each value, as the loader's reference rounds it to the scratch's dtype."""
+    g = torch.Generator().manual_seed(7)
+    w13, _, (s13, _), _, _ = _stacks("fp4", "ue8m0", "cpu")
+    w13 = pack_fp4(torch.randint(0, 16, (EXPERTS, 2 * INTER, HIDDEN), generator=g))
+    choices = torch.tensor([2, 3, 100, 127, 200, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
+    s13 = choices[torch.randint(0, len(choices), s13.shape, generator=g)].view(s13.dtype)
+    want = dequantize_ref(w13, s13, "fp4").to(out_dtype)
+    out = torch.empty(want.shape, dtype=out_dtype, device=device)
+    dequantize(w13.to(device), s13.to(device), "fp4", (128, 128), out)
+    assert torch.equal(out.cpu(), want)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
