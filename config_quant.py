@@ -22,9 +22,9 @@ from dsv4ray.config_error import ConfigError
 SCALE_FORMATS = ("float", "ue8m0")
 EXPERT_DTYPES = ("fp8", "fp4")
 FP4_GROUP = 32  # e2m1 values sharing one ue8m0 scale along a row
-# The largest ue8m0 byte of an FP4 scale the native kernels decode (2^113: they take 2^14 of each
-# code's value into its scale); no trained weight comes near it.
-FP4_MAX_SCALE_BYTE = 240
+# The largest ue8m0 byte of an FP4 scale the native kernels decode (2^1, groups of magnitude up to
+# 12: they take 2^126 of each code's value into a bf16 scale); no trained weight comes near it.
+FP4_MAX_SCALE_BYTE = 128
 # Layouts make_tiny writes -> (scale_fmt, expert_dtype): "fp8" is the all-FP8 layout with fp32
 # scales (V4 base models), "fp8+fp4-experts" the V4-Flash one (ue8m0 scales, FP4 experts).
 RELEASE_LAYOUTS = {"fp8": ("float", "fp8"), "fp8+fp4-experts": ("ue8m0", "fp4")}

@@ -9,9 +9,10 @@ tensor as uint8 bytes):
   [1, 254]). Value = e4m3 * scale.
 - fp4: e2m1 codes packed two per byte [N, K / 2], the even column in the LOW nibble; one ue8m0
   byte per 32 values of a row, scale [N, K / 32]. Value = e2m1 * scale. Code bits: sign (3),
-  exponent (2..1), mantissa (0): 0, 0.5, 1, 1.5, 2, 3, 4, 6. The kernels decode codes scaled by
-  2^-14 and take 2^14 into the scale, so they cover scale bytes up to FP4_MAX_SCALE_BYTE (240,
-  2^113; the loader rejects larger ones: no real weight comes near).
+  exponent (2..1), mantissa (0): 0, 0.5, 1, 1.5, 2, 3, 4, 6. On tensor cores the kernels decode
+  codes scaled by 2^-126 (bf16 bits, `fp4_bf16`) and take 2^126 into the bf16 scale, so they
+  cover scale bytes up to FP4_MAX_SCALE_BYTE (128, 2^1; the loader rejects larger ones: no
+  trained weight comes near).
 
 `weight_dot` multiplies an activation tile by one K step of a weight tile, in fp32. FP8 runs the dot
 on the unscaled e4m3 numbers (exact in bf16 and fp16) and scales the [BLOCK_M, BLOCK_N] product by
@@ -31,6 +32,7 @@ from dsv4ray.kernels.bits import f32_to_bf16_bits, num_sms, pow2_from_byte
 FORMATS = {"dense": 0, "fp8": 1, "fp4": 2}  # the kernels' FMT argument
 FMT_FP8 = tl.constexpr(FORMATS["fp8"])
 FP4_GROUP = 32  # values of a row sharing one ue8m0 scale
+FP4_GROUP_C = tl.constexpr(FP4_GROUP)  # the same, as kernels read it
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
@@ -109,16 +111,60 @@ def load_x(x_rows, x_ok, k0, K, FMT: tl.constexpr, BLOCK_K: tl.constexpr):
     """Activations x[:, k0:k0 + BLOCK_K] as `weight_dot` takes them: (xa, xb) = the even and odd
     columns [BLOCK_M, BLOCK_K / 2] for FP4, else the tile [BLOCK_M, BLOCK_K] twice. x_rows
     [BLOCK_M, 1]: pointers to the rows (contiguous along K), x_ok their mask; 0 past K."""
-    if FMT == 2:
-        col = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-        xm = x_ok & (col < K)[None, :]  # K is a multiple of 32: col < K means col + 1 < K
-        xa = tl.load(x_rows + col[None, :], mask=xm, other=0.0)
-        xb = tl.load(x_rows + col[None, :] + 1, mask=xm, other=0.0)
+    if FMT == 2:  # one contiguous (vectorised) load, split into even and odd columns in registers
+        k = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_rows + k[None, :], mask=x_ok & (k < K)[None, :], other=0.0)
+        xa, xb = tl.split(tl.reshape(x, (x.shape[0], BLOCK_K // 2, 2)))
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         xa = tl.load(x_rows + k[None, :], mask=x_ok & (k < K)[None, :], other=0.0)
         xb = xa
     return xa, xb
+
+
+@triton.jit
+def _per_byte(group_tile, SWAP: tl.constexpr):
+    """A tile of one value per 32-column group -> one per byte of the FP4 tile (16 bytes a group):
+    [N, G] -> [N, 16 G], or with K along dim 0 (not SWAP) [G, N] -> [16 G, N]."""
+    A: tl.constexpr = group_tile.shape[0]
+    B: tl.constexpr = group_tile.shape[1]
+    if SWAP:
+        out = tl.reshape(tl.broadcast_to(group_tile[:, :, None], (A, B, 16)), (A, 16 * B))
+    else:
+        out = tl.reshape(tl.broadcast_to(group_tile[:, None, :], (A, 16, B)), (16 * A, B))
+    return out
+
+
+# Two FP4 bytes (one 16-bit register, b0 in the low byte) and their groups' bf16 multipliers
+# 2^(s - 1) (b32, two bf16) -> (low nibbles, high nibbles) as bf16 pairs. prmt spreads the bytes
+# into the halves of t; a code's bits (s e1 e0 m) become bf16 bits (s << 15) | (e1 e0 m << 6),
+# exactly code * 2^-126 (the code 0.5 is the subnormal 2^-127, which bf16 arithmetic keeps), and
+# fma(., 2^(s - 1), -0) is code * 2^(s - 127) exactly for every scale byte s <= 128.
+FP4_BF16_ASM = tl.constexpr("""
+{
+.reg .b32 x, t, m, g, z;
+mov.b32 z, 0x80008000;
+cvt.u32.u16 x, $2;
+prmt.b32 t, x, 0, 0x4140;
+shl.b32 m, t, 6; and.b32 m, m, 0x01C001C0;
+shl.b32 g, t, 12; and.b32 g, g, 0x80008000; or.b32 m, m, g;
+fma.rn.bf16x2 $0, m, $3, z;
+shl.b32 m, t, 2; and.b32 m, m, 0x01C001C0;
+shl.b32 g, t, 8; and.b32 g, g, 0x80008000; or.b32 m, m, g;
+fma.rn.bf16x2 $1, m, $3, z;
+}
+""")
+
+
+@triton.jit
+def fp4_bf16(byte, multiplier):
+    """FP4 bytes (uint8) and per-byte bf16 multipliers 2^(s - 1) -> (values of the low nibbles,
+    of the high nibbles) in bf16, exact (`FP4_BF16_ASM`): about five instructions per value where
+    decoding through fp32 takes twelve. The caller checks the result against `e2m1_scaled_down`
+    on GPUs (tests/gpu/test_fp4_decode_cuda.py); the interpreter cannot run it."""
+    return tl.inline_asm_elementwise(
+        FP4_BF16_ASM, "=r,=r,h,r", [byte, multiplier], (tl.bfloat16, tl.bfloat16), True, 2
+    )
 
 
 @triton.jit
@@ -149,14 +195,21 @@ def weight_dot(
     BLOCK_K. Columns past K count as zero.
     """
     if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
+        # masks on the byte and group indices (K % 32 == 0) keep the loads vectorised
         j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-        offs, wm = _tile(w_rows, stride_w, n_ok, j, 2 * j < K, SWAP)
-        byte = tl.load(w_ptr + offs, mask=wm, other=0).to(tl.int32) & 0xFF
-        s_offs, _ = _tile(s_rows, stride_s, n_ok, j // 16, 2 * j < K, SWAP)
-        s_byte = tl.load(s_ptr + s_offs, mask=wm, other=0)
-        scale = pow2_from_byte(s_byte.to(tl.int32) + 14)  # 2^14 x the block's scale
-        lo = e2m1_scaled_down(byte, False) * scale
-        hi = e2m1_scaled_down(byte, True) * scale
+        offs, wm = _tile(w_rows, stride_w, n_ok, j, j < K // 2, SWAP)
+        byte = tl.load(w_ptr + offs, mask=wm, other=0)
+        g = k0 // FP4_GROUP_C + tl.arange(0, BLOCK_K // FP4_GROUP_C)
+        s_offs, sm = _tile(s_rows, stride_s, n_ok, g, g < K // FP4_GROUP_C, SWAP)
+        s_byte = _per_byte(tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32), SWAP)
+        if IEEE:  # exact fp32 values (the interpreter runs no inline assembly)
+            byte = byte.to(tl.int32) & 0xFF
+            scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
+            lo = e2m1_scaled_down(byte, False) * scale
+            hi = e2m1_scaled_down(byte, True) * scale
+        else:
+            multiplier = ((s_byte + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
+            lo, hi = fp4_bf16(byte, multiplier)  # 2^(s - 1): 2^126 x the group's scale
         out = times_x(xa, lo, SWAP, IEEE) + times_x(xb, hi, SWAP, IEEE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)

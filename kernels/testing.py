@@ -66,3 +66,72 @@ def assert_entries_close(
     same = pages.cpu().view(-1)[offsets] == ref_pages.cpu().view(-1)[offsets]
     same = same.float().mean().item()
     assert same >= min_exact, f"{name}: only {same:.4f} of the entry bytes agree"
+
+
+def build_for_hopper(
+    kernel: str, args: dict, constexprs: dict, num_warps: int, num_stages: int
+) -> str:
+    """Compiles the Triton kernel "module:name" for sm_90 with Triton's own ptxas, no GPU needed,
+    and returns its SASS: a CPU run proves that the code the interpreter cannot run (inline PTX,
+    tensor-core layouts) builds for Hopper. args: every runtime argument by name, a pointer as
+    "*<type>" (bf16, u8, i32, ...), an int (multiples of 16 specialised as the launcher does) or a
+    float. Under the interpreter the kernels are not compilable objects, so a fresh interpreter
+    process without TRITON_INTERPRET builds it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    request = dict(kernel=kernel, args=args, constexprs=constexprs, num_warps=num_warps,
+                   num_stages=num_stages)  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = "import json, sys; from dsv4ray.kernels.testing import _build; "
+    code += "print(_build(**json.loads(sys.stdin.read())), end='')"
+    done = subprocess.run([sys.executable, "-c", code], input=json.dumps(request), env=env,
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode:
+        raise RuntimeError(f"building {kernel} for sm_90 failed:\n{done.stderr[-4000:]}")
+    return done.stdout
+
+
+def _build(kernel: str, args: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    import importlib
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    module, name = kernel.split(":")
+    fn = getattr(importlib.import_module(module), name)
+    unspecialised = {fn.arg_names[i] if isinstance(i, int) else i
+                     for i in fn.do_not_specialize or ()}  # fmt: skip
+    signature, attrs, constants = {}, {}, {}
+    for i, arg in enumerate(fn.arg_names):
+        value = constexprs.get(arg, args.get(arg))
+        if arg in constexprs:
+            signature[arg], constants[arg] = "constexpr", value
+        elif isinstance(value, str):
+            signature[arg], attrs[(i,)] = value, [["tt.divisibility", 16]]
+        elif isinstance(value, int):
+            signature[arg] = "i32"
+            if value % 16 == 0 and arg not in unspecialised:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            signature[arg] = "fp32"
+    target = GPUTarget("cuda", 90, 32)
+    options = triton.compiler.make_backend(target).parse_options(
+        {"num_warps": num_warps, "num_stages": num_stages}
+    )
+    src = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(src, target=target, options=options.__dict__)
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        dump = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True)  # fmt: skip
+    return dump.stdout

@@ -223,12 +223,12 @@ def test_many_experts_with_few_pairs_each(fmt, routing, device):
 
 def test_fp4_every_code_at_the_extreme_scales(device):
     """All 16 e2m1 codes (the subnormal 0.5 included) under scale bytes from 2 (2^-125) to
-    FP4_MAX_SCALE_BYTE (2^113) decode exactly: gate and up rows of huge and tiny magnitudes,
+    FP4_MAX_SCALE_BYTE (2^1) decode exactly: gate and up rows of huge and tiny magnitudes,
     clamped by the limit, against the reference."""
     g = torch.Generator().manual_seed(6)
     w13, w2, (s13, s2), _, _ = _stacks("fp4", "ue8m0", "cpu")
     w13 = pack_fp4(torch.randint(0, 16, (EXPERTS, 2 * INTER, HIDDEN), generator=g))
-    choices = torch.tensor([2, 3, 100, 127, 200, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
+    choices = torch.tensor([2, 3, 100, 127, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
     s13 = choices[torch.randint(0, len(choices), s13.shape, generator=g)].view(s13.dtype)
     x, ids, weights = _routing(5, "cpu")
     args = [t.to(device) for t in (x, ids, weights, w13, w2)]
@@ -245,7 +245,7 @@ def test_fp4_decodes_every_code_at_the_extreme_scales_exactly(out_dtype, device)
     g = torch.Generator().manual_seed(7)
     w13, _, (s13, _), _, _ = _stacks("fp4", "ue8m0", "cpu")
     w13 = pack_fp4(torch.randint(0, 16, (EXPERTS, 2 * INTER, HIDDEN), generator=g))
-    choices = torch.tensor([2, 3, 100, 127, 200, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
+    choices = torch.tensor([2, 3, 100, 127, FP4_MAX_SCALE_BYTE], dtype=torch.uint8)
     s13 = choices[torch.randint(0, len(choices), s13.shape, generator=g)].view(s13.dtype)
     want = dequantize_ref(w13, s13, "fp4").to(out_dtype)
     out = torch.empty(want.shape, dtype=out_dtype, device=device)

@@ -1,0 +1,55 @@
+"""The grouped FP4 expert kernels build for Hopper (sm_90) on any machine: the interpreter runs
+their fp32 branch, so this is where the inline PTX that decodes FP4 on tensor-core paths, and the
+tile shapes serving uses, meet ptxas before a GPU does. The SASS also shows the decode cheap: the
+K loop spends a bounded number of instructions per weight value."""
+
+import re
+
+import pytest
+
+from dsv4ray.kernels import moe
+from dsv4ray.kernels.testing import build_for_hopper
+
+HIDDEN, INTER = 4096, 2048  # V4-Flash's expert shape
+
+
+def _args(down: bool) -> dict:
+    common = dict(list_ptr="*i64", blocks_ptr="*i32", counts_ptr="*i32",
+                  k_per_split=HIDDEN, num_splits=1, num_pairs=7, num_experts=256, hidden=HIDDEN,
+                  inter=INTER, expert_lo=0, expert_hi=-1)  # fmt: skip
+    if down:
+        return dict(common, h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8",
+                    weight_ptr="*fp32", out_ptr="*fp32", stride_w=INTER // 2,
+                    stride_s=INTER // 32, s_per_expert=HIDDEN, block_n=1, block_k=128)  # fmt: skip
+    return dict(common, x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8",
+                h_ptr="*bf16", part_ptr="*fp32", num_slots=6, limit=10.0,
+                stride_w=HIDDEN // 2, stride_s=HIDDEN // 32, s_per_expert=2 * INTER, s_up=INTER,
+                block_n=1, block_k=128)  # fmt: skip
+
+
+def _loop_instructions(sass: str) -> int:
+    """Instructions of the kernel's longest loop (a backward branch and its target)."""
+    lines = re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)
+    longest = 0
+    for addr, text in lines:
+        target = re.search(r"BRA\s+(?:`\(\.L_x_\d+\)\s*)?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < int(addr, 16):
+            longest = max(longest, (int(addr, 16) - int(target.group(1), 16)) // 16 + 1)
+    return longest
+
+
+@pytest.mark.parametrize("down", [False, True], ids=["gate-up", "down"])
+@pytest.mark.parametrize("tiles", ["small", "prefill"])
+def test_fp4_expert_kernels_build_for_hopper(down, tiles):
+    tile = dict(moe.SMALL_TILES["fp4"] if tiles == "small" else moe.PREFILL_TILES["fp4"])
+    warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
+    flags = dict(LISTED=tiles == "small", E_PAD=256, FMT=2, SCALE_BYTES=True, IEEE=False, **tile)
+    kernel = "dsv4ray.kernels.moe:" + ("_down_kernel" if down else "_gate_up_kernel")
+    sass = build_for_hopper(kernel, _args(down), flags, warps, stages)
+    assert "HMUL2" in sass  # the bf16 decode, not the fp32 one
+    # weight values a thread decodes per K step: gate and up, or the down projection's one tile
+    values = (1 if down else 2) * tile["BLOCK_N"] * tile["BLOCK_K"] // (32 * warps)
+    loop = _loop_instructions(sass)
+    assert loop > 0, "no K loop found in the SASS"
+    per_value = loop / values
+    assert per_value < 8, f"{per_value:.1f} instructions per FP4 value in the K loop"
