@@ -201,15 +201,15 @@ def weight_dot(
         byte = tl.load(w_ptr + offs, mask=wm, other=0)
         g = k0 // FP4_GROUP_C + tl.arange(0, BLOCK_K // FP4_GROUP_C)
         s_offs, sm = _tile(s_rows, stride_s, n_ok, g, g < K // FP4_GROUP_C, SWAP)
-        s_byte = _per_byte(tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32), SWAP)
+        s_byte = tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32)  # one per group
         if IEEE:  # exact fp32 values (the interpreter runs no inline assembly)
             byte = byte.to(tl.int32) & 0xFF
-            scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
+            scale = _per_byte(pow2_from_byte(s_byte + 14), SWAP)  # 2^14 x the group's scale
             lo = e2m1_scaled_down(byte, False) * scale
             hi = e2m1_scaled_down(byte, True) * scale
-        else:
+        else:  # 2^(s - 1) = 2^126 x the group's scale, as bf16
             multiplier = ((s_byte + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lo, hi = fp4_bf16(byte, multiplier)  # 2^(s - 1): 2^126 x the group's scale
+            lo, hi = fp4_bf16(byte, _per_byte(multiplier, SWAP))
         out = times_x(xa, lo, SWAP, IEEE) + times_x(xb, hi, SWAP, IEEE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
