@@ -159,9 +159,10 @@ fma.rn.bf16x2 $1, m, $3, z;
 @triton.jit
 def fp4_bf16(byte, multiplier):
     """FP4 bytes (uint8) and per-byte bf16 multipliers 2^(s - 1) -> (values of the low nibbles,
-    of the high nibbles) in bf16, exact (`FP4_BF16_ASM`): about five instructions per value where
-    decoding through fp32 takes twelve. The caller checks the result against `e2m1_scaled_down`
-    on GPUs (tests/gpu/test_fp4_decode_cuda.py); the interpreter cannot run it."""
+    of the high nibbles) in bf16, exact (`FP4_BF16_ASM`): under three instructions per value,
+    and a grouped expert kernel's K loop about five in all (nineteen decoding through fp32; sm_90
+    SASS, tests/kernels/test_hopper_build.py). Its values are checked against the loader's on GPUs
+    (tests/gpu/test_fp4_decode_cuda.py); the interpreter cannot run it."""
     return tl.inline_asm_elementwise(
         FP4_BF16_ASM, "=r,=r,h,r", [byte, multiplier], (tl.bfloat16, tl.bfloat16), True, 2
     )
