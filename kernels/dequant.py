@@ -16,11 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import pow2_from_byte
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
     FP4_GROUP,
-    e2m1_scaled_down,
+    fp4_f32,
     kernel_bytes,
     load_scale,
     scale_shape,
@@ -90,11 +89,10 @@ def _fp4_tile(w_row, s_row, o_row, r_ok, cols, BLOCK_C: tl.constexpr):
     stores it unrounded (the interpreter's truncating cast included)."""
     j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
     mask = r_ok[:, None] & (2 * j < cols)[None, :]
-    byte = tl.load(w_row[:, None] + j[None, :], mask=mask, other=0).to(tl.int32) & 0xFF
+    byte = tl.load(w_row[:, None] + j[None, :], mask=mask, other=0)
     s_byte = tl.load(s_row[:, None] + (j // 16)[None, :], mask=mask, other=0).to(tl.int32)
-    scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
-    low, high = e2m1_scaled_down(byte, False), e2m1_scaled_down(byte, True)
-    value = tl.reshape(tl.join(low * scale, high * scale), (w_row.shape[0], BLOCK_C))
+    low, high = fp4_f32(byte, s_byte)
+    value = tl.reshape(tl.join(low, high), (w_row.shape[0], BLOCK_C))
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
     tl.store(o_row[:, None] + c[None, :], value.to(o_row.dtype.element_ty),
              mask=r_ok[:, None] & (c < cols)[None, :])  # fmt: skip

@@ -157,15 +157,27 @@ fma.rn.bf16x2 $1, m, $3, z;
 
 
 @triton.jit
-def fp4_bf16(byte, multiplier):
-    """FP4 bytes (uint8) and per-byte bf16 multipliers 2^(s - 1) -> (values of the low nibbles,
-    of the high nibbles) in bf16, exact (`FP4_BF16_ASM`): under three instructions per value,
-    and a grouped expert kernel's K loop about five in all (nineteen decoding through fp32; sm_90
-    SASS, tests/kernels/test_hopper_build.py). Its values are checked against the loader's on GPUs
+def fp4_bf16(byte, s_byte):
+    """FP4 bytes (uint8) and their groups' ue8m0 scale bytes (int32, one per byte) -> (values of
+    the low nibbles, of the high nibbles) in bf16, exact (`FP4_BF16_ASM`, multiplying by
+    2^(s - 1) = 2^126 x the group's scale): under three instructions per value, and a grouped
+    expert kernel's K loop about five in all (nineteen decoding through fp32; sm_90 SASS,
+    tests/kernels/test_hopper_build.py). Its values are checked against the loader's on GPUs
     (tests/gpu/test_fp4_decode_cuda.py); the interpreter cannot run it."""
+    multiplier = ((s_byte + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
     return tl.inline_asm_elementwise(
         FP4_BF16_ASM, "=r,=r,h,r", [byte, multiplier], (tl.bfloat16, tl.bfloat16), True, 2
     )
+
+
+@triton.jit
+def fp4_f32(byte, s_byte):
+    """FP4 bytes and their groups' scale bytes (int32, one per byte) -> (values of the low
+    nibbles, of the high nibbles) in fp32, exact, in plain Triton (fp32 products, the
+    interpreter, and the decode into a scratch)."""
+    byte = byte.to(tl.int32) & 0xFF
+    scale = pow2_from_byte(s_byte + 14)  # 2^14 x the group's scale
+    return e2m1_scaled_down(byte, False) * scale, e2m1_scaled_down(byte, True) * scale
 
 
 @triton.jit
@@ -202,15 +214,11 @@ def weight_dot(
         byte = tl.load(w_ptr + offs, mask=wm, other=0)
         g = k0 // FP4_GROUP_C + tl.arange(0, BLOCK_K // FP4_GROUP_C)
         s_offs, sm = _tile(s_rows, stride_s, n_ok, g, g < K // FP4_GROUP_C, SWAP)
-        s_byte = tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32)  # one per group
+        s_byte = _per_byte(tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32), SWAP)
         if IEEE:  # exact fp32 values (the interpreter runs no inline assembly)
-            byte = byte.to(tl.int32) & 0xFF
-            scale = _per_byte(pow2_from_byte(s_byte + 14), SWAP)  # 2^14 x the group's scale
-            lo = e2m1_scaled_down(byte, False) * scale
-            hi = e2m1_scaled_down(byte, True) * scale
-        else:  # 2^(s - 1) = 2^126 x the group's scale, as bf16
-            multiplier = ((s_byte + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
-            lo, hi = fp4_bf16(byte, _per_byte(multiplier, SWAP))
+            lo, hi = fp4_f32(byte, s_byte)
+        else:
+            lo, hi = fp4_bf16(byte, s_byte)
         out = times_x(xa, lo, SWAP, IEEE) + times_x(xb, hi, SWAP, IEEE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)

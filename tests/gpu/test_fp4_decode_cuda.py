@@ -20,7 +20,7 @@ def _decode(byte_ptr, scale_ptr, lo_ptr, hi_ptr, n, BLOCK: tl.constexpr):
     ok = i < n
     byte = tl.load(byte_ptr + i, mask=ok, other=0)
     s = tl.load(scale_ptr + i, mask=ok, other=0).to(tl.int32)
-    lo, hi = fp4_bf16(byte, ((s + 126) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True))
+    lo, hi = fp4_bf16(byte, s)
     tl.store(lo_ptr + i, lo, mask=ok)
     tl.store(hi_ptr + i, hi, mask=ok)
 
