@@ -14,12 +14,13 @@ Each program multiplies a BLOCK_M x BLOCK_N output tile over a range of K: e4m3 
 in registers (exactly) and multiplied with the activations on tensor cores, fp32 accumulation, the
 block scale applied to each K step's product (see kernels/quant_tiles.py). Tiles by M (a function
 of M's bucket only, so a bucket compiles once):
-  - M <= 16 (16 x 64 output tiles) and 16 < M <= 64 (64 x 64), K steps of 64 and 8 warps
-    (decode batches; 3.6x and 4.1x faster than K steps of 128 on 4 warps over the dsv4-mini
-    linears on an H100, bench/quant_sweep.py): memory-bound, every weight tile is read by one
-    program (per 64 rows of M); when the output tiles are too few to fill the GPU twice over, K
-    is split across programs, each writing an fp32 partial [splits, M, G N] that torch sums
-    (deterministic, no atomics);
+  - M <= 16: 16 x 64 output tiles, K steps of 128 on 4 warps (at V4-Flash's linears on an H200
+    4-25% faster than K steps of 64 on 8 warps, whose loop divides by the scale block every
+    step); 16 < M <= 64: 64 x 64 tiles, K steps of 64 on 8 warps. Decode batches are
+    memory-bound: every weight tile is read by one program (per tile of M rows); when the output
+    tiles are too few to fill the GPU twice over, K is split across programs, each writing an
+    fp32 partial [splits, M, G N] that `_sum_splits_kernel` adds in split order and stores in
+    x's dtype (deterministic, no atomics, one launch);
   - M > 64: 128 x 128 tiles, K steps of 64, split only while the tiles are too few; from
     DEQUANT_ROWS rows of bf16 / fp16 x (prefill chunks) W is decoded into a scratch in x's dtype
     first (kernels/dequant.py) and multiplied there (cuBLAS on GPUs: the dequantised model's
@@ -121,7 +122,7 @@ def _fp8_linear_kernel(
 def tiles(num_rows: int) -> dict:
     """Tile shapes for M = num_rows (see the module docstring)."""
     if num_rows <= BUCKET_M[0]:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=5)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     if num_rows <= BUCKET_M[1]:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -196,7 +197,32 @@ def fp8_linear(
         **t,
     )
     if splits > 1:
-        out.copy_(part.sum(0))
+        sum_splits(part, out)
+    return out
+
+
+@triton.jit(do_not_specialize=["numel", "num_splits"])
+def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr,
+                       OUT_BF16: tl.constexpr):  # fmt: skip
+    # out[i] = part[0, i] + part[1, i] + ... in split order (fp32), stored in out's dtype
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in range(1, num_splits):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    store_rounded(out_ptr, offs, acc, mask, OUT_BF16)
+
+
+def sum_splits(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [M, W] = the fp32 partials part [S, M, W] added in split order, in out's dtype (bf16
+    rounded to nearest even): the split-K epilogue in one launch."""
+    assert part.dtype == torch.float32 and part.is_contiguous() and out.is_contiguous()
+    assert part.shape[1:] == out.shape, (part.shape, out.shape)
+    numel = out.numel()
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(numel, block),)](
+        part, out, numel, part.shape[0], BLOCK=block, OUT_BF16=out.dtype == torch.bfloat16
+    )
     return out
 
 
