@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -299,12 +300,17 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     work = tempfile.mkdtemp(prefix="dsv4as")
     head = Head(work)
+    ok = False
     try:
         outcome = scenario(head, os.path.abspath(args.model), args.timeout)
+        ok = outcome["replica_on"] == WORKER_TYPE and outcome["ok"] > 0
     finally:
         head.stop()
+        if ok:  # the head's sessions, logs and token: kept only to debug a failed run
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"autoscale: the head's logs are in {work}/ray", flush=True)
     print(f"autoscale: {outcome['ok']} requests answered; replica on {outcome['replica_on']}")
-    ok = outcome["replica_on"] == WORKER_TYPE and outcome["ok"] > 0
     report(outcome, args.timeout, args)
     print("autoscale: PASSED" if ok else "autoscale: FAILED", flush=True)
     return 0 if ok else 1

@@ -3,15 +3,19 @@ head of its own): requests make Serve add a replica, its placement group makes t
 start a node of the type that carries the stage resource, the requests are answered on that
 node, and with no traffic the replica and then the node go away."""
 
+import glob
 import json
 import os
 import subprocess
 import sys
+import tempfile
 
 
 def test_a_cold_cluster_scales_up_for_requests_and_back_down(tiny_ckpt, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     cmd = [sys.executable, "-m", "dsv4ray.bench", "autoscale", "--model", tiny_ckpt]
+    work_dirs = os.path.join(tempfile.gettempdir(), "dsv4as*")  # the bench's own head's dir
+    before = set(glob.glob(work_dirs))
     done = subprocess.run(
         [*cmd, "--timeout", "240", "--out-dir", str(tmp_path)],
         env=env,
@@ -28,6 +32,7 @@ def test_a_cold_cluster_scales_up_for_requests_and_back_down(tiny_ckpt, tmp_path
         "autoscale: first request answered",
         "autoscale: worker node removed",
     ]
+    assert set(glob.glob(work_dirs)) <= before, "a passed run left its head's temp dir"
     rows = {
         r["name"]: r for r in json.loads((tmp_path / "autoscale-cpu.json").read_text())["results"]
     }
