@@ -232,7 +232,7 @@ def indexer_topk(
     pages), so a near-tie may resolve differently from the fp32 reference.
     """
     scores = indexer_scores(q, weights, k_pages, page_table, req_idx, bound, layout)
-    return topk_rows(scores, topk)
+    return topk_rows(scores, topk, lengths=bound)  # the padded columns past bound are not read
 
 
 def indexer_scores_ref(q, weights, k_pages, page_table, req_idx, bound, layout) -> torch.Tensor:

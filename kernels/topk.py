@@ -8,7 +8,10 @@ The Triton kernel runs one program per row. A radix select finds the exact k-th 
 (RADIX_BITS bits a pass over the row, a histogram of the candidates' next digit each pass); one
 compaction pass then keeps every score > u* and the first (in position order) of the scores == u*,
 which is exactly the tie rule, and a sort of those k keys (score << 32 | ~position) orders them.
-Each pass reads the row (4 bytes an entry) from L2; only k keys are sorted.
+Each pass reads the row (4 bytes an entry) from L2; only k keys are sorted. Given each row's
+visible length (the indexer's bound: the entries past it are masked padding up to the page
+table's width, which under CUDA graphs is the context bucket's), the passes read the visible
+entries alone, and a row of at most k of them skips the select: every entry is kept.
 
 A long row with few rows beside it (a 1M-token decode: 262,144 entries a row on one SM) is cut
 into segments: the same kernel first selects each segment's top k candidates with the same rule,
@@ -102,10 +105,13 @@ def _keys(u, pos):
     return (score << 32) | ((pos.to(tl.int64) & LOW32) ^ LOW32)
 
 
-@triton.jit(do_not_specialize=["num_cols", "topk", "row_stride", "seg_len", "mode"])
+@triton.jit(
+    do_not_specialize=["len_ptr", "num_cols", "topk", "row_stride", "seg_len", "mode", "use_len"]
+)
 def _topk_rows_kernel(
     scores_ptr,
     pos_ptr,
+    len_ptr,
     out_ptr,
     cand_ptr,
     cand_pos_ptr,
@@ -115,6 +121,7 @@ def _topk_rows_kernel(
     row_stride,
     seg_len,
     mode,
+    use_len,
     K_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
@@ -124,13 +131,21 @@ def _topk_rows_kernel(
     # MODE_SEGMENT: cand / cand_pos [rows, segments * topk] int32 <- the segment's top-k scores
     #   and positions in position order, MASKED_SCORE past them.
     # MODE_CANDIDATES: the row is those candidates, positions read from pos_ptr; out as MODE_ROW.
-    # buf [rows, K_POW2] int64 scratch for the selected keys.
+    # buf [rows, K_POW2] int64 scratch for the selected keys. use_len: entries from len[t] on
+    # count as MASKED_SCORE and are never read (len [rows] int64, at most num_cols).
     t = tl.program_id(0).to(tl.int64)
     base = tl.program_id(1).to(tl.int64) * seg_len
     row_ptr = scores_ptr + t * row_stride + base
-    n = tl.minimum(num_cols - base, seg_len).to(tl.int32)
+    row_len = num_cols
+    if use_len != 0:
+        row_len = tl.minimum(tl.load(len_ptr + t), num_cols).to(tl.int32)
+    n = tl.maximum(tl.minimum(row_len - base, seg_len), 0).to(tl.int32)
     need = tl.minimum(topk, n)
-    threshold, need_eq = _radix_select(row_ptr, n, need, CHUNK, RADIX_BITS)
+    if need < n:
+        threshold, need_eq = _radix_select(row_ptr, n, need, CHUNK, RADIX_BITS)
+    else:  # the whole range is picked: u >= 0 keeps every entry, no select pass
+        threshold = tl.zeros((), tl.uint32)
+        need_eq = n
     buf_row = buf_ptr + t * K_POW2
     cand_row = (t * tl.cdiv(num_cols, seg_len) + tl.program_id(1)) * topk  # MODE_SEGMENT's slots
     count = tl.zeros((), tl.int32)
@@ -167,12 +182,22 @@ def _topk_rows_kernel(
         tl.store(out_ptr + t * topk + k, pos, mask=k < topk)
 
 
-def topk_rows(scores: torch.Tensor, topk: int, segments: int | None = None) -> torch.Tensor:
+def topk_rows(
+    scores: torch.Tensor,
+    topk: int,
+    segments: int | None = None,
+    lengths: torch.Tensor | None = None,
+) -> torch.Tensor:
     """scores int32 [T, L] (order-preserving, MASKED_SCORE = never) -> positions int64 [T, topk]:
     descending score, ties to the lower position, -1 padded (also for picked MASKED entries).
-    segments: programs per row in the first pass (None: `num_segments`)."""
+    segments: programs per row in the first pass (None: `num_segments`). lengths int64 [T]: row
+    t's entries from lengths[t] on are MASKED_SCORE (the caller's promise; they are not read), so
+    a row padded past its visible entries costs what its visible entries cost, and a row of at
+    most topk of them is picked whole without a select pass."""
     assert scores.dtype == torch.int32 and scores.dim() == 2 and scores.is_contiguous()
     num_rows, num_cols = scores.shape
+    if lengths is not None:
+        assert lengths.dtype == torch.int64 and tuple(lengths.shape) == (num_rows,), lengths.shape
     out = torch.full((num_rows, topk), -1, dtype=torch.int64, device=scores.device)
     if num_rows == 0 or num_cols == 0 or topk == 0:
         return out
@@ -185,15 +210,18 @@ def topk_rows(scores: torch.Tensor, topk: int, segments: int | None = None) -> t
     seg_len = triton.cdiv(num_cols, max(1, segments))
     segments = triton.cdiv(num_cols, seg_len)  # none empty
     consts = dict(K_POW2=k_pow2, CHUNK=chunk, RADIX_BITS=RADIX_BITS, num_warps=num_warps)
+    lens, use_len = (lengths, 1) if lengths is not None else (out, 0)
     if segments == 1:
-        _topk_rows_kernel[(num_rows, 1)](scores, scores, out, scores, scores, buf, num_cols, topk,
-                                         num_cols, num_cols, MODE_ROW, **consts)  # fmt: skip
+        _topk_rows_kernel[(num_rows, 1)](scores, scores, lens, out, scores, scores, buf, num_cols,
+                                         topk, num_cols, num_cols, MODE_ROW, use_len,
+                                         **consts)  # fmt: skip
         return out
     cand = torch.empty(num_rows, segments * topk, dtype=torch.int32, device=scores.device)
     cand_pos = torch.empty_like(cand)
     _topk_rows_kernel[(num_rows, segments)](
         scores,
         scores,
+        lens,
         out,
         cand,
         cand_pos,
@@ -203,11 +231,12 @@ def topk_rows(scores: torch.Tensor, topk: int, segments: int | None = None) -> t
         num_cols,
         seg_len,
         MODE_SEGMENT,
+        use_len,
         **consts,
     )
     width = segments * topk
-    _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, cand, cand_pos, buf, width, topk, width,
-                                     width, MODE_CANDIDATES, **consts)  # fmt: skip
+    _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, out, cand, cand_pos, buf, width, topk,
+                                     width, width, MODE_CANDIDATES, 0, **consts)  # fmt: skip
     return out
 
 

@@ -1,13 +1,15 @@
-"""The grouped FP4 expert kernels build for Hopper (sm_90) on any machine: the interpreter runs
-their fp32 branch, so this is where the inline PTX that decodes FP4 on tensor-core paths, and the
-tile shapes serving uses, meet ptxas before a GPU does. The SASS also shows the decode cheap: the
-K loop spends a bounded number of instructions per weight value."""
+"""Kernels build for Hopper (sm_90) on any machine. The grouped FP4 expert kernels: the interpreter
+runs their fp32 branch, so this is where the inline PTX that decodes FP4 on tensor-core paths, and
+the tile shapes serving uses, meet ptxas before a GPU does; the SASS also shows the decode cheap:
+the K loop spends a bounded number of instructions per weight value. The top-k kernel: its
+runtime branch between the select passes and the whole-row pick (a control flow the interpreter
+accepts more freely than the compiler), at the configuration decode uses."""
 
 import re
 
 import pytest
 
-from dsv4ray.kernels import moe
+from dsv4ray.kernels import moe, topk
 from dsv4ray.kernels.testing import build_for_hopper
 
 HIDDEN, INTER = 4096, 2048  # V4-Flash's expert shape
@@ -53,3 +55,13 @@ def test_fp4_expert_kernels_build_for_hopper(down, tiles):
     assert loop > 0, "no K loop found in the SASS"
     per_value = loop / values
     assert per_value < 8, f"{per_value:.1f} instructions per FP4 value in the K loop"
+
+
+def test_topk_kernel_builds_for_hopper():
+    args = dict(scores_ptr="*i32", pos_ptr="*i32", len_ptr="*i64", out_ptr="*i64",
+                cand_ptr="*i32", cand_pos_ptr="*i32", buf_ptr="*i64", num_cols=1024, topk=512,
+                row_stride=1024, seg_len=1024, mode=topk.MODE_ROW, use_len=1)  # fmt: skip
+    chunk, warps = topk._config()
+    flags = dict(K_POW2=512, CHUNK=chunk, RADIX_BITS=topk.RADIX_BITS)
+    sass = build_for_hopper("dsv4ray.kernels.topk:_topk_rows_kernel", args, flags, warps, 3)
+    assert "EXIT" in sass

@@ -49,6 +49,25 @@ def test_segmented_rows_match_the_reference(num_cols, topk, segments, device):
     assert torch.equal(got, ref), (got != ref).nonzero()[:5].tolist()
 
 
+@pytest.mark.parametrize("num_cols,topk,segments", [(600, 64, 1), (600, 64, 4), (130, 200, 1)])
+def test_rows_with_lengths_read_only_their_visible_entries(num_cols, topk, segments, device):
+    """lengths: the entries past a row's length are MASKED padding (the indexer's bound). Rows of
+    no, fewer than k, exactly k and more than k visible entries, and the whole row, give the
+    reference's picks; the padding is never read (garbage there changes nothing)."""
+    scores = _scores(8, num_cols, device)
+    lengths = torch.tensor([0, 1, topk - 3, topk, topk + 5, num_cols // 2, num_cols, num_cols],
+                           dtype=torch.int64).clamp(max=num_cols)  # fmt: skip
+    masked = scores.clone().cpu()
+    masked[torch.arange(num_cols)[None, :] >= lengths[:, None]] = MASKED_SCORE
+    ref = topk_rows_ref(masked, topk)
+    garbage = masked.clone()
+    pad = torch.arange(num_cols)[None, :] >= lengths[:, None]
+    garbage[pad] = torch.randint(-(2**30), 2**30, (int(pad.sum()),), dtype=torch.int32)
+    got = topk_rows(garbage.to(device), topk, segments, lengths.to(device)).cpu()
+    assert torch.equal(got, ref), (got != ref).nonzero()[:5].tolist()
+    assert (got[0] == -1).all() and got[1, 0] == 0 and (got[1, 1:] == -1).all()
+
+
 def test_long_rows_of_a_small_batch_take_segments(device):
     """A decode batch over a long context: the row is cut without being asked."""
     num_cols, topk = 3 * 8192 + 5, 16
