@@ -21,7 +21,7 @@ of M's bucket only, so a bucket compiles once):
     with K steps of 64 on 8 warps, 0.6x to 1.2x per linear). Decode batches are memory-bound:
     every weight tile is read by one program (per tile of M rows); when the output tiles are too
     few to fill the GPU twice over, K is split across programs, each writing an fp32 partial
-    [splits, M, G N] that `_sum_splits_kernel` adds in split order and stores in x's dtype
+    [splits, M, G N] that `quant_tiles.sum_splits` adds in split order and stores in x's dtype
     (deterministic, no atomics, one launch);
   - M > 64: 128 x 128 tiles, K steps of 64, split only while the tiles are too few; from
     DEQUANT_ROWS rows of bf16 / fp16 x (prefill chunks) W is decoded into a scratch in x's dtype
@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from dsv4ray.kernels import fp8_act
-from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.bits import interpreting, store_rounded
 from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.quant_tiles import (
     FMT_FP8,
@@ -49,7 +49,7 @@ from dsv4ray.kernels.quant_tiles import (
     load_x,
     scale_shape,
     split_k,
-    store_rounded,
+    sum_splits,
     weight_dot,
 )
 
@@ -200,31 +200,6 @@ def fp8_linear(
     )
     if splits > 1:
         sum_splits(part, out)
-    return out
-
-
-@triton.jit(do_not_specialize=["numel", "num_splits"])
-def _sum_splits_kernel(part_ptr, out_ptr, numel, num_splits, BLOCK: tl.constexpr,
-                       OUT_BF16: tl.constexpr):  # fmt: skip
-    # out[i] = part[0, i] + part[1, i] + ... in split order (fp32), stored in out's dtype
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, num_splits):
-        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
-    store_rounded(out_ptr, offs, acc, mask, OUT_BF16)
-
-
-def sum_splits(part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [M, W] = the fp32 partials part [S, M, W] added in split order, in out's dtype (bf16
-    rounded to nearest even): the split-K epilogue in one launch."""
-    assert part.dtype == torch.float32 and part.is_contiguous() and out.is_contiguous()
-    assert part.shape[1:] == out.shape, (part.shape, out.shape)
-    numel = out.numel()
-    block = 1024
-    _sum_splits_kernel[(triton.cdiv(numel, block),)](
-        part, out, numel, part.shape[0], BLOCK=block, OUT_BF16=out.dtype == torch.bfloat16
-    )
     return out
 
 

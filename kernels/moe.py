@@ -23,7 +23,8 @@ programs with no pairs exit at once): the pairs are grouped by expert, then `_ga
 computes h[p] = silu(min(x w1^T, limit)) * clamp(x w3^T) for a block of one expert's pairs and a
 block of intermediate columns (the expert's weight tile is read once per block of pairs), and
 `_down_kernel` writes weights[p] * (h[p] w2^T) at row p; the S rows of a token are summed last, in
-slot order. Two ways to group, by the number of pairs P:
+slot order (one launch, `quant_tiles.sum_splits`, with the K splits' partials). Two ways to
+group, by the number of pairs P:
   - list (decode batches, P <= LIST_MAX_PAIRS): `_list_kernel` writes each expert's pairs in
     order into its own row of a [E, P] table (one launch); the blocks of BLOCK_M pairs of every
     expert with pairs are numbered in expert order, and program b finds its block from the
@@ -46,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import interpreting
+from dsv4ray.kernels.bits import interpreting, store_rounded
 from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
@@ -59,6 +60,7 @@ from dsv4ray.kernels.quant_tiles import (
     load_x,
     scale_shape,
     split_k,
+    sum_splits,
     weight_dot,
 )
 
@@ -532,7 +534,9 @@ def fused_moe(
     else:
         call.gate_up(w13, scales[0] if scales else None, fmt, tiles)
         call.down(w2, scales[1] if scales else None, fmt, tiles)
-    return out.view(split2, num_tokens, num_slots, hidden).sum(dim=(0, 2)).to(x.dtype)
+    # a token's rows: its slots' weighted expert outputs over the K splits, summed in order
+    return sum_splits(out, torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device),
+                      num_slots)  # fmt: skip
 
 
 class _Call:
@@ -579,7 +583,7 @@ class _Call:
                               layout[3], self.block[1], *window,
                               **self._flags(fmt, s13, tiles))  # fmt: skip
         if split13 > 1:
-            self.h.copy_(_activate(self.part.sum(0), inter, self.limit))
+            activate_splits(self.part, self.h, self.limit)
 
     def down(self, w2, s2, fmt: str, tiles: dict, window=(0, -1)) -> None:
         s2 = kernel_bytes(s2) if s2 is not None else w2
@@ -595,18 +599,49 @@ class _Call:
 def _k_splits(listed: bool, num_blocks: int, n: int, k: int, tiles: dict, device):
     """(K columns per split, splits) of one grouped GEMM with n output and k input columns: a
     decode call whose programs would not fill the GPU twice over (a few experts with a few pairs
-    each) splits K so that they do (`split_k`); a split's sums go to a partial buffer that torch
-    adds up (no atomics: the result does not depend on timing). Prefills (sorted pairs) never
-    split."""
+    each) splits K so that they do (`split_k`); a split's sums go to a partial buffer that one more
+    launch adds up in split order (`activate_splits`, `sum_splits`; no atomics: the result does
+    not depend on timing). Prefills (sorted pairs) never split."""
     if not listed:
         return triton.cdiv(k, tiles["BLOCK_K"]) * tiles["BLOCK_K"], 1
     return split_k(num_blocks * triton.cdiv(n, tiles["BLOCK_N"]), k, tiles["BLOCK_K"], device)
 
 
-def _activate(gate_up: torch.Tensor, inter: int, limit: float) -> torch.Tensor:
-    """h = silu(min(g, limit)) * clamp(u, -limit, limit) from summed [P, 2 inter] gate | up."""
-    gate = gate_up[:, :inter].clamp(max=limit)
-    return gate * torch.sigmoid(gate) * gate_up[:, inter:].clamp(-limit, limit)
+@triton.jit(do_not_specialize=["numel", "inter", "num_splits"])
+def _activate_splits_kernel(part_ptr, h_ptr, numel, inter, num_splits, limit,
+                            BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
+    # h [P, inter] (numel = P inter) from part [S, P, 2 inter] (gate | up): each summed over the
+    # splits in order, then the activation of `_gate_up_kernel`'s unsplit epilogue
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    g = (i // inter) * (2 * inter) + i % inter
+    gate = tl.zeros((BLOCK,), tl.float32)
+    up = tl.zeros((BLOCK,), tl.float32)
+    for s in range(num_splits):
+        row = part_ptr + s * numel.to(tl.int64) * 2
+        gate += tl.load(row + g, mask=mask, other=0.0)
+        up += tl.load(row + g + inter, mask=mask, other=0.0)
+    gate = tl.minimum(gate, limit)
+    up = tl.minimum(tl.maximum(up, -limit), limit)
+    store_rounded(h_ptr, i, gate * tl.sigmoid(gate) * up, mask, OUT_BF16)
+
+
+def activate_splits(part: torch.Tensor, h: torch.Tensor, limit: float) -> torch.Tensor:
+    """h [P, inter] = silu(min(g, limit)) * clamp(u, -limit, limit) of the K-split partials
+    part [S, P, 2 inter] fp32 (g | u summed over the splits in order), in h's dtype: the gate-up
+    GEMM's split epilogue in one launch."""
+    numel, block = h.numel(), 1024
+    assert (
+        part.is_contiguous()
+        and h.is_contiguous()
+        and part.shape[1:] == (h.shape[0], 2 * h.shape[1])
+    )
+    if numel:
+        _activate_splits_kernel[(triton.cdiv(numel, block),)](
+            part, h, numel, h.shape[1], part.shape[0], limit, BLOCK=block,
+            OUT_BF16=h.dtype == torch.bfloat16,
+        )  # fmt: skip
+    return h
 
 
 def compile_variants(
@@ -624,6 +659,9 @@ def compile_variants(
         ids = torch.zeros(num_tokens, num_slots, dtype=torch.long, device=device)
         weights = torch.zeros(num_tokens, num_slots, dtype=torch.float32, device=device)
         fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt, block)
+    inter = w13.shape[1] // 2  # the split epilogue, whether or not a call above split K
+    activate_splits(torch.zeros(2, 1, 2 * inter, device=device),
+                    torch.empty(1, inter, dtype=dtype, device=device), 1.0)  # fmt: skip
 
 
 def fused_moe_ref(

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.kernels.bits import f32_to_bf16_bits, num_sms, pow2_from_byte
+from dsv4ray.kernels.bits import num_sms, pow2_from_byte, store_rounded
 
 FORMATS = {"dense": 0, "fp8": 1, "fp4": 2}  # the kernels' FMT argument
 FMT_FP8 = tl.constexpr(FORMATS["fp8"])
@@ -270,6 +270,37 @@ def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> tuple
     return per_split * block_k, triton.cdiv(steps, per_split)
 
 
+@triton.jit(do_not_specialize=["numel", "width", "num_splits", "group"])
+def _sum_splits_kernel(part_ptr, out_ptr, numel, width, num_splits, group,
+                       BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
+    # out [M, W] (numel = M W): out[m, c] = sum over s, then j < group of part[s, m group + j, c],
+    # added in that order in fp32 and stored in out's dtype
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < numel
+    first = (i // width) * group * width + i % width  # part[0, m group, c]
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in range(num_splits):
+        for j in range(group):
+            acc += tl.load(part_ptr + (s * numel * group + j * width) + first, mask=mask, other=0.0)
+    store_rounded(out_ptr, i, acc, mask, OUT_BF16)
+
+
+def sum_splits(part: torch.Tensor, out: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """out [M, W] = the fp32 partials part [S, M * group, W] summed over the splits s and each
+    row's group of `group` consecutive rows (s outer, in order), in out's dtype (bf16 rounded to
+    nearest even): a split-K epilogue, and a token's expert slots, in one launch."""
+    assert part.dtype == torch.float32 and part.is_contiguous() and out.is_contiguous()
+    rows, width = out.shape
+    assert tuple(part.shape[1:]) == (rows * group, width), (part.shape, out.shape, group)
+    numel, block = out.numel(), 1024
+    if numel:
+        _sum_splits_kernel[(triton.cdiv(numel, block),)](
+            part, out, numel, width, part.shape[0], group, BLOCK=block,
+            OUT_BF16=out.dtype == torch.bfloat16,
+        )  # fmt: skip
+    return out
+
+
 def k_tile(preferred: int, block_k: int) -> int:
     """The largest power-of-two K step <= preferred that divides block_k (so a step never
     crosses an FP8 scale block); at least 16 (tl.dot's minimum)."""
@@ -314,13 +345,3 @@ def scale_shape(fmt: str, rows: int, cols: int, block: tuple[int, int]) -> tuple
     if fmt == "fp4":
         return rows, cols // FP4_GROUP
     return math.ceil(rows / block[0]), math.ceil(cols / block[1])
-
-
-@triton.jit
-def store_rounded(ptr, offs, x, mask, OUT_BF16: tl.constexpr):
-    """Stores fp32 x at ptr + offs in ptr's element type; bf16 as round-to-nearest-even bits (the
-    interpreter's fp32 -> bf16 cast truncates)."""
-    if OUT_BF16:
-        tl.store(ptr.to(tl.pointer_type(tl.uint16)) + offs, f32_to_bf16_bits(x), mask=mask)
-    else:
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dsv4ray.kernels.bits import interpreting
-from dsv4ray.kernels.moe import LIST_MAX_PAIRS, align, fused_moe, list_pairs
+from dsv4ray.kernels.moe import LIST_MAX_PAIRS, activate_splits, align, fused_moe, list_pairs
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.tiny import tiny_config
@@ -63,6 +63,21 @@ def test_a_tokens_fp32_experts_do_not_depend_on_its_batch(device):
     full = fused_moe(x, ids, weights, w13, w2, moe.limit)
     for n in (1, 4):
         assert torch.equal(fused_moe(x[:n], ids[:n], weights[:n], w13, w2, moe.limit), full[:n])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_split_epilogue_sums_the_partials_and_activates(dtype, device):
+    """K-split gate-up partials [S, P, 2 inter]: gate and up summed over the splits in order, then
+    silu(min(g, limit)) * clamp(u, -limit, limit) (values past the limit on both sides)."""
+    g = torch.Generator().manual_seed(0)
+    part = torch.randn(3, 5, 2 * 48, generator=g) * 6
+    gate_up = part[0] + part[1] + part[2]
+    gate, up = gate_up[:, :48].clamp(max=7.0), gate_up[:, 48:].clamp(-7.0, 7.0)
+    want = (gate * torch.sigmoid(gate) * up).to(dtype)
+    h = activate_splits(part.to(device), torch.empty(5, 48, dtype=dtype, device=device), 7.0)
+    # exp differs by an ulp or so between torch and the kernel: one rounding step of h's dtype
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
+    assert_close("activate_splits", h, want, 1e-6, ulp)
 
 
 def test_stacked_experts_are_the_module_weights(device):
