@@ -279,9 +279,10 @@ def _sum_splits_kernel(part_ptr, out_ptr, numel, width, num_splits, group,
     mask = i < numel
     first = (i // width) * group * width + i % width  # part[0, m group, c]
     acc = tl.zeros((BLOCK,), tl.float32)
+    split_numel = numel.to(tl.int64) * group  # part's elements a split
     for s in range(num_splits):
         for j in range(group):
-            acc += tl.load(part_ptr + (s * numel * group + j * width) + first, mask=mask, other=0.0)
+            acc += tl.load(part_ptr + (s * split_numel + j * width) + first, mask=mask, other=0.0)
     store_rounded(out_ptr, i, acc, mask, OUT_BF16)
 
 
