@@ -78,6 +78,8 @@ def test_the_split_epilogue_sums_the_partials_and_activates(dtype, device):
     # exp differs by an ulp or so between torch and the kernel: one rounding step of h's dtype
     ulp = 2**-7 if dtype == torch.bfloat16 else 1e-6
     assert_close("activate_splits", h, want, 1e-6, ulp)
+    empty = torch.empty(0, 48, dtype=dtype, device=device)
+    assert activate_splits(torch.zeros(3, 0, 96, device=device), empty, 7.0).shape == (0, 48)
 
 
 def test_stacked_experts_are_the_module_weights(device):
