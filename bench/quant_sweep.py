@@ -194,7 +194,7 @@ def sweep_linear(name, n, k, groups, m, copy_gbps, rows_out):
     bm = 16 if m <= 16 else 64
     for bn, bk, warps, stages in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 5)):
         cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-        fp8.tiles = lambda _m, cfg=cfg: dict(cfg)
+        fp8.tiles = lambda *_, cfg=cfg: dict(cfg)
         try:
             row(
                 f"dot {bn}x{bk} w{warps} s{stages}",

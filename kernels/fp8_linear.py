@@ -18,11 +18,11 @@ of M's bucket only, so a bucket compiles once):
     4-25% faster than K steps of 64 on 8 warps, whose loop divides by the scale block every
     step); 16 < M <= 64: 64 x 128 tiles, K steps of 128 on 4 warps (in three sweeps on that
     H200 the best single shape for those six linears: 12-14% less time summed than 64 x 64 tiles
-    with K steps of 64 on 8 warps, 0.6x to 1.2x per linear). Decode batches are memory-bound:
-    every weight tile is read by one program (per tile of M rows); when the output tiles are too
-    few to fill the GPU twice over, K is split across programs, each writing an fp32 partial
-    [splits, M, G N] that `quant_tiles.sum_splits` adds in split order and stores in x's dtype
-    (deterministic, no atomics, one launch);
+    with K steps of 64 on 8 warps, 0.6x to 1.2x per linear; fp32 x keeps those). Decode batches
+    are memory-bound: every weight tile is read by one program (per tile of M rows); when the
+    output tiles are too few to fill the GPU twice over, K is split across programs, each
+    writing an fp32 partial [splits, M, G N] that `quant_tiles.sum_splits` adds in split order
+    and stores in x's dtype (deterministic, no atomics, one launch);
   - M > 64: 128 x 128 tiles, K steps of 64, split only while the tiles are too few; from
     DEQUANT_ROWS rows of bf16 / fp16 x (prefill chunks) W is decoded into a scratch in x's dtype
     first (kernels/dequant.py) and multiplied there (cuBLAS on GPUs: the dequantised model's
@@ -121,10 +121,14 @@ def _fp8_linear_kernel(
         tl.store(part_ptr + split.to(tl.int64) * M * width + offs, acc, mask=mask)
 
 
-def tiles(num_rows: int) -> dict:
-    """Tile shapes for M = num_rows (see the module docstring)."""
+def tiles(num_rows: int, fp32: bool = False) -> dict:
+    """Tile shapes for M = num_rows (see the module docstring); fp32 x (exact products, a test
+    configuration) keeps 64 x 64 tiles with K steps of 64 at 17-64 rows, where the wider 16-bit
+    tiles would hold four times the operand bytes."""
     if num_rows <= BUCKET_M[0]:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+    if num_rows <= BUCKET_M[1] and fp32:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=8, num_stages=3)
     if num_rows <= BUCKET_M[1]:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3)
@@ -168,7 +172,7 @@ def fp8_linear(
     out = torch.empty(num_rows, groups * n, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out
-    t = tiles(num_rows)
+    t = tiles(num_rows, x.dtype == torch.float32)
     t["BLOCK_K"] = k_tile(t["BLOCK_K"], block[1])
     grid_mn = triton.cdiv(num_rows, t["BLOCK_M"]) * triton.cdiv(n, t["BLOCK_N"])
     k_per_split, splits = split_k(grid_mn * groups, k, t["BLOCK_K"], x.device)

@@ -124,6 +124,13 @@ def _list_kernel(ids_ptr, list_ptr, counts_ptr, num_pairs, BLOCK: tl.constexpr):
     tl.store(counts_ptr + e, count)
 
 
+@triton.jit
+def _swiglu(gate, up, limit):
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) of summed fp32 products."""
+    gate = tl.minimum(gate, limit)
+    return gate * tl.sigmoid(gate) * tl.minimum(tl.maximum(up, -limit), limit)
+
+
 @triton.jit(do_not_specialize=RUNTIME_ARGS)
 def _gate_up_kernel(
     x_ptr,
@@ -218,9 +225,7 @@ def _gate_up_kernel(
             )
         mask = ok[:, None] & n_ok[None, :]
         if num_splits == 1:
-            gate = tl.minimum(acc_rows(acc_g, SWAP), limit)
-            up = tl.minimum(tl.maximum(acc_rows(acc_u, SWAP), -limit), limit)
-            h = gate * tl.sigmoid(gate) * up
+            h = _swiglu(acc_rows(acc_g, SWAP), acc_rows(acc_u, SWAP), limit)
             tl.store(h_ptr + pair[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty), mask)
         else:
             row = part_ptr + (split.to(tl.int64) * num_pairs + pair[:, None]) * (2 * inter)
@@ -437,8 +442,9 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
     copy ceiling at 1 / 16 / 64 tokens against 0.32 / 0.37 / 0.38 with 16 x 32 output tiles.
     FP4 takes the same tiles: its codes decode to bf16 in about five instructions a value in
     the kernels' SASS for sm_90 (tests/kernels/test_hopper_build.py), against nineteen with
-    16 x 32 output tiles and decoding through fp32, where it read 0.08-0.10 of the copy
-    ceiling. fp32
+    16 x 32 output tiles and decoding through fp32; it reads 0.23 / 0.38 / 0.39 of the copy
+    ceiling there (0.08-0.10 before; bench/results/native-kernels-nvidia-h200.json), and a
+    sweep of 36 tile shapes on that H200 found none faster. fp32
     products run on CUDA cores, where a tile's empty rows cost as much as full ones: 16-pair
     blocks, and 16 columns a program for a few pairs."""
     if listed and fp32 and fmt == "dense":
@@ -611,7 +617,7 @@ def _k_splits(listed: bool, num_blocks: int, n: int, k: int, tiles: dict, device
 def _activate_splits_kernel(part_ptr, h_ptr, numel, inter, num_splits, limit,
                             BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
     # h [P, inter] (numel = P inter) from part [S, P, 2 inter] (gate | up): each summed over the
-    # splits in order, then the activation of `_gate_up_kernel`'s unsplit epilogue
+    # splits in order, then `_swiglu` as `_gate_up_kernel`'s unsplit epilogue applies it
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < numel
     g = (i // inter) * (2 * inter) + i % inter
@@ -621,9 +627,7 @@ def _activate_splits_kernel(part_ptr, h_ptr, numel, inter, num_splits, limit,
         row = part_ptr + s * numel.to(tl.int64) * 2
         gate += tl.load(row + g, mask=mask, other=0.0)
         up += tl.load(row + g + inter, mask=mask, other=0.0)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    store_rounded(h_ptr, i, gate * tl.sigmoid(gate) * up, mask, OUT_BF16)
+    store_rounded(h_ptr, i, _swiglu(gate, up, limit), mask, OUT_BF16)
 
 
 def activate_splits(part: torch.Tensor, h: torch.Tensor, limit: float) -> torch.Tensor:

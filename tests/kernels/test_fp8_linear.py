@@ -29,7 +29,7 @@ def _fp32_tolerance(x, weight, scale, block):
 
 
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
-@pytest.mark.parametrize("num_rows", [1, 5, 130])
+@pytest.mark.parametrize("num_rows", [1, 5, 40, 130])  # each tile bucket
 def test_fp8_linear_matches_reference(num_rows, scale_fmt, device):
     weight, scale = _weight(N, K, scale_fmt, device=device)
     x = torch.randn(num_rows, K, device=device)
@@ -52,15 +52,16 @@ def test_reference_is_the_loaders_dequantisation(scale_fmt):
     assert_close("group 1", grouped[:, N // 2 :], x[:, K:] @ w[N // 2 :].t(), atol, 0)
 
 
+@pytest.mark.parametrize("num_rows", [5, 40])  # the two decode buckets' 16-bit tiles
 @pytest.mark.parametrize("split", ["auto", "one"])
-def test_grouped_bf16_and_unsplit(split, device, monkeypatch):
+def test_grouped_bf16_and_unsplit(split, num_rows, device, monkeypatch):
     """Two groups (the grouped output projection), bf16 activations, small scale blocks; with one
     K split the kernel stores bf16 itself (rounded to nearest even as bits)."""
     if split == "one":
         monkeypatch.setattr(quant_tiles, "num_splits", lambda *args: 1)
     block = (64, 32)
     weight, scale = _weight(2 * 72, 96, "ue8m0", block, device)
-    x = torch.randn(5, 2 * 96, device=device).to(torch.bfloat16)
+    x = torch.randn(num_rows, 2 * 96, device=device).to(torch.bfloat16)
     out = fp8.fp8_linear(x, weight, scale, block, groups=2)
     ref = fp8.fp8_linear_ref(x, weight, scale, block, groups=2)
     assert out.dtype == torch.bfloat16

@@ -63,5 +63,5 @@ def test_topk_kernel_builds_for_hopper():
                 row_stride=1024, seg_len=1024, mode=topk.MODE_ROW, use_len=1)  # fmt: skip
     chunk, warps = topk._config()
     flags = dict(K_POW2=512, CHUNK=chunk, RADIX_BITS=topk.RADIX_BITS)
-    sass = build_for_hopper("dsv4ray.kernels.topk:_topk_rows_kernel", args, flags, warps, 3)
-    assert "EXIT" in sass
+    # raises with ptxas's message where the branch does not compile
+    build_for_hopper("dsv4ray.kernels.topk:_topk_rows_kernel", args, flags, warps, 3)
