@@ -262,7 +262,10 @@ class HostStage:
         host = torch.from_numpy(flat)
         device = torch.device(device)
         if device.type != "cuda":
-            return out.copy_(host) if out is not None else host
+            if out is None:
+                return host
+            out[: flat.size].copy_(host)  # a bucket's buffer holds its largest step
+            return out
         turn, self._turn = self._turn, 1 - self._turn
         buf = self._bufs[turn]
         if buf is None or buf.numel() < flat.size:

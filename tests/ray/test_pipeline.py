@@ -129,13 +129,15 @@ def test_overlap_and_stage_buckets_on_both_transports_equal_the_reference(
     ray_session, hash_ckpt, pp, use_ray
 ):
     path, model = hash_ckpt
-    prompts = _prompts([3, 130, 300, 254], seed=5)
-    max_tokens = [9, 4, 7, 12]  # the batch shrinks 4 -> 3 -> 2 -> 1 while decoding
+    prompts = _prompts([3, 130, 300, 254, 17, 60], seed=5)
+    # the batch shrinks 6 -> 5 -> 4 -> 3 -> 2 -> 1 while decoding: buckets of 8 and 4 rows
+    # hold steps of fewer requests (pad rows, fewer sampled rows than the bucket)
+    max_tokens = [9, 4, 7, 12, 3, 5]
     llm = LLM(path, kv_cache_dtype="fp32", pp_size=pp, use_ray=use_ray, overlap_scheduling=True,
-              max_running_requests=4, max_model_len=4096)  # fmt: skip
+              max_running_requests=6, max_model_len=4096)  # fmt: skip
     try:
         assert llm.core.pipeline.depth == (max(2, pp) if use_ray else 2)
-        _static_buckets(llm, 4)
+        _static_buckets(llm, 8)
         params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in max_tokens]
         outs = llm.generate(prompts, params)
         stats = llm.core.pipeline.stage_stats()
