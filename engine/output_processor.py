@@ -24,6 +24,9 @@ class OutputProcessor:
         self.decoders: dict[str, StreamDecoder] = {}
         self.start: dict[str, float] = {}
         self.stopped_by_string: set[str] = set()
+        # req_id -> characters of its text handed out as deltas (with stop strings: the text
+        # that may start one is held back until it cannot)
+        self.shown: dict[str, int] = {}
         self.logits: dict[str, list] = {}
         self.prompt_asking: set[str] = set()  # requests whose prompt logprobs are computed
 
@@ -39,6 +42,7 @@ class OutputProcessor:
         if sp.prompt_logprobs is not None:
             self.prompt_asking.add(req_id)
         self.decoders[req_id] = StreamDecoder(self.tokenizer)
+        self.shown[req_id] = 0
         self.start[req_id] = time.perf_counter()
 
     def on_scheduled(self, req_ids) -> None:
@@ -77,7 +81,10 @@ class OutputProcessor:
             out[start + 1 : start + 1 + len(entries)] = entries
 
     def on_token(self, req_id: str, token: int, logprobs) -> tuple[str, bool]:
-        """Records a sampled token; returns (text delta, whether a stop string appeared)."""
+        """Records a sampled token; returns (text delta, whether a stop string appeared).
+        With stop strings a delta never holds text that a later token could make part of one
+        (a streamed answer equals the whole one); callers take the text held back at the
+        finish from the output's text."""
         out, sp = self.outputs[req_id], self.params[req_id]
         if out.metrics.ttft_s is None:
             out.metrics.ttft_s = time.perf_counter() - self.start[req_id]
@@ -87,19 +94,29 @@ class OutputProcessor:
         delta = self.decoders[req_id].push([token])
         if not (delta and sp.stop):  # the text is whole-decoded at the finish
             return delta, False
-        before = len(out.text)
+        before, shown = len(out.text), self.shown[req_id]
         out.text += delta
-        if len(out.token_ids) < sp.min_tokens:  # stop strings end nothing before min_tokens
-            return delta, False
-        # the text before this delta held no stop string that counts, so one can only start in
-        # its last len(stop) - 1 characters or in the delta: search there, cut at the earliest
-        start = max(0, before - max(len(stop) for stop in sp.stop) + 1)
-        cuts = [cut for cut in (out.text.find(stop, start) for stop in sp.stop) if cut >= 0]
-        if not cuts:
-            return delta, False
-        out.text = out.text[: min(cuts)]
-        self.stopped_by_string.add(req_id)
-        return out.text[before:], True
+        cut = (
+            self._stop_at(out.text, before, shown, sp)
+            if len(out.token_ids) >= sp.min_tokens
+            else -1
+        )
+        if cut >= 0:  # stop strings end nothing before min_tokens
+            out.text = out.text[:cut]
+            self.stopped_by_string.add(req_id)
+            return out.text[shown:], True
+        end = len(out.text) - _stop_prefix(out.text, sp.stop)
+        self.shown[req_id] = max(shown, end)
+        return out.text[shown:end], False
+
+    @staticmethod
+    def _stop_at(text: str, before: int, shown: int, sp: SamplingParams) -> int:
+        """Where the earliest stop string in text starts (-1: none). The text before the
+        last delta held none that counts, so one can only start in its last len(stop) - 1
+        characters or in the delta; text already handed out is never taken back."""
+        start = max(shown, before - max(len(stop) for stop in sp.stop) + 1, 0)
+        cuts = [cut for cut in (text.find(stop, start) for stop in sp.stop) if cut >= 0]
+        return min(cuts, default=-1)
 
     def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
         out = self.outputs[finished.req_id]
@@ -117,8 +134,20 @@ class OutputProcessor:
             table.pop(req_id, None)
         self.stopped_by_string.discard(req_id)
         self.prompt_asking.discard(req_id)
+        self.shown.pop(req_id, None)
         return self.outputs.pop(req_id)
 
     def pop_logits(self, req_id: str) -> list:
         """The [n, V] fp32 logits a scoring request's steps returned, in order."""
         return self.logits.pop(req_id)
+
+
+def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest end of text that begins a stop string (0: none)."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -100,14 +100,30 @@ def test_stop_strings_cut_at_their_first_appearance_in_the_whole_text(tok):
         text, streamed, stopped = _run(tok, ids, SamplingParams(stop=list(stops)))
         assert stopped == (cut is not None)
         assert text == (want if cut is None else want[:cut])
-        # the stream may already hold the start of the stop string: the text ends before it
-        assert streamed.startswith(text) if stopped else text.startswith(streamed)
+        # no delta holds text that a stop string later cut: the stream is the answer, or
+        # (a finish by length) its start, the rest arriving with the finished output
+        assert streamed == text if stopped else text.startswith(streamed)
+
+
+@pytest.mark.parametrize("min_tokens", [0, 4])
+def test_streamed_text_never_holds_the_start_of_a_stop_string_it_cuts(tok, min_tokens):
+    """Stop strings that begin inside one token and end several tokens later, or that a token
+    only seems to begin: after every delta the streamed text is the start of the answer."""
+    rng = random.Random(7 + min_tokens)
+    stops = ('"""', "ab", "\n\ndef ", "aab")
+    for _ in range(300):
+        data = "".join(rng.choice(['"', "a", "b", "\n", "def ", "x"]) for _ in range(12))
+        ids = _byte_ids(data.encode())
+        params = SamplingParams(stop=list(stops), min_tokens=min_tokens)
+        text, streamed, stopped = _run(tok, ids, params)
+        assert streamed == text if stopped else text.startswith(streamed)
+        assert text == tok.decode(ids)[: len(text)]
 
 
 def test_a_stop_string_spanning_many_tokens_is_found(tok):
     ids = _byte_ids(b"long answer, then STOP HERE and more")
     text, streamed, stopped = _run(tok, ids, SamplingParams(stop=["xyz", "STOP HERE"]))
-    assert stopped and text == "long answer, then " and streamed.startswith(text)
+    assert stopped and text == streamed == "long answer, then "
 
 
 def test_a_byte_fallback_decoder_that_rewrites_earlier_bytes_does_not_break_the_stream(tmp_path):
