@@ -91,6 +91,8 @@ class OutputProcessor:
         out.token_ids.append(token)
         if out.logprobs is not None and logprobs is not None:
             out.logprobs.append({token: logprobs[0], **{t: lp for t, lp in logprobs[1]}})
+        if token in sp.stop_token_ids:  # it ends the request; its text is not the answer's
+            return "", False
         delta = self.decoders[req_id].push([token])
         if not (delta and sp.stop):  # the text is whole-decoded at the finish
             return delta, False
@@ -126,8 +128,15 @@ class OutputProcessor:
         out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens
         out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
         if finished.req_id not in self.stopped_by_string:
-            out.text = self.tokenizer.decode(out.token_ids)
+            out.text = self.tokenizer.decode(self._answer_ids(finished))
         return out
+
+    def _answer_ids(self, finished: FinishedRequest) -> list[int]:
+        """The ids whose text is the answer: a stop token's is left out, as a stop string is."""
+        ids = self.outputs[finished.req_id].token_ids
+        stops = self.params[finished.req_id].stop_token_ids
+        ends = finished.finish_reason == "stop" and bool(ids) and ids[-1] in stops
+        return ids[:-1] if ends else ids
 
     def pop(self, req_id: str) -> RequestOutput:
         for table in (self.params, self.decoders, self.start, self.logits):

@@ -167,3 +167,15 @@ def test_a_trained_byte_level_bpe_streams_through_its_byte_table(tmp_path):
         for chunk in (1, 2):
             deltas, rest = _stream(tok, ids, chunk)
             assert "".join(deltas) + rest == tok.decode(ids)
+
+
+def test_a_stop_token_ends_the_answer_without_its_text(tok):
+    """stop_token_ids end the output as stop strings do: the token id is the output's last,
+    its text is in neither the answer nor the stream."""
+    ids = _byte_ids(b"a, b") + _byte_ids(b";") + _byte_ids(b"c")
+    stop_id = _byte_ids(b";")[0]
+    proc = OutputProcessor(tok)
+    proc.add("r", [0], SamplingParams(stop_token_ids=[stop_id]))
+    streamed = "".join(proc.on_token("r", t, None)[0] for t in ids[:5])
+    out = proc.on_finish(FinishedRequest("r", [0], ids[:5], "stop", 0))
+    assert out.text == streamed == "a, b" and out.token_ids[-1] == stop_id
