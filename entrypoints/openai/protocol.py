@@ -331,6 +331,10 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise bad_request("tool_choice: a forced call and a structured output "
                                   "(response_format) cannot both constrain the answer",
                                   "tool_choice")  # fmt: skip
+        for name in ("max_tokens", "max_completion_tokens"):  # both checked, whichever wins
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise bad_request(f"{name} must be at least 1, got {value}", name)
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise bad_request("top_logprobs needs logprobs = true", "top_logprobs")
@@ -338,8 +342,12 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise bad_request(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
 
     @property
-    def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """(the limit asked for, the field that asked it): max_completion_tokens, OpenAI's
+        current name, wins over the deprecated max_tokens when both are sent."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
 
     def template_messages(self) -> list[dict]:
         messages = []

@@ -262,7 +262,8 @@ class OpenAIServer:
         self._check_model(req.model)
         tools = req.chat_tools()
         prompt_ids = self.chat_prompt_ids(req, tools)
-        max_tokens = self._max_tokens(req.requested_max_tokens, len(prompt_ids), "messages", None)
+        asked, name = req.requested_max_tokens
+        max_tokens = self._max_tokens(asked, len(prompt_ids), "messages", None, name)
         num_top = (req.top_logprobs or 0) if req.logprobs else None
         params = req.sampling_params(max_tokens, num_top, req.prompt_logprobs)
         start = prefix_state(req.template_messages(), req.thinking)
@@ -297,11 +298,13 @@ class OpenAIServer:
         except ValueError as exc:
             raise bad_request(str(exc), str(exc).split(":", 1)[0]) from None
 
-    def _max_tokens(self, asked: int | None, prompt_len: int, field: str, default: int | None):
-        """The request's max_tokens, checked against the context; None = up to the context."""
+    def _max_tokens(self, asked: int | None, prompt_len: int, field: str, default: int | None,
+                    name: str = "max_tokens"):  # fmt: skip
+        """The request's max_tokens (asked by the field ``name``), checked against the context;
+        None = up to the context."""
         context = self.engine.max_model_len
         if asked is not None and asked <= 0:
-            raise bad_request(f"max_tokens must be at least 1, got {asked}", "max_tokens")
+            raise bad_request(f"{name} must be at least 1, got {asked}", name)
         if prompt_len >= context:
             raise bad_request(
                 f"the prompt has {prompt_len} tokens; this model's context is {context} tokens "
@@ -313,7 +316,7 @@ class OpenAIServer:
             raise bad_request(
                 f"this model's context is {context} tokens; the request asks for {prompt_len} "
                 f"prompt + {asked} completion tokens",
-                "max_tokens",
+                name,
             )
         return min(asked or default or room, room)
 

@@ -80,6 +80,29 @@ def test_openai_defaults_reach_the_engine(client, engine):
     assert prompt == engine.tokenizer.encode_chat(MESSAGES)
 
 
+@pytest.mark.parametrize(
+    "fields,limit",
+    [({"max_completion_tokens": 3}, 3), ({"max_tokens": 6}, 6),
+     ({"max_tokens": 6, "max_completion_tokens": 2}, 2)],
+)  # fmt: skip
+def test_max_completion_tokens_wins_over_the_deprecated_max_tokens(client, engine, fields, limit):
+    chat(client, **fields)
+    assert engine.requests[-1][1].max_tokens == limit
+
+
+@pytest.mark.parametrize(
+    "fields,named",
+    [({"max_tokens": 6, "max_completion_tokens": 0}, "max_completion_tokens"),
+     ({"max_completion_tokens": 0}, "max_completion_tokens"),
+     ({"max_tokens": 0, "max_completion_tokens": 5}, "max_tokens"),
+     ({"max_completion_tokens": 10**9}, "max_completion_tokens")],
+)  # fmt: skip
+def test_a_bad_limit_is_a_400_naming_the_field_that_sent_it(client, fields, named):
+    body = {"model": MODEL, "messages": MESSAGES, **fields}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 400 and response.json()["error"]["param"] == named
+
+
 def test_streamed_completions_carry_the_same_text_then_usage(client, engine):
     whole = completion(client, max_tokens=50)
     chunks = events(client, "/v1/completions", max_tokens=50)
