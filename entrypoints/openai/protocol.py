@@ -70,13 +70,9 @@ MESSAGE_NOT_IMPLEMENTED = {
 }
 
 
-class _Strict(BaseModel):
-    # strict: "5" is not an int and true is not a number; JSON types must match the API's
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
 class _Request(BaseModel):
-    # a top-level field this server does not know is refused by name, never ignored
+    # strict: "5" is not an int and true is not a number; JSON types must match the API's.
+    # A field this server does not know, at any depth, is refused by name, never ignored
     model_config = ConfigDict(strict=True, extra="forbid")
 
 
@@ -267,7 +263,7 @@ class CompletionRequest(_GenerationRequest):
         return max(asked) if asked else None
 
 
-class TextPart(_Strict):
+class TextPart(_Request):
     type: Literal["text"]
     text: str
 
@@ -485,9 +481,11 @@ def _without_neutral_fields(data: dict) -> dict:
 
 
 def _validation_error(exc: ValidationError) -> APIError:
-    err = exc.errors()[0]
-    # union members add their type to the location ("content.str"); users know only fields
-    loc = [str(p) for p in err["loc"] if not _is_type_tag(p)]
+    # union members add their type to the location ("content.str"); users know only fields.
+    # A value that fits no member fails in each: the deepest failure is in the member whose
+    # shape the value has (a list of parts with an unknown key, not "content is no string")
+    located = [([str(p) for p in e["loc"] if not _is_type_tag(p)], e) for e in exc.errors()]
+    loc, err = max(located, key=lambda pair: len(pair[0]))
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":
         msg = "a required field is missing"

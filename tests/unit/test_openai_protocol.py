@@ -197,6 +197,13 @@ def test_fields_the_api_does_not_define_are_a_400_naming_them(field, value):
     assert err.param == field and "not implement" in err.message
 
 
+@pytest.mark.parametrize("key", ["cache_control", "txt"])
+def test_unknown_keys_of_a_content_part_are_a_400_naming_them(key):
+    part = {"type": "text", "text": "hi", key: {"type": "ephemeral"}}
+    err = rejected(chat_body(messages=[{"role": "user", "content": [part]}]), ChatCompletionRequest)
+    assert err.param == f"messages.0.content.0.{key}"
+
+
 def test_informational_fields_are_accepted():
     values = {"metadata": {"team": "a"}, "store": True, "service_tier": "auto",
               "prompt_cache_key": "k", "safety_identifier": "u1"}  # fmt: skip
