@@ -416,7 +416,7 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
         return None
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or len(key) > 19:
+        if not (key.isascii() and key.isdigit()) or len(key) > 19:  # "²" is a digit too
             raise bad_request(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         out[int(key)] = value
     return out

@@ -379,6 +379,8 @@ class OpenAIServer:
                 await run.updates.aclose()
                 run.tracked.release(None)  # never ran; answered as a 400
             field = "prompt" if endpoint == "/v1/completions" else "messages"
+            if str(problem).startswith("logit_bias"):  # an id outside the model's vocabulary
+                field = "logit_bias"
             raise bad_request(str(problem), field) from None
         await _give_up(started, problem)
         raise problem

@@ -15,6 +15,7 @@ import asyncio
 import json
 import os
 
+from dsv4ray.engine.checks import check_sampling
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestMetrics, RequestOutput
@@ -57,6 +58,7 @@ class FakeEngine:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
+        check_sampling(params, self.vocab_size)  # as EngineCore.add_request
         self.requests.append((ids, params, request_id))
         self.events.append(("start", request_id))
         if self.gate is not None:

@@ -322,6 +322,7 @@ def test_sampling_controls_reach_the_sampling_parameters():
         ({"min_tokens": 17}, "min_tokens"),  # beyond max_tokens 16
         ({"logit_bias": {"x": 1.0}}, "logit_bias"),
         ({"logit_bias": {"5": 101.0}}, "logit_bias"),
+        ({"logit_bias": {"\u00b2": 1.0}}, "logit_bias"),  # a digit, not a token id
     ],
 )
 def test_sampling_controls_out_of_range_are_a_400_naming_them(fields, param):
