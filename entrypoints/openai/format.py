@@ -17,6 +17,7 @@ and checked; text that may start a block is held back until it is decided.
 
 from __future__ import annotations
 
+import codecs
 import copy
 import json
 import os
@@ -63,7 +64,9 @@ class TokenBytes:
         self._tok = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
         decoder = json.loads(self._tok.to_str()).get("decoder") or {}
         self._byte_level = "ByteLevel" in json.dumps(decoder)  # DeepSeek's tokenizers are
-        self._added = set(self._tok.get_added_tokens_decoder())
+        added = self._tok.get_added_tokens_decoder()
+        self._added = set(added)
+        self._special = {i for i, token in added.items() if token.special}
         self._byte_of = _byte_level_alphabet()
 
     def __call__(self, token_id: int) -> bytes:
@@ -74,6 +77,39 @@ class TokenBytes:
             if all(ch in self._byte_of for ch in piece):
                 return bytes(self._byte_of[ch] for ch in piece)
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
+
+    def in_text(self, token_id: int) -> bytes:
+        """The bytes a token adds to a decoded text (special tokens are skipped there)."""
+        return b"" if token_id in self._special else self(token_id)
+
+
+class TextOffsets:
+    """Where each token of a sequence starts in its decoded text (``text_offset``): special
+    tokens add nothing, and the tokens of a character split across them all start where it
+    does."""
+
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self.token_bytes = token_bytes
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, token_id: int) -> int:
+        offset = self.chars
+        self.chars += len(self.decoder.decode(self.token_bytes.in_text(token_id)))
+        return offset
+
+
+def legacy_token(raw: bytes, token_id: int) -> str:
+    """A token as the legacy completions logprobs name it (``tokens``, ``top_logprobs`` keys):
+    its text, ``bytes:\\xe4\\xbd`` when its bytes are not whole UTF-8 characters, as OpenAI
+    writes them, ``token_id:N`` when the tokenizer does not name the id; so that distinct
+    tokens never share a key."""
+    if not raw:
+        return f"token_id:{token_id}"
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -112,6 +148,9 @@ class _Format:
 
     def token_text(self, token_id: int) -> str:
         return self.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    def legacy_token(self, token_id: int) -> str:
+        return legacy_token(self.token_bytes(token_id), token_id)
 
     def _steps(self, token_ids: list[int], logprobs: list | None) -> list:
         """Per token: (token id, its logprob, the num_top best (id, logprob))."""
@@ -184,7 +223,7 @@ class CompletionFormat(_Format):
         self.reset()
 
     def reset(self) -> None:
-        self.streamed_chars = 0  # text offset where the next stream chunk's tokens start
+        self.offsets = TextOffsets(self.token_bytes)  # a stream's text so far
         self.opened = False  # a stream's first chunk (the echo, the prompt logprobs) went out
 
     def choice(self, output: RequestOutput) -> dict:
@@ -210,7 +249,7 @@ class CompletionFormat(_Format):
             text = self.echo + text
             if self.num_top is not None:
                 steps = self._prompt_steps() + self._steps(token_ids, logprobs)
-                self.streamed_chars = 0
+                self.offsets = TextOffsets(self.token_bytes)  # the prompt's tokens open them
                 extras["logprobs"] = self.logprobs(steps, stream=True)
         choice = {"index": self.index, "text": text,
                   "finish_reason": output.finish_reason if output else None, **extras}  # fmt: skip
@@ -231,18 +270,17 @@ class CompletionFormat(_Format):
         return steps
 
     def logprobs(self, steps: list, stream: bool = False) -> dict:
+        """text_offset indexes the choice's text: the echoed prompt's tokens, then the answer's
+        (a stream's offsets go on from its earlier chunks)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        offset = self.streamed_chars if stream else 0
+        at = self.offsets if stream else TextOffsets(self.token_bytes)
         for token_id, logprob, best in steps:
-            text = self.token_text(token_id)
+            text = self.legacy_token(token_id)
             tokens.append(text)
             token_logprobs.append(logprob)
-            top = {**{self.token_text(t): lp for t, lp in best}, text: logprob}
+            top = {**{self.legacy_token(t): lp for t, lp in best}, text: logprob}
             tops.append(None if logprob is None else top)
-            offsets.append(offset)
-            offset += len(text)
-        if stream:
-            self.streamed_chars = offset
+            offsets.append(at.next(token_id))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,

@@ -8,6 +8,7 @@ import json
 import pytest
 from starlette.testclient import TestClient
 
+from dsv4ray.entrypoints.openai.format import TextOffsets, TokenBytes, legacy_token
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
 
@@ -94,7 +95,13 @@ def test_echo_opens_the_text_and_the_logprobs_with_the_prompt(client, engine):
     assert logprobs["top_logprobs"][0] is None and len(logprobs["top_logprobs"][1]) == 2
     assert len(logprobs["tokens"]) == len(prompt) + 3
     offsets = logprobs["text_offset"]
-    assert offsets == sorted(offsets) and offsets[len(prompt)] == len("".join(tokens))
+    assert offsets == sorted(offsets) and offsets[len(prompt)] == len("hi")
+    # every offset indexes the choice's text: a token is found where its offset says (the
+    # prompt's begin-of-sentence token is not in the text: it starts the text, adding none)
+    text = post(client, echo=True, max_tokens=3, logprobs=1)["choices"][0]["text"]
+    assert logprobs["tokens"][0] not in text and offsets[:2] == [0, 0]
+    for token, at in list(zip(logprobs["tokens"], offsets))[1:]:
+        assert text[at : at + len(token)] == token
     # streamed: the first chunk brings the prompt; the chunks join to the same answer
     chunks = [c["choices"][0] for c in events(client, echo=True, max_tokens=3, logprobs=1)]
     assert chunks[0]["text"].startswith("hi")
@@ -150,3 +157,16 @@ def test_a_failing_choice_ends_them_all_and_nothing_stays_pending(client, engine
     assert response.status_code == 500 and server.num_pending == 0
     chunks = events(client, n=2)
     assert "error" in chunks[-1] and server.num_pending == 0
+
+
+def test_legacy_logprobs_name_tokens_apart_and_offsets_index_the_text(fake_model_dir):
+    """The byte tokenizer (byte b is token b + 2): the bytes of a split character are named
+    as OpenAI names them, an id the tokenizer does not name by its id, so top_logprobs keys
+    never collide; text_offset puts every token of a character where the character starts."""
+    token_bytes = TokenBytes(fake_model_dir)
+    ids = [b + 2 for b in "a😀b".encode()]
+    names = [legacy_token(token_bytes(t), t) for t in [*ids, 100_000]]
+    assert names == ["a", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80", "b",
+                     "token_id:100000"]  # fmt: skip
+    offsets = TextOffsets(token_bytes)
+    assert [offsets.next(t) for t in [0, *ids]] == [0, 0, 1, 1, 1, 1, 2]  # 0: begin-of-text
