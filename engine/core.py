@@ -265,9 +265,10 @@ class EngineCore:
         # found below ends its request after that plan took it, like a request that ends while
         # its lookahead step runs (the entry is skipped at commit).
         failure = self._fill() if self._fill_in_commit else None
+        starts = {e.req_id: e.start_pos for e in plan.batch} if result.full_logits else {}
         for req_id, logits in result.full_logits.items():
             if req_id in outcome.applied:
-                self.outputs.logits.setdefault(req_id, []).append(logits)
+                self.outputs.on_logits(req_id, starts[req_id], logits)
         for req_id, (start, entries) in result.prompt_logprobs.items():
             if req_id in outcome.applied:
                 self.outputs.on_prompt_logprobs(req_id, start, entries)

@@ -27,7 +27,7 @@ class OutputProcessor:
         # req_id -> characters of its text handed out as deltas (with stop strings: the text
         # that may start one is held back until it cannot)
         self.shown: dict[str, int] = {}
-        self.logits: dict[str, list] = {}
+        self.logits: dict[str, list] = {}  # req_id -> [(start position, [n, V] logits)]
         self.prompt_asking: set[str] = set()  # requests whose prompt logprobs are computed
 
     def add(self, req_id: str, prompt_ids: list[int], sp: SamplingParams) -> None:
@@ -146,9 +146,17 @@ class OutputProcessor:
         self.shown.pop(req_id, None)
         return self.outputs.pop(req_id)
 
+    def on_logits(self, req_id: str, start: int, logits) -> None:
+        """A scoring request's logits [n, V] of positions start.. . A pass that starts again
+        (recomputed after a preemption) replaces what the earlier one wrote from there on."""
+        chunks = self.logits.setdefault(req_id, [])
+        while chunks and chunks[-1][0] >= start:
+            chunks.pop()
+        chunks.append((start, logits))
+
     def pop_logits(self, req_id: str) -> list:
-        """The [n, V] fp32 logits a scoring request's steps returned, in order."""
-        return self.logits.pop(req_id)
+        """The [n, V] fp32 logits of a scoring request's positions, in order."""
+        return [logits for _, logits in self.logits.pop(req_id)]
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:

@@ -109,7 +109,7 @@ def test_seeded_sampling_and_logprobs_equal_plain_scheduling(tiny_ckpt, overlap_
         assert g.logprobs == w.logprobs
 
 
-def test_preemption_in_a_small_pool_keeps_tokens_right(tiny_ckpt, tiny_model):
+def test_preemption_in_a_small_pool_keeps_tokens_and_scores_right(tiny_ckpt, tiny_model):
     prompts = _prompts([200, 230, 250, 180], seed=6)
     llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", overlap_scheduling=True, max_total_tokens=768,
               max_num_batched_tokens=256)  # fmt: skip
@@ -117,6 +117,17 @@ def test_preemption_in_a_small_pool_keeps_tokens_right(tiny_ckpt, tiny_model):
         outs = llm.generate(prompts, SamplingParams(max_tokens=70, ignore_eos=True))
         for prompt, out in zip(prompts, outs):
             assert out.token_ids == reference_greedy(tiny_model, prompt, 70)
+        _no_leaks(llm)
+        # scored prompts that do not fit the pool together: a preempted one is scored again
+        # from its start, and its rows are each position's once
+        scored_prompts = _prompts([600, 300], seed=9)
+        preemptions = llm.core.stats()["num_preemptions"]
+        scored = llm.score(scored_prompts)
+        assert llm.core.stats()["num_preemptions"] > preemptions
+        for prompt, logp in zip(scored_prompts, scored):
+            ref = torch.log_softmax(tiny_model(torch.tensor([prompt]))[0], dim=-1)
+            assert logp.shape == ref.shape
+            assert (logp - ref).abs().max() <= 1e-4 * ref.abs().max()
         _no_leaks(llm)
     finally:
         llm.shutdown()
