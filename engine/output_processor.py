@@ -123,6 +123,8 @@ class OutputProcessor:
     def on_finish(self, finished: FinishedRequest, error: str | None = None) -> RequestOutput:
         out = self.outputs[finished.req_id]
         out.finish_reason = finished.finish_reason
+        if finished.finish_reason == "length" and finished.req_id in self.stopped_by_string:
+            out.finish_reason = "stop"  # the last token allowed completed a stop string
         out.error = error
         out.metrics.num_cached_tokens = finished.num_cached_tokens
         out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens

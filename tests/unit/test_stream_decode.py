@@ -179,3 +179,14 @@ def test_a_stop_token_ends_the_answer_without_its_text(tok):
     streamed = "".join(proc.on_token("r", t, None)[0] for t in ids[:5])
     out = proc.on_finish(FinishedRequest("r", [0], ids[:5], "stop", 0))
     assert out.text == streamed == "a, b" and out.token_ids[-1] == stop_id
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(tok):
+    """The scheduler ends the request by length as its last token arrives; the stop string
+    that token completes makes it a stop, with the text cut, as any other stop."""
+    ids = _byte_ids(b"x = 1 # end")
+    proc = OutputProcessor(tok)
+    proc.add("r", [0], SamplingParams(max_tokens=len(ids), stop=["# end"]))
+    streamed = "".join(proc.on_token("r", t, None)[0] for t in ids)
+    out = proc.on_finish(FinishedRequest("r", [0], ids, "length", 0))
+    assert (out.text, streamed, out.finish_reason) == ("x = 1 ", "x = 1 ", "stop")
