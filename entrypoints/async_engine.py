@@ -69,6 +69,8 @@ class AsyncEngine:
         """
         req_id = request_id or f"req-{next(self._ids)}"
         ids = self.core.prompt_ids(prompt)
+        if req_id in self._streams:  # the running request's stream stays its own
+            raise ValueError(f"request id {req_id!r} is already in use")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[req_id] = (asyncio.get_running_loop(), stream)
         try:

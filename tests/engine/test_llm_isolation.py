@@ -209,3 +209,26 @@ def test_a_failed_rebuild_ends_the_waiting_requests_and_the_next_one_is_served(
         assert faults == {"submit": 0, "rebuild": 0}
     finally:
         engine.shutdown()
+
+
+def test_a_request_id_in_use_is_refused_and_its_running_stream_keeps_its_tokens(
+    tiny_ckpt, tiny_model
+):
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32")
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    async def scenario():
+        first = engine.generate(PROMPTS[0], params, request_id="dup")
+        opened = await first.__anext__()  # running: its first token came
+        with pytest.raises(ValueError, match="already in use"):
+            await engine.generate(PROMPTS[1], params, request_id="dup").__anext__()
+        rest = [u async for u in first]
+        return [*opened.token_ids, *(t for u in rest for t in u.token_ids)], rest[-1].output
+
+    try:
+        tokens, out = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+        assert tokens == out.token_ids == reference_greedy(tiny_model, PROMPTS[0], 12)
+    finally:
+        engine.shutdown()
