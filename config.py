@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from dataclasses import dataclass
 from functools import cached_property
@@ -29,6 +30,11 @@ from dsv4ray.config_rope import (
     read_rope_tables,
     yarn_inv_freq_bounds,
 )
+
+log = logging.getLogger("dsv4ray.config")
+# the dtypes the model computes in (its attention kernels take these); a float16 checkpoint
+# computes in bfloat16, whose range holds every float16 value
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 __all__ = ["ConfigError", "LayerSpec", "ModelConfig", "QuantConfig", "RopeScaling", "RopeSpec"]
 __all__ += ["yarn_inv_freq_bounds"]
@@ -251,6 +257,9 @@ def _normalise(raw: dict) -> dict[str, Any]:
     if raw.get("index_topk_pattern") is not None:
         out["index_topk_pattern"] = tuple(raw["index_topk_pattern"])
     out["torch_dtype"] = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    if out["torch_dtype"] not in COMPUTE_DTYPES:
+        log.warning("the checkpoint's torch_dtype is %s: computing in bfloat16", out["torch_dtype"])
+        out["torch_dtype"] = "bfloat16"
     out["quantization"] = QuantConfig.from_raw(raw)
     if isinstance(out.get("eos_token_id"), list):
         out["eos_token_id"] = out["eos_token_id"][0]

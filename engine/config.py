@@ -16,6 +16,7 @@ from dsv4ray.cache.configurator import DEFAULT_CPU_MAX_TOTAL_TOKENS
 from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.cache.formats import PAGE_SIZE, WINDOW_PAGE_SIZE
 from dsv4ray.cache.hicache import WRITE_POLICIES
+from dsv4ray.config import COMPUTE_DTYPES
 from dsv4ray.config_error import is_int
 from dsv4ray.engine.handoff import PD_PROTOCOLS
 from dsv4ray.engine.spec import SpecConfig
@@ -113,9 +114,11 @@ class EngineConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.use_ray not in ("auto", True, False):
             raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
-        if self.dtype is not None and self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
-        for name in ("cuda_graphs", "enable_hisparse", "fp8_prefill"):
+        if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"dtype must be one of {COMPUTE_DTYPES} (the dtypes the attention "
+                             f"kernels compute in), got {self.dtype!r}")  # fmt: skip
+        for name in ("cuda_graphs", "enable_hisparse", "fp8_prefill", "enable_prefix_caching",
+                     "enable_hicache", "draft_rings"):  # fmt: skip
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.weight_format not in WEIGHT_FORMATS:

@@ -201,3 +201,21 @@ def test_bad_timeouts_name_the_option(tiny_ckpt, name, value):
 
     with pytest.raises(ValueError, match=name):
         EngineConfig.build(tiny_ckpt, **{name: value})
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [("dtype", "float16"), ("enable_prefix_caching", "false"), ("enable_hicache", "false"),
+     ("draft_rings", 1), ("cuda_graphs", "no")],
+)  # fmt: skip
+def test_options_the_engine_cannot_honour_name_the_option(tiny_ckpt, name, value):
+    """A string "false" would be truthy, and float16 has no attention kernel: refused by name
+    before anything starts."""
+    from dsv4ray.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=name):
+        EngineConfig.build(tiny_ckpt, **{name: value})
+
+
+def test_a_float16_checkpoint_computes_in_bfloat16():
+    assert ModelConfig.from_hf(_raw(torch_dtype="float16")).torch_dtype == "bfloat16"
