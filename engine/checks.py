@@ -14,12 +14,17 @@ def check_request_id(req_id: object) -> None:
 
 
 def check_sampling(params, vocab_size: int) -> None:
-    """What SamplingParams cannot check alone: logit_bias ids and structured_output's
+    """What SamplingParams cannot check alone: logit_bias and stop ids and structured_output's
     after_token inside the vocabulary, and a grammar that compiles (engine/structured.py)."""
     outside = [t for t, _ in params.logit_bias if t >= vocab_size]
     if outside:
         raise ValueError(
             f"logit_bias token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    outside = [t for t in params.stop_token_ids if t >= vocab_size]
+    if outside:
+        raise ValueError(
+            f"stop_token_ids token id {outside[0]} is outside the vocabulary [0, {vocab_size})"
         )
     if params.structured_output is not None:
         after = params.structured_output.get("after_token")

@@ -109,9 +109,16 @@ class EngineCore:
 
     def _new_scheduler(self) -> Scheduler:
         cap, cfg, ec = self.pipeline.capacity, self.model_config, self.config
-        self.max_model_len = min(
-            ec.max_model_len or cfg.max_position_embeddings, cap.num_full_tokens
-        )
+        asked = ec.max_model_len or cfg.max_position_embeddings
+        self.max_model_len = min(asked, cap.num_full_tokens)
+        if ec.max_model_len is not None and self.max_model_len < ec.max_model_len:
+            log.warning(
+                "max_model_len %d is more than the pools hold (%d tokens): serving contexts up "
+                "to %d tokens (raise max_total_tokens or memory_fraction for longer ones)",
+                ec.max_model_len,
+                cap.num_full_tokens,
+                self.max_model_len,
+            )
         log.info(
             "engine: %s, pp=%d, capacity %d tokens, max_model_len %d, %s",
             ec.model,
@@ -150,7 +157,13 @@ class EngineCore:
             if bad:
                 raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             return list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt)}")
+        if isinstance(prompt, Sequence) and prompt:
+            kinds = sorted({type(t).__name__ for t in prompt if not isinstance(t, int)})
+            raise ValueError(f"a prompt must be a string or a list of int token ids; this list "
+                             f"holds {', '.join(kinds)}")  # fmt: skip
+        raise ValueError(
+            f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}"
+        )
 
     def add_request(
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, score: bool = False

@@ -49,6 +49,9 @@ class LLM:
         sampling_params: SamplingParams | Sequence | None = None,
     ) -> list[RequestOutput]:
         """Runs prompts (strings or token-id lists) to completion; outputs in prompt order."""
+        if not isinstance(prompts, Sequence):
+            raise ValueError("prompts must be a string, a list of token ids or a list of "
+                             f"those, got {type(prompts).__name__}")  # fmt: skip
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))

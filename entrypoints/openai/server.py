@@ -379,8 +379,9 @@ class OpenAIServer:
                 await run.updates.aclose()
                 run.tracked.release(None)  # never ran; answered as a 400
             field = "prompt" if endpoint == "/v1/completions" else "messages"
-            if str(problem).startswith("logit_bias"):  # an id outside the model's vocabulary
-                field = "logit_bias"
+            for name in ("logit_bias", "stop_token_ids"):  # an id outside the vocabulary
+                if str(problem).startswith(name):
+                    field = name
             raise bad_request(str(problem), field) from None
         await _give_up(started, problem)
         raise problem

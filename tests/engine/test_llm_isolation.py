@@ -73,6 +73,12 @@ def test_a_bad_prompt_queues_nothing(llm):
         llm.generate([PROMPTS[0], [0, 10**6]], SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="request id"):
         llm.core.add_request("bad\ud800id", PROMPTS[0], SamplingParams())
+    for prompts, named in [(5, "got int"), ([PROMPTS[0], [3, 4.0]], "holds float"),
+                           ([None], "got NoneType")]:  # fmt: skip
+        with pytest.raises(ValueError, match=named):
+            llm.generate(prompts, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, stop_token_ids=[10**6]))
     _assert_nothing_held(llm)
 
 

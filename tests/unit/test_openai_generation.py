@@ -104,10 +104,13 @@ def test_a_bad_limit_is_a_400_naming_the_field_that_sent_it(client, fields, name
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_a_logit_bias_id_outside_the_vocabulary_is_a_400_naming_logit_bias(client, path):
+@pytest.mark.parametrize(
+    "field,value", [("logit_bias", {"99999": 5}), ("stop_token_ids", [3, 99999])]
+)
+def test_a_token_id_outside_the_vocabulary_is_a_400_naming_its_field(client, path, field, value):
     body = {"prompt": "hi"} if path == "/v1/completions" else {"messages": MESSAGES}
-    response = client.post(path, json={"model": MODEL, **body, "logit_bias": {"99999": 5}})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias"
+    response = client.post(path, json={"model": MODEL, **body, field: value})
+    assert response.status_code == 400 and response.json()["error"]["param"] == field
 
 
 def test_streamed_completions_carry_the_same_text_then_usage(client, engine):
