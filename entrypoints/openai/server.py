@@ -216,7 +216,8 @@ class OpenAIServer:
         if req.messages is None:
             ids = self.prompt_ids(req.prompt, None if req.add_special_tokens else False)
         else:
-            ids = self.chat_prompt_ids(req.as_chat())
+            chat = req.as_chat()
+            ids = self.chat_prompt_ids(chat, chat.chat_tools())
         count, context = len(ids), self.engine.max_model_len
         return JSONResponse({"count": count, "max_model_len": context, "tokens": ids})
 

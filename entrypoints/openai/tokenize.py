@@ -2,10 +2,11 @@
 
 ``/tokenize`` takes a ``prompt`` (a string, tokenized as ``/v1/completions`` tokenizes it;
 ``add_special_tokens: false`` leaves out the bos token) or ``messages`` (rendered as
-``/v1/chat/completions`` renders them, with ``chat_template_kwargs``). ``/detokenize`` takes
-``tokens``. Both are parsed like the generation requests (``protocol.parse_request``): strict
-types, unknown fields refused by name. ``model`` may be left out (then the served model), as
-vLLM allows; any other model is a 404 as on the other routes.
+``/v1/chat/completions`` renders them, with ``chat_template_kwargs`` and ``tools``).
+``/detokenize`` takes ``tokens``. Both are parsed like the generation requests
+(``protocol.parse_request``): strict types, unknown fields refused by name. ``model`` may be
+left out (then the served model), as vLLM allows; any other model is a 404 as on the other
+routes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dsv4ray.entrypoints.openai.errors import bad_request
 from dsv4ray.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, _Request
 
 PROMPT_ONLY = ("add_special_tokens",)
-CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt")
+CHAT_ONLY = ("chat_template_kwargs", "add_generation_prompt", "tools", "tool_choice")
 
 
 class TokenizeRequest(_Request):
@@ -28,6 +29,8 @@ class TokenizeRequest(_Request):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    tools: list[Any] | None = None  # rendered into the prompt as a chat request renders them
+    tool_choice: Any = None
 
     def check_supported(self) -> None:
         if self.prompt is None and self.messages is None:
@@ -54,6 +57,9 @@ class TokenizeRequest(_Request):
             model=self.model or "",
             messages=self.messages,
             chat_template_kwargs=self.chat_template_kwargs,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            parallel_tool_calls=None,
         )
 
 

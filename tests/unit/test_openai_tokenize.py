@@ -63,6 +63,27 @@ def test_messages_tokenize_to_what_a_chat_completion_feeds_the_engine(client, en
     assert client.post("/tokenize", json={"prompt": "hi"}).json() == tokenize(client, prompt="hi")
 
 
+ADD = {"type": "object", "properties": {"a": {"type": "integer"}}}
+TOOLS = [
+    {"type": "function", "function": {"name": "add", "description": "adds", "parameters": ADD}}
+]
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_messages_with_tools_tokenize_to_what_a_chat_completion_feeds_the_engine(
+    client, engine, tool_choice
+):
+    engine.max_model_len = 4096  # the rendered tools are a long prompt
+    fields = {"tools": TOOLS, "tool_choice": tool_choice}
+    got = tokenize(client, messages=MESSAGES, **fields)
+    body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 1, **fields}
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    assert got["tokens"] == engine.requests[-1][0]
+    rendered = got["tokens"] != tokenize(client, messages=MESSAGES)["tokens"]
+    assert rendered == (tool_choice != "none")  # "none" renders no tools, as chat does
+
+
 def test_detokenize_gives_the_text_back_with_its_special_tokens(client, engine):
     text = "héllo ☃, world"
     bare = tokenize(client, prompt=text, add_special_tokens=False)["tokens"]
