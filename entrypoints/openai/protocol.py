@@ -141,11 +141,12 @@ class _GenerationRequest(_Request):
         items = [stop] if isinstance(stop, str) else stop
         if stop is not None and (
             not isinstance(items, list)
-            or not 0 < len(items) <= MAX_STOP_STRINGS
+            or len(items) > MAX_STOP_STRINGS
             or not all(isinstance(s, str) and s for s in items)
         ):
-            raise ValueError(f"stop must be a string or a list of 1 to {MAX_STOP_STRINGS} strings")
-        return stop
+            raise ValueError(f"stop must be a string or a list of up to {MAX_STOP_STRINGS} "
+                             "non-empty strings")  # fmt: skip
+        return stop or None  # [] asks for none, as OpenAI takes it
 
     def check_supported(self) -> None:
         if not 1 <= self.n <= MAX_RUNS:

@@ -242,10 +242,11 @@ class OpenAIServer:
             self.options.served_model_name, self.token_bytes, req.logprobs, req.return_token_ids
         )
         runs = []
-        for prompt in req.prompts:
+        for i, prompt in enumerate(req.prompts):
             prompt_ids = self.prompt_ids(prompt)
+            field = "prompt" if len(req.prompts) == 1 else f"prompt.{i}"
             max_tokens = self._max_tokens(
-                req.max_tokens, len(prompt_ids), "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS
+                req.max_tokens, len(prompt_ids), field, COMPLETIONS_DEFAULT_MAX_TOKENS
             )
             params = req.sampling_params(
                 max_tokens, req.engine_logprobs, req.engine_prompt_logprobs

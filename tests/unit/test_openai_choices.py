@@ -69,6 +69,9 @@ def test_several_prompts_get_their_choices_in_order(client, engine):
     prompts = [ids for ids, _, _ in engine.requests]  # the leaders, then the others
     assert prompts[1] == prompts[3] == [70, 71] and prompts[0] == prompts[2] != [70, 71]
     assert got["usage"]["prompt_tokens"] == len(prompts[0]) + 2
+    too_long = client.post("/v1/completions", json=body("/v1/completions", {
+        "prompt": ["a", "x" * (engine.max_model_len + 1)]}))  # fmt: skip
+    assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "prompt.1"
 
 
 def test_best_of_keeps_the_likeliest_choices(client, engine):

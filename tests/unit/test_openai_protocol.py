@@ -70,6 +70,12 @@ def test_valid_non_ascii_and_paired_surrogate_escapes_pass():
     assert request.stop == ["\U0001f600", "é"]
 
 
+def test_stop_takes_an_empty_list_as_none_and_refuses_five_or_an_empty_string():
+    assert parse_request(CompletionRequest, GOOD + b', "stop": []}').stop is None
+    assert rejected(GOOD + b', "stop": ["a", "b", "c", "d", "e"]}').param == "stop"
+    assert rejected(GOOD + b', "stop": ["a", ""]}').param == "stop"
+
+
 @pytest.mark.parametrize(
     "body",
     [
