@@ -202,7 +202,7 @@ def out_of_range(target: Target, rng: random.Random, scale: int) -> Iterator[Cas
         "min_tokens": [-1, 10**6],
         "logit_bias": [{"x": 1.0}, {"5": 100.5}, {"-3": 1.0}, {str(2**64): 1.0}],
         "prompt": [[-1], [10**6], [2**63], [2**64], [5] * (target.context + 1)],
-        "stop_token_ids": [[-1], [2**63], list(range(1025))],
+        "stop_token_ids": [[-1], [2**63], [2**63 - 1], list(range(1025))],  # ids past the vocab
         "suffix": ["x"],
     }
     for field, values in completions.items():
@@ -228,7 +228,7 @@ VALID_EXTREMES = [
     {"temperature": 1e-38}, {"temperature": 5e-324}, {"temperature": 2.0}, {"temperature": 0},
     {"temperature": -0.0}, {"top_p": 5e-324}, {"top_p": 1e-300}, {"top_k": 1},
     {"top_k": 10**6}, {"top_k": 2**63 - 1}, {"seed": -(2**63 - 1)}, {"seed": 2**63 - 1},
-    {"logprobs": 0}, {"logprobs": 20}, {"stop_token_ids": [2**63 - 1]}, {"stop": "a" * 1000},
+    {"logprobs": 0}, {"logprobs": 20}, {"stop_token_ids": [0] * 1024}, {"stop": "a" * 1000},
     {"prompt": ""}, {"prompt": [0]}, {"temperature": 1e-38, "top_p": 5e-324, "top_k": 1},
     {"n": 3, "seed": 2**63 - 1}, {"n": 2, "best_of": 3}, {"echo": True, "logprobs": 20},
     {"prompt": ["a", [5, 6], ""], "n": 2}, {"prompt_logprobs": 20, "echo": True},

@@ -106,9 +106,12 @@ def tiny_config(preset: str = "tiny", **overrides) -> ModelConfig:
     pattern = (
         raw.pop("compress_pattern", None) or base["compress_ratios"][: base["num_hidden_layers"]]
     )
-    if "compress_ratios" not in overrides and (
-        base["compress_ratios"] is None or raw["num_hidden_layers"] != base["num_hidden_layers"]
-    ):  # the layers cycle the preset's pattern; MTP layers attend densely
+    resized = any(
+        raw.get(key, 1) != base.get(key, 1)
+        for key in ("num_hidden_layers", "num_nextn_predict_layers")
+    )
+    if "compress_ratios" not in overrides and (base["compress_ratios"] is None or resized):
+        # the layers cycle the preset's pattern; MTP layers attend densely
         layers = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
         raw["compress_ratios"] = layers + [0] * raw.get("num_nextn_predict_layers", 1)
     return ModelConfig.from_hf(raw)
@@ -254,6 +257,8 @@ def _random_like(name: str, p: torch.Tensor, gen: torch.Generator) -> torch.Tens
         return normal(0.02)
     if name == "embed.weight":
         return normal(1.0)
+    if p.numel() == 0:  # e.g. no shared expert
+        return torch.empty_like(p)
     fan_in = p.shape[-1] ** -0.5
     if name.endswith(("wo_b.weight", "w2.weight")):
         # Sub-block outputs well below the residual (as in trained models): a random deep

@@ -219,3 +219,16 @@ def test_options_the_engine_cannot_honour_name_the_option(tiny_ckpt, name, value
 
 def test_a_float16_checkpoint_computes_in_bfloat16():
     assert ModelConfig.from_hf(_raw(torch_dtype="float16")).torch_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    "overrides", [{"num_nextn_predict_layers": 0}, {"num_hidden_layers": 3},
+                  {"num_hidden_layers": 4, "num_nextn_predict_layers": 0}],
+)  # fmt: skip
+def test_a_resized_preset_cycles_its_compress_pattern(overrides):
+    """The layers of a preset given another depth cycle its pattern; MTP layers are dense."""
+    base = tiny_config("tiny")
+    cfg = tiny_config("tiny", **overrides)
+    pattern = base.compress_ratios[: base.num_hidden_layers]
+    want = [pattern[i % len(pattern)] for i in range(cfg.num_hidden_layers)]
+    assert list(cfg.compress_ratios) == want + [0] * cfg.num_nextn_predict_layers
