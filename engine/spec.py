@@ -59,6 +59,11 @@ class SpecConfig:
             )
         if not is_int(self.eagle_topk) or self.eagle_topk < 1:
             raise ValueError(f"speculative_eagle_topk must be an int >= 1, got {self.eagle_topk!r}")
+        if self.eagle_topk > 1 and not self.enabled:  # with drafts, the draft layer names why
+            raise ValueError(
+                f"speculative_eagle_topk={self.eagle_topk}: tree drafting is not supported "
+                "(and speculative_num_steps is 0: no drafts at all); leave it at 1"
+            )
 
     @property
     def enabled(self) -> bool:

@@ -40,11 +40,17 @@ async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> i
         out.write(prompt)
         out.flush()
         shown, final = "", None
-        async for update in engine.generate(prompt, params):
-            out.write(update.text)
-            out.flush()
-            shown += update.text
-            final = update.output
+        try:
+            async for update in engine.generate(prompt, params):
+                out.write(update.text)
+                out.flush()
+                shown += update.text
+                final = update.output
+        except ValueError as exc:  # this prompt is refused (too long, ...); the next ones run
+            out.write("\n")
+            print(f"dsv4ray: prompt refused: {exc}", file=sys.stderr)
+            failed += 1
+            continue
         if final is not None and final.text.startswith(shown):
             out.write(final.text[len(shown) :])  # an unfinished UTF-8 tail the stream held back
         out.write("\n")

@@ -300,4 +300,12 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
             f"cannot write the output {output_path!r} (a folder, its folder is missing, or not "
             "a local path: the output is appended to as requests finish)"
         )
+    if not is_uri(input_path) and _same_file(input_path, output_path):
+        return f"--output {output_path!r} is the input file (results would be appended to it)"
     return None
+
+
+def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(b):
+        return os.path.samefile(a, b)
+    return os.path.realpath(a) == os.path.realpath(b)

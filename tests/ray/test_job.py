@@ -163,10 +163,14 @@ def test_usage_errors_exit_2_before_ray_starts(tiny_ckpt, tmp_path, capsys):
             *("--model", tiny_ckpt, "--input", str(src)),
             *("--output", str(tmp_path / "missing" / "out.jsonl")),
         ],
+        f"--output {str(src)!r} is the input file": [
+            *("--model", tiny_ckpt, "--input", str(src), "--output", str(src)),
+        ],
     }
     for message, args in cases.items():
         assert main(["job", *args]) == 2, message
         assert f"dsv4ray job: error: {message}" in capsys.readouterr().err
+    assert src.read_text() == json.dumps({"id": 1, "prompt": "Hi"}) + "\n"  # left as it was
     no_output = ["--input", str(src)]
     for args in (no_output, [*no_output, "--output", out, "--max-tokens", "0"]):
         with pytest.raises(SystemExit) as exc:  # argparse's own usage errors

@@ -29,6 +29,15 @@ def test_generate_streams_the_reference_greedy_text(tiny_ckpt, capsys):
     assert printed == "Hi there" + tok.decode(out) + "\n"
 
 
+def test_a_prompt_longer_than_the_context_is_one_line_and_the_next_prompt_runs(tiny_ckpt, capsys):
+    args = ["generate", "--model", tiny_ckpt, "--max-tokens", "2", "--max-model-len", "300"]
+    assert main([*args, "x" * 400, "Hi"]) == 1  # one prompt failed
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err and printed.err.count("prompt refused") == 1
+    assert "max_model_len is 300" in printed.err
+    assert printed.out.splitlines()[-1].startswith("Hi")  # the next prompt was answered
+
+
 def test_make_tiny_then_generate(tmp_path, capsys):
     assert main(["make-tiny", "--out", str(tmp_path / "m"), "--seed", "4"]) == 0
     assert (tmp_path / "m" / "tokenizer.json").is_file()

@@ -204,6 +204,8 @@ def test_config_limits_and_tree_drafting_with_reuse_are_refused():
         SpecConfig(MAX_DRAFT_STEPS + 1)
     with pytest.raises(ValueError, match="speculative_eagle_topk"):
         SpecConfig(2, 0)
+    with pytest.raises(ValueError, match="speculative_eagle_topk=2: tree drafting"):
+        SpecConfig(0, 2)  # refused without drafts too, as the docs say
     with pytest.raises(ValueError, match="DSA-style.*chain drafting"):
         SpecConfig(2, 2).check_draft_layer(4, [])
     with pytest.raises(ValueError, match="tree drafting is not supported"):
@@ -213,7 +215,7 @@ def test_config_limits_and_tree_drafting_with_reuse_are_refused():
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         SpecConfig(2).check_draft_layer(None, [])
     SpecConfig(3).check_draft_layer(4, [])
-    SpecConfig(0, 5).check_draft_layer(None, ["mtp.0.a"])  # off: nothing to check
+    SpecConfig(0).check_draft_layer(None, ["mtp.0.a"])  # off: nothing to check
 
 
 def test_drafts_scheduled_before_they_reach_the_host_give_plain_decoding():
