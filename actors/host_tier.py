@@ -95,3 +95,20 @@ def host_tier_for_node(node_id: str):
         get_if_exists=True,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote()
+
+
+def release_host_tiers(timeout_s: float = 10.0) -> int:
+    """Every node's host tier releases all its regions (for a Ray about to be shut down whose
+    engines have all finished: regions of engines killed without a shutdown would otherwise
+    stay in /dev/shm). Returns how many tiers answered."""
+    answered = 0
+    for node in ray.nodes():
+        if not node.get("Alive"):
+            continue
+        try:
+            tier = ray.get_actor(f"dsv4ray-host-tier-{node['NodeID'][:16]}", namespace=NAMESPACE)
+            ray.get(tier.shutdown.remote(), timeout=timeout_s)
+            answered += 1
+        except Exception as exc:  # no tier on that node, or it died: nothing it could free
+            log.debug("host tier of node %s: %s", node["NodeID"][:16], exc)
+    return answered

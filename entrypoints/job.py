@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import ray
 
+from dsv4ray.actors.host_tier import release_host_tiers
 from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
@@ -56,6 +57,10 @@ log = logging.getLogger("dsv4ray.job")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 REPLICA_CPUS = 0.5  # the actor drives its engine; the stages have bundles of their own
+# reading lines is light; with Ray Data's default of a whole CPU the read task of a pp 2 job on
+# a 2-core machine would wait for ever behind the replica and its stages' bundles
+READ_CPUS = 0.25
+REPLICA_EXIT_S = 30.0  # how long the driver waits for the replicas to shut their engines down
 BATCH_SIZE = 16  # requests per map_batches call; Ray Data keeps 4 calls in flight per block
 MAX_BLOCK_ROWS = 256  # output lines come back a block at a time
 
@@ -105,7 +110,8 @@ def run_job(
             where = input_path if is_uri(input_path) else os.path.abspath(input_path)
             source = JobLines(where, prior, job.default_max_tokens,
                               _rows_per_block(stats.lines, job.replicas))  # fmt: skip
-            _run(source, model, engine, job, input_path, output_path, stats)
+            pids = _run(source, model, engine, job, input_path, output_path, stats)
+            _wait_for_exit(pids, REPLICA_EXIT_S)
         else:  # every line finished before (or is bad): nothing to run, nothing to start
             for row in job_rows(input_path, prior, job.default_max_tokens):
                 _account(None, stats, input_path, row["line"], row["kind"], "", row["problem"], "")
@@ -115,6 +121,7 @@ def run_job(
     finally:
         _restore_sigterm(previous)
         if started_ray:  # the local Ray this call started, and then its leftover files
+            release_host_tiers()  # its engines are done; a killed one kept its host region
             ray.shutdown()
             sweep_dead_raylets()
             sweep_dead_graphs()  # and the lists of graphs whose files went with it
@@ -154,7 +161,10 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
     # every replica builds its engine (stage actors, weights, graphs) before the first block
     context.wait_for_min_actors_s = int(engine.get("startup_timeout_s",
                                                    EngineConfig.startup_timeout_s))  # fmt: skip
-    results = ray.data.read_datasource(source, ray_remote_args=_read_on(source.path)).map_batches(
+    read = ray.data.read_datasource(
+        source, num_cpus=READ_CPUS, ray_remote_args=_read_on(source.path)
+    )
+    results = read.map_batches(
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},
         batch_size=min(BATCH_SIZE, source.rows_per_block),
@@ -162,6 +172,7 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
         num_cpus=REPLICA_CPUS,
     )
     blocks = results.iter_batches(batch_size=None, batch_format="numpy")
+    pids: set[int] = set()
     with (
         open_output(output_path) as out,
         tqdm(total=stats.lines, desc="lines", unit="line", file=sys.stderr) as bar,
@@ -171,6 +182,29 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
                            block["replica"]):  # fmt: skip
                 _account(out, stats, input_path, *row)
                 bar.update(1)
+            here = ray.util.get_node_ip_address()  # pids of other nodes mean nothing here
+            pids.update(int(p) for p, r in zip(block["pid"], block["replica"])
+                        if str(r).split("/", 1)[0] == here)  # fmt: skip
+    return pids
+
+
+def _wait_for_exit(pids: set[int], timeout_s: float) -> None:
+    """Waits until the replica processes of this node exit: once the pool is done they shut
+    their engines down (host-tier regions and channel files go with them), which a Ray shut
+    down at once, or this process exiting, would cut short."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process of that number
+        return True
+    return True
 
 
 def _read_on(path: str) -> dict:

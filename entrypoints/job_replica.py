@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 
 import ray
 
@@ -44,6 +45,7 @@ class JobReplica:
             "result": [result for result, _ in done],
             "problem": [problem for _, problem in done],
             "replica": [self.name] * len(done),
+            "pid": [os.getpid()] * len(done),  # the driver waits for it to exit at the end
         }
 
     async def _row(self, line_no: int, req_id: str, kind: str, request: str, problem: str):
@@ -63,8 +65,9 @@ class JobReplica:
             final = None
             async for update in self.engine.generate(ids, params, request_id=f"line-{line_no}"):
                 final = update.output
-        except ValueError as exc:
-            return "", f"request {req_id!r}: {exc}"
+        except ValueError as exc:  # the engine names its own request id, not the line's
+            reason = str(exc).removeprefix(f"request 'line-{line_no}': ")
+            return "", f"request {req_id!r}: {reason}"
         return json.dumps(output_row(req_id, final, tools)), ""
 
     def _tokenize(self, item: dict, tools: ChatTools | None) -> list[int]:
