@@ -114,7 +114,8 @@ def sweep_dead_graphs(ledger_dir: str = LEDGER_DIR) -> int:
         names = os.listdir(ledger_dir)
     except FileNotFoundError:
         return 0
-    dead = [n for n in names if n.split("-", 1)[0].isdigit() and not _alive(int(n.split("-")[0]))]
+    owners = [(n, n.split("-", 1)[0]) for n in names]
+    dead = [n for n, pid in owners if pid.isdigit() and not process_alive(int(pid))]
     if not dead:
         return 0
     mapped, removed = mapped_by_any_process(), 0
@@ -189,7 +190,7 @@ def sweep_dead_raylets(shm: str = "/dev/shm") -> int:
     dead = [
         os.path.join(shm, name)
         for name in names
-        if (match := _CHANNEL_FILE.match(name)) and not _alive(int(match.group(1)))
+        if (match := _CHANNEL_FILE.match(name)) and not process_alive(int(match.group(1)))
     ]
     return remove_channel_files([path for path in dead if _owned(path)])
 
@@ -205,7 +206,7 @@ def _owned(path: str) -> bool:
         return False
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import ray
 
 from dsv4ray.actors.host_tier import release_host_tiers
-from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
+from dsv4ray.cluster.channel_files import process_alive, sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
@@ -193,18 +193,8 @@ def _wait_for_exit(pids: set[int], timeout_s: float) -> None:
     their engines down (host-tier regions and channel files go with them), which a Ray shut
     down at once, or this process exiting, would cut short."""
     deadline = time.monotonic() + timeout_s
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process of that number
-        return True
-    return True
 
 
 def _read_on(path: str) -> dict:
