@@ -173,6 +173,7 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
     )
     blocks = results.iter_batches(batch_size=None, batch_format="numpy")
     pids: set[int] = set()
+    here = ray.util.get_node_ip_address()  # replica pids of other nodes mean nothing here
     with (
         open_output(output_path) as out,
         tqdm(total=stats.lines, desc="lines", unit="line", file=sys.stderr) as bar,
@@ -182,7 +183,6 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
                            block["replica"]):  # fmt: skip
                 _account(out, stats, input_path, *row)
                 bar.update(1)
-            here = ray.util.get_node_ip_address()  # pids of other nodes mean nothing here
             pids.update(int(p) for p, r in zip(block["pid"], block["replica"])
                         if str(r).split("/", 1)[0] == here)  # fmt: skip
     return pids
