@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 import torch
 
-from dsv4ray.kernels import compress, hisparse_swap, indexer, sampler, transfer
+from dsv4ray.kernels import compress, hisparse_swap, indexer, sampler, token_mask, transfer
 from dsv4ray.kernels import sparse_mqa as _sparse_mqa
 from dsv4ray.kernels import store_kv as _store_kv
 
@@ -140,3 +140,10 @@ def gumbel_argmax(values, vocab_ids, key) -> torch.Tensor:
     pass on CUDA, the torch reference elsewhere."""
     fn = sampler.gumbel_argmax if values.is_cuda else sampler.gumbel_argmax_ref
     return fn(values, vocab_ids, key)
+
+
+def apply_token_masks(logits, packed, num_words) -> torch.Tensor:
+    """See kernels/token_mask.py. Picked by the tensors' device whatever the backend: the Triton
+    pass on CUDA, the torch reference elsewhere."""
+    fn = token_mask.apply_token_masks if logits.is_cuda else token_mask.apply_token_masks_ref
+    return fn(logits, packed, num_words)

@@ -28,7 +28,7 @@ import torch
 
 from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.structured import grammar
-from dsv4ray.worker.sampling.sampler import to_device
+from dsv4ray.kernels.dispatch import apply_token_masks
 
 
 class Grammars:
@@ -42,7 +42,6 @@ class Grammars:
         self.pending: dict[str, tuple] = {}
         self.waiting: dict[str, int] = {}  # req_id -> the after_token its matcher waits for
         self.num_words = (vocab_size + 31) // 32  # int32 words of a packed token mask
-        self._shifts = None  # [32] bit positions on the device
 
     def add(self, new: NewRequest) -> None:
         """A request with a structured_output constraint gets its matcher (and replays what it
@@ -82,19 +81,19 @@ class Grammars:
         for i, req_id in enumerate(req_ids):
             if req_id in self.matchers:
                 groups.setdefault(req_id, []).append(i)
-        rows, allowed = [], []
+        mask_of = np.full(len(req_ids), -1, dtype=np.int32)  # row -> its mask, -1: none
+        allowed = []
         for req_id, idx in groups.items():
             self._catch_up(req_id)
             tokens = (drafts or {}).get(req_id, [])[: len(idx) - 1]
             for i, words in zip(idx, self._masks(req_id, tokens), strict=True):
                 if words is not None:  # None: free until the after_token
-                    rows.append(i)
+                    mask_of[i] = len(allowed)
                     allowed.append(words)
-        if not rows:
+        if not allowed:
             return logits
-        ok = self._unpack(np.stack(allowed), logits.device)  # [Rg, V] bool
-        idx = to_device(rows, torch.long, logits.device)
-        return logits.index_copy(0, idx, logits.index_select(0, idx).masked_fill(~ok, -torch.inf))
+        packed = self._to_device(np.concatenate([mask_of, *allowed]), logits.device)
+        return apply_token_masks(logits.float().contiguous(), packed, self.num_words)
 
     def record(self, req_ids: list[str], pending,
                drafts: dict[str, list[int]] | None = None) -> None:  # fmt: skip
@@ -152,18 +151,17 @@ class Grammars:
             return words
         return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: self.num_words]
 
-    def _unpack(self, words: np.ndarray, device) -> torch.Tensor:
-        """[R, W] int32 masks -> [R, V] bool on the device: one copy of the packed words, unpacked
-        there. On CUDA the copy is from pinned memory and asynchronous: a copy from pageable
-        memory would wait for the step's forward, and the host would lose its lead."""
-        host = torch.from_numpy(words)
-        if device.type == "cuda":
-            host = host.pin_memory()
-        packed = host.to(device, non_blocking=True)
-        if self._shifts is None or self._shifts.device != packed.device:
-            self._shifts = torch.arange(32, dtype=torch.int32, device=packed.device)
-        bits = (packed[:, :, None] >> self._shifts) & 1  # [R, W, 32]
-        return bits.flatten(1)[:, : self.vocab_size].bool()
+    def _to_device(self, packed: np.ndarray, device) -> torch.Tensor:
+        """A step's row map and masks in one copy. On CUDA the copy is from pinned memory and
+        asynchronous (the caching host allocator reuses a buffer only once its copy is done): a
+        copy from pageable memory would wait for the step's forward, and the host would lose
+        its lead."""
+        host = torch.from_numpy(packed)
+        if device.type != "cuda":
+            return host.to(device)
+        staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
+        staging.copy_(host)
+        return staging.to(device, non_blocking=True)
 
     def _tokenizer(self):
         if self.tokenizer is None:
