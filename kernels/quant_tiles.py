@@ -270,33 +270,52 @@ def split_k(num_tiles: int, k: int, block_k: int, device: torch.device) -> tuple
     return per_split * block_k, triton.cdiv(steps, per_split)
 
 
-@triton.jit(do_not_specialize=["numel", "width", "num_splits", "group"])
-def _sum_splits_kernel(part_ptr, out_ptr, numel, width, num_splits, group,
+@triton.jit
+def _term(part_ptr, first, mask, t, num_terms, group, split_numel, width, BLOCK: tl.constexpr):
+    # term t = s group + j of part [S, M group, W] at the elements `first` (part[0, m group, c])
+    at = (t // group).to(tl.int64) * split_numel + (t % group) * width
+    live = mask & (tl.full((BLOCK,), t, tl.int32) < num_terms)
+    return tl.load(part_ptr + at + first, mask=live, other=0.0)
+
+
+@triton.jit(do_not_specialize=["numel", "width", "num_terms", "group"])
+def _sum_splits_kernel(part_ptr, out_ptr, numel, width, num_terms, group,
                        BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):  # fmt: skip
     # out [M, W] (numel = M W): out[m, c] = sum over s, then j < group of part[s, m group + j, c],
-    # added in that order in fp32 and stored in out's dtype
+    # added in that order in fp32 and stored in out's dtype. Four terms are loaded before any
+    # is added (independent loads in flight: with tens of splits, a loop of one load and one
+    # add waits out each load's latency in turn). A term past the last loads +0.0, which
+    # leaves the sum as it is (it starts at +0.0 and never becomes -0.0).
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = i < numel
-    first = (i // width) * group * width + i % width  # part[0, m group, c]
-    acc = tl.zeros((BLOCK,), tl.float32)
+    first = (i // width) * group * width + i % width
     split_numel = numel.to(tl.int64) * group  # part's elements a split
-    for s in range(num_splits):
-        for j in range(group):
-            acc += tl.load(part_ptr + (s * split_numel + j * width) + first, mask=mask, other=0.0)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for t in range(0, num_terms, 4):
+        a0 = _term(part_ptr, first, mask, t, num_terms, group, split_numel, width, BLOCK)
+        a1 = _term(part_ptr, first, mask, t + 1, num_terms, group, split_numel, width, BLOCK)
+        a2 = _term(part_ptr, first, mask, t + 2, num_terms, group, split_numel, width, BLOCK)
+        a3 = _term(part_ptr, first, mask, t + 3, num_terms, group, split_numel, width, BLOCK)
+        acc += a0
+        acc += a1
+        acc += a2
+        acc += a3
     store_rounded(out_ptr, i, acc, mask, OUT_BF16)
 
 
 def sum_splits(part: torch.Tensor, out: torch.Tensor, group: int = 1) -> torch.Tensor:
     """out [M, W] = the fp32 partials part [S, M * group, W] summed over the splits s and each
     row's group of `group` consecutive rows (s outer, in order), in out's dtype (bf16 rounded to
-    nearest even): a split-K epilogue, and a token's expert slots, in one launch."""
+    nearest even): a split-K epilogue, and a token's expert slots, in one launch. Small outputs
+    take small blocks so that more programs share the terms' loads."""
     assert part.dtype == torch.float32 and part.is_contiguous() and out.is_contiguous()
     rows, width = out.shape
     assert tuple(part.shape[1:]) == (rows * group, width), (part.shape, out.shape, group)
-    numel, block = out.numel(), 1024
+    numel = out.numel()
+    block = 1024 if numel >= 64 * 1024 else 256
     if numel:
         _sum_splits_kernel[(triton.cdiv(numel, block),)](
-            part, out, numel, width, part.shape[0], group, BLOCK=block,
+            part, out, numel, width, part.shape[0] * group, group, BLOCK=block,
             OUT_BF16=out.dtype == torch.bfloat16,
         )  # fmt: skip
     return out

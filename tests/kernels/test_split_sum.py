@@ -9,7 +9,7 @@ from dsv4ray.kernels.quant_tiles import sum_splits
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("splits,group", [(5, 1), (1, 6), (3, 2)])
+@pytest.mark.parametrize("splits,group", [(5, 1), (1, 6), (3, 2), (33, 1), (9, 3)])
 def test_partials_add_in_order_and_round_once(splits, group, dtype, device):
     g = torch.Generator().manual_seed(splits * 10 + group)
     rows, width = 3, 700
