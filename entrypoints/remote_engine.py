@@ -18,6 +18,7 @@ from typing import NoReturn
 import ray.exceptions
 from ray.serve import exceptions as serve_exceptions
 
+from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.sampling import SamplingParams
@@ -49,8 +50,8 @@ def api_error(exc: BaseException) -> BaseException:
     """What a failed call to the engine deployment becomes on the ingress."""
     if isinstance(exc, ray.exceptions.RayTaskError):  # raised by the engine's own code
         cause = exc.cause
-        if isinstance(cause, ValueError):  # a bad prompt: the API's 400
-            return ValueError(str(cause))
+        if isinstance(cause, ValueError):  # a bad request: the API's 400, naming its field
+            return RequestError(str(cause), getattr(cause, "field", None))
         if isinstance(cause, UNAVAILABLE_ERRORS):
             return engine_unavailable()
         return exc

@@ -59,6 +59,9 @@ from dsv4ray.text.chat_encoding import prefix_state
 log = logging.getLogger("dsv4ray.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# request fields named as is in an engine's refusal (RequestError.field); any other refusal
+# names the prompt (a grammar's fault is found before the engine sees it)
+PARAM_FIELDS = ("logit_bias", "stop_token_ids")
 STATS_POLL_S = 1.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTE_PATHS = (*GENERATION_PATHS, "/v1/models", "/v1/dsv4ray/stats", "/health")
@@ -380,10 +383,9 @@ class OpenAIServer:
             for run in started:
                 await run.updates.aclose()
                 run.tracked.release(None)  # never ran; answered as a 400
-            field = "prompt" if endpoint == "/v1/completions" else "messages"
-            for name in ("logit_bias", "stop_token_ids"):  # an id outside the vocabulary
-                if str(problem).startswith(name):
-                    field = name
+            field = getattr(problem, "field", None)  # a SamplingParams field (RequestError)
+            if field not in PARAM_FIELDS:
+                field = "prompt" if endpoint == "/v1/completions" else "messages"
             raise bad_request(str(problem), field) from None
         await _give_up(started, problem)
         raise problem

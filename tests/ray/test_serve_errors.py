@@ -96,6 +96,8 @@ BAD_COMPLETIONS = [
     ("top_p > 1", {**GOOD, "top_p": 1.5}, "top_p"),
     ("prompt too long", {**GOOD, "prompt": [5] * (CONTEXT + 10)}, "prompt"),
     ("token id outside the vocabulary", {**GOOD, "prompt": [5, 10**6]}, "prompt"),
+    ("logit_bias outside the vocabulary", {**GOOD, "logit_bias": {"1000000": 5}}, "logit_bias"),
+    ("stop id outside the vocabulary", {**GOOD, "stop_token_ids": [10**6]}, "stop_token_ids"),
     ("lone surrogate escape", {**GOOD, "prompt": "a\ud800b"}, "prompt"),
     ("n out of range", {**GOOD, "n": 65}, "n"),
     ("seed beyond 64 bits", {**GOOD, "seed": 2**64}, "seed"),

@@ -1,10 +1,13 @@
 """The ingress deployment's options follow the engine deployment's, and Ray's failures of the
 engine deployment become the API's errors (entrypoints/remote_engine.py)."""
 
+import pickle
+
 import pytest
 import ray.exceptions
 from ray.serve import exceptions as serve_exceptions
 
+from dsv4ray.engine.checks import RequestError
 from dsv4ray.entrypoints.openai.errors import APIError
 from dsv4ray.entrypoints.remote_engine import api_error
 from dsv4ray.entrypoints.serve_config import (
@@ -67,10 +70,14 @@ def test_a_dead_or_missing_engine_is_a_503(exc):
     assert (error.status, error.type, error.code) == (503, "server_error", "engine_unavailable")
 
 
-def test_an_engine_side_value_error_stays_a_value_error():
+def test_an_engine_side_value_error_stays_a_value_error_naming_its_field():
     wrapped = ray.exceptions.RayTaskError("generate", "Traceback ...", ValueError("too long"))
     error = api_error(wrapped)
-    assert type(error) is ValueError and str(error) == "too long"
+    assert isinstance(error, ValueError) and str(error) == "too long" and error.field is None
+    refused = RequestError("logit_bias token id 9 is outside the vocabulary", "logit_bias")
+    cause = pickle.loads(pickle.dumps(refused))  # as it crosses from the engine's process
+    error = api_error(ray.exceptions.RayTaskError("generate", "Traceback ...", cause))
+    assert (str(error), error.field) == (str(refused), "logit_bias")
 
 
 def test_other_failures_pass_through():
