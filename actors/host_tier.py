@@ -6,6 +6,12 @@ the lease table and removes regions on release. Stage actors on the node map a r
 copy device <-> host themselves (on GPU machines they page-lock their mapping with
 cudaHostRegister); control calls carry region keys and paths, never page bytes. The actor
 outlives engines and stage restarts, so a restarted stage finds its pages again.
+
+Each region names its holder, the stage process on this node that maps it. An engine that
+shuts down releases its regions; one that dies without doing so (a replica killed with its
+stages) leaves them to the sweep: a region whose holder has been gone for the region's grace
+period (longer than the engine takes to rebuild a stage, which claims the region again with
+its new process) is released. The actor sweeps every SWEEP_INTERVAL_S.
 """
 
 from __future__ import annotations
@@ -14,12 +20,19 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 
 import ray
+
+from dsv4ray.actors.processes import process_alive
 
 log = logging.getLogger("dsv4ray.host_tier")
 
 NAMESPACE = "dsv4ray"
+SWEEP_INTERVAL_S = 30.0
+DEFAULT_GRACE_S = 1860.0  # the engine's default startup_timeout_s (a rebuild's bound) + 60 s
 
 
 def _root_for(nbytes: int) -> str:
@@ -30,45 +43,80 @@ def _root_for(nbytes: int) -> str:
 
 
 class HostTier:
-    def __init__(self) -> None:
-        self.regions: dict[str, dict] = {}
+    """clock and alive (pid -> bool) are the sweep's view of time and of this node's
+    processes."""
 
-    def create_region(self, key: str, nbytes: int) -> dict:
-        """The region for key, created (zero-filled, sparse) on first use; same path after.
-        ``created`` says which: a region created again (its tier died and a new one took over)
-        holds none of the pages the engine's index believes are there."""
-        region = self.regions.get(key)
-        if region is not None:
-            if region["nbytes"] != nbytes:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 alive: Callable[[int], bool] = process_alive) -> None:  # fmt: skip
+        self.regions: dict[str, dict] = {}
+        self.clock, self.alive = clock, alive
+        self._lock = threading.Lock()  # the actor's sweep thread beside its calls
+
+    def create_region(self, key: str, nbytes: int, holder_pid: int | None = None,
+                      grace_s: float = DEFAULT_GRACE_S) -> dict:  # fmt: skip
+        """The region for key, created (zero-filled, sparse) on first use; same path after,
+        now held by holder_pid (None: held until released). ``created`` says which: a region
+        created again (its tier died and a new one took over, or the sweep released it) holds
+        none of the pages the engine's index believes are there."""
+        with self._lock:
+            region = self.regions.get(key)
+            created = region is None
+            if region is not None and region["nbytes"] != nbytes:
                 raise ValueError(
                     f"host region {key!r} exists with {region['nbytes']} bytes, not {nbytes}"
                 )
-            return {**region, "created": False}
-        path = os.path.join(_root_for(nbytes), f"dsv4ray-{key}")
-        with open(path, "wb") as f:
-            f.truncate(nbytes)
-        self.regions[key] = {"key": key, "path": path, "nbytes": nbytes}
-        log.info("host tier: region %s, %.1f MiB at %s", key, nbytes / 2**20, path)
-        return {**self.regions[key], "created": True}
+            if created:
+                path = os.path.join(_root_for(nbytes), f"dsv4ray-{key}")
+                with open(path, "wb") as f:
+                    f.truncate(nbytes)
+                region = self.regions[key] = {"key": key, "path": path, "nbytes": nbytes}
+                log.info("host tier: region %s, %.1f MiB at %s", key, nbytes / 2**20, path)
+            region.update(holder_pid=holder_pid, grace_s=grace_s, gone_since=None)
+            return {"key": key, "path": region["path"], "nbytes": nbytes, "created": created}
 
     def release_region(self, key: str) -> bool:
-        region = self.regions.pop(key, None)
+        with self._lock:
+            region = self.regions.pop(key, None)
         if region is None:
             return False
         _unlink(region["path"])
         return True
 
+    def sweep(self) -> list[str]:
+        """Releases the regions whose holder has been gone for their grace period; returns
+        their keys. A holder seen alive again (a pid reused) keeps its region."""
+        now, expired = self.clock(), []
+        with self._lock:
+            for key, region in self.regions.items():
+                pid = region.get("holder_pid")
+                if pid is None or self.alive(pid):
+                    region["gone_since"] = None
+                    continue
+                if region["gone_since"] is None:
+                    region["gone_since"] = now
+                if now - region["gone_since"] >= region["grace_s"]:
+                    expired.append(key)
+        for key in expired:
+            if self.release_region(key):
+                log.warning("host tier: released region %s, its holder has been gone for "
+                            "its grace period (an engine that died without shutting down)",
+                            key)  # fmt: skip
+        return expired
+
     def usage(self) -> dict:
-        return {
-            "num_regions": len(self.regions),
-            "bytes": sum(r["nbytes"] for r in self.regions.values()),
-        }
+        with self._lock:
+            return {
+                "num_regions": len(self.regions),
+                "bytes": sum(r["nbytes"] for r in self.regions.values()),
+            }
 
     def ping(self) -> bool:
         return True
 
     def shutdown(self) -> None:
-        for key in list(self.regions):
+        with self._lock:
+            keys = list(self.regions)
+        for key in keys:
             self.release_region(key)
 
 
@@ -81,7 +129,20 @@ def _unlink(path: str) -> None:
 
 @ray.remote(num_cpus=0)
 class HostTierActor(HostTier):
-    """The actor shell: the same methods, one instance per node, detached."""
+    """The actor shell: the same methods, one instance per node, detached, sweeping its regions
+    every SWEEP_INTERVAL_S from a thread of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        threading.Thread(target=self._sweep_forever, name="host-tier-sweep", daemon=True).start()
+
+    def _sweep_forever(self) -> None:
+        while True:
+            time.sleep(SWEEP_INTERVAL_S)
+            try:
+                self.sweep()
+            except Exception:  # a sweep that failed tries again next time
+                log.exception("host tier sweep failed")
 
 
 def host_tier_for_node(node_id: str):

@@ -29,6 +29,8 @@ import os
 import re
 import threading
 
+from dsv4ray.actors.processes import process_alive
+
 log = logging.getLogger("dsv4ray.pipeline")
 
 SEM_PREFIX = "/dev/shm/sem."
@@ -204,16 +206,6 @@ def _owned(path: str) -> bool:
         return os.stat(path).st_uid == os.getuid()
     except FileNotFoundError:
         return False
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 def actor_channel_files(actors: list, timeout_s: float = 10.0) -> set[str]:

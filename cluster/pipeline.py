@@ -269,7 +269,10 @@ class RayPipeline:
             start, end = self.ranges[i]
             layout = HostLayout(self.cfg, start, end, self.config.kv_cache_dtype, **self.host_args)
             tier = host_tier_for_node(info["node"])
-            region = self._get(tier.create_region.remote(f"{self.key}-s{i}", layout.nbytes))
+            region = self._get(tier.create_region.remote(
+                f"{self.key}-s{i}", layout.nbytes, holder_pid=info["pid"],
+                grace_s=self.config.startup_timeout_s + 60,  # a rebuild claims it before
+            ))  # fmt: skip
             self._get(actor.attach_host.remote(self.host_args, region["path"]))
             self.tiers.append(tier)
             self.regions.append(region)

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import ray
 
 from dsv4ray.actors.host_tier import release_host_tiers
-from dsv4ray.cluster.channel_files import process_alive, sweep_dead_graphs, sweep_dead_raylets
+from dsv4ray.actors.processes import process_alive
+from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe

@@ -1,0 +1,16 @@
+"""Processes of this node, as the actors and the sweeps of their files see them."""
+
+from __future__ import annotations
+
+import os
+
+
+def process_alive(pid: int) -> bool:
+    """Whether a process with this id exists on this node (another user's counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
