@@ -144,12 +144,15 @@ def test_a_pd_stage_listens_only_on_its_ray_port_and_its_transfer_engines(pd_eng
     """What a decode stage actor exposes (docs/operations.md, Ports): Ray's worker port and
     the Mooncake engine's two listeners, of which the handshake port is the session the stage
     advertises on the node's Ray address. Mooncake binds both to every interface whatever
-    address it is given, as the docs warn; anything else listening fails this test."""
+    address it is given; their socket filters answer only connections to the node's address:
+    through loopback a connection gets no answer. Anything else listening fails this test."""
     llm = pd_engine(1, 1)
     pipe = llm.core.pipeline
+    node = ray.util.get_node_ip_address()
+    other = "127.0.0.1" if node != "127.0.0.1" else None
     for actor, info, endpoint in zip(pipe.actors, pipe.infos, pipe.kv_endpoints, strict=True):
         host, port = endpoint.session.rsplit(":", 1)
-        assert host == ray.util.get_node_ip_address()
+        assert host == node
         ray_port = ray._private.state.actors(actor._actor_id.hex())["Address"]["Port"]
         listening = _listening(info["pid"])
         ports = {p for _, p in listening}
@@ -157,6 +160,21 @@ def test_a_pd_stage_listens_only_on_its_ray_port_and_its_transfer_engines(pd_eng
         assert len(listening) == 3, listening  # Ray's, Mooncake's handshake and data ports
         everywhere = {"0.0.0.0", "::"}
         assert {a for a, p in listening if p != ray_port} <= everywhere, listening
+        for mooncake_port in ports - {ray_port}:
+            assert _answers(node, mooncake_port)
+            if other is not None:  # a machine whose Ray address is loopback has no other
+                assert not _answers(other, mooncake_port)
+
+
+def _answers(address: str, port: int) -> bool:
+    """Whether a TCP connection to address:port is accepted within a second."""
+    with socket.socket(socket.AF_INET) as sock:
+        sock.settimeout(1.0)
+        try:
+            sock.connect((address, port))
+        except OSError:  # dropped (timeout) or refused
+            return False
+    return True
 
 
 def test_a_byte_flipped_on_the_wire_is_caught_and_prefilled_locally(pd_engine, prompts, colocated):

@@ -5,21 +5,38 @@ batched writes into another engine's registered buffers.
 Protocols: "tcp" works without RDMA (CPU machines with the `mooncake-transfer-engine-non-cuda`
 wheel; GPUs with the `mooncake-transfer-engine-cuda13` wheel, whose TCP path reads and writes
 device memory); "rdma" where the machines have RDMA NICs. A session id is "ip:rpc_port".
+
+The engine's listeners are bound to every interface whatever host it is given; each one gets a
+socket filter that admits only packets addressed to host (worker/pd/listen_filter.py), so a
+peer reaches it only through the address the session names.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 
 import torch
 
 from dsv4ray.engine.handoff import PD_PROTOCOLS
+from dsv4ray.worker.pd.listen_filter import admit_only, listening_inodes
 
 log = logging.getLogger("dsv4ray.transfer")
 
 
 class TransferError(RuntimeError):
     """A write the engine refused or could not finish (the destination may be partly written)."""
+
+
+def _admit_only(host: str, inodes: set[str]) -> int:
+    """The engine's new listeners admit only host (an IPv4 address); how many were filtered."""
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        log.warning("transfer engine listeners left open on every interface: %r is not an "
+                    "IPv4 address", host)  # fmt: skip
+        return 0
+    return admit_only(host, inodes)
 
 
 class MooncakeTransport:
@@ -32,13 +49,16 @@ class MooncakeTransport:
 
         self._module = mooncake.engine
         self.engine = mooncake.engine.TransferEngine()
+        before = listening_inodes()
         status = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if status != 0:
             raise TransferError(f"Mooncake initialize({host!r}, {protocol!r}) returned {status}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
+        self.filtered = _admit_only(host, listening_inodes() - before)
         self.protocol = protocol
         self._registered: list[int] = []
-        log.info("transfer engine %s (%s)", self.session, protocol)
+        log.info("transfer engine %s (%s), %d listeners admitting only %s", self.session,
+                 protocol, self.filtered, host)  # fmt: skip
 
     def register(self, tensor: torch.Tensor) -> None:
         """Registers the tensor's memory (contiguous); it must outlive this transport."""
