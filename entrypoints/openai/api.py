@@ -18,6 +18,7 @@ import logging
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from ray.exceptions import TaskCancelledError
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -122,6 +123,8 @@ class Edge:
             await self.app(scope, receive, counted_send)
         except APIError as err:  # the caller check; the routes' own go through _api_error
             await error_response(err)(scope, receive, counted_send)
+        except TaskCancelledError:  # Serve cancelled the call: its client went away
+            log.info("%s %s: the client went away", scope["method"], path)
         except Exception:  # a bug: answer it like the API would (no internals) and keep serving
             error_id = new_error_id()
             log.exception("%s %s failed (request %s)", scope["method"], path, error_id)

@@ -331,12 +331,17 @@ class OpenAIServer:
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"
             )
         self.num_started += 1
-        await self._start(endpoint, [r for r in runs if r.leader], runs)
-        leader = None
-        for run in runs:  # the others of a prompt share its leader's prompt logprobs
-            leader = run if run.leader else leader
-            run.fmt.prompt_logprobs = leader.first.prompt_logprobs
-        await self._start(endpoint, [r for r in runs if not r.leader], runs)
+        try:
+            await self._start(endpoint, [r for r in runs if r.leader], runs)
+            leader = None
+            for run in runs:  # the others of a prompt share its leader's prompt logprobs
+                leader = run if run.leader else leader
+                run.fmt.prompt_logprobs = leader.first.prompt_logprobs
+            await self._start(endpoint, [r for r in runs if not r.leader], runs)
+        except BaseException as exc:  # _start answers (and releases for) its own failures
+            if not isinstance(exc, Exception):  # the client went away before a first token
+                await _give_up([r for r in runs if r.tracked and not r.tracked.closed], exc)
+            raise
         if req.stream:
             num_prompt = sum(len(r.prompt_ids) for r in runs if r.leader)
             usage = StreamUsage(req.include_usage, req.continuous_usage, num_prompt)

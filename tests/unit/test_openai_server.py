@@ -4,9 +4,11 @@ the right status for every failure (bad fields, limits, routes, methods, engine 
 import asyncio
 import inspect
 import json
+import logging
 
 import httpx
 import pytest
+import ray.exceptions
 from starlette.testclient import TestClient
 
 from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -222,6 +224,36 @@ def test_a_full_server_answers_503_with_retry_after(engine):
     assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
 
 
+def test_a_client_gone_before_its_first_token_leaves_nothing_pending(engine):
+    """Clients that go away while their requests wait for a first token (a long prompt's
+    prefill) abort them: the pending count comes back to 0, each counts as an abort, and the
+    server keeps answering (it would fill up with requests nobody waits for)."""
+    engine.gate = asyncio.Event()
+    server = make_server(engine, max_pending_requests=3)
+    bodies = [
+        ("/v1/completions", {**GOOD, "n": 2}),
+        ("/v1/chat/completions", {**CHAT, "stream": True}),
+    ]
+
+    async def run():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as http:
+            gone = [asyncio.create_task(http.post(path, json=body)) for path, body in bodies]
+            while len(engine.requests) < 2:  # n = 2's second choice starts after the first
+                await asyncio.sleep(0.01)
+            for task in gone:
+                task.cancel()
+            await asyncio.gather(*gone, return_exceptions=True)
+            pending = server.num_pending
+            engine.gate.set()
+            after = await http.post("/v1/completions", json=GOOD)
+            return pending, after, (await http.get("/metrics")).text
+
+    pending, after, metrics = asyncio.run(run())
+    assert pending == 0 and after.status_code == 200
+    assert f'finished_reason="abort",model_name="{MODEL}"}} 2.0' in metrics
+
+
 def test_fastapi_parameter_errors_keep_the_openai_body(engine):
     """Routes with typed parameters (none today take any) get a 400 naming the parameter."""
     app = make_server(engine).app
@@ -272,3 +304,34 @@ def test_a_client_gone_mid_stream_aborts_its_request(engine):
     assert len(chunks) == 3 and all(c.startswith(b"data: {") for c in chunks)
     assert engine.aborted == [engine.requests[0][2]]
     assert server.num_pending == 0
+
+
+def test_a_call_serve_cancels_mid_stream_is_one_log_line(engine, caplog):
+    """Under Ray Serve a client gone makes the ASGI receive raise TaskCancelledError (Starlette
+    listens for the disconnect below ASGI spec 2.4): the request is aborted and the log says so
+    in one line, with no traceback (not a server bug)."""
+    engine.reply = engine.reply * 4
+    server = make_server(engine)
+    body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+    received = []
+
+    async def receive():
+        received.append(1)
+        if len(received) == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(0.05)
+        raise ray.exceptions.TaskCancelledError()
+
+    async def send(message):
+        await asyncio.sleep(0.02)  # a slow client: the stream outlasts the cancel
+
+    with caplog.at_level(logging.INFO, logger="dsv4ray"):
+        asyncio.run(server.app(scope, receive, send))
+    assert server.num_pending == 0 and engine.aborted == [engine.requests[0][2]]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert [r for r in caplog.records if "went away" in r.getMessage()]
