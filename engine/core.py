@@ -151,14 +151,18 @@ class EngineCore:
         """A string (tokenised) or a list of token ids (checked against the vocabulary)."""
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        ints = isinstance(prompt, Sequence) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        )
+        if ints:
             vocab = self.model_config.vocab_size
-            bad = [t for t in prompt if isinstance(t, bool) or not 0 <= t < vocab]
+            bad = [t for t in prompt if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"token ids outside the vocabulary [0, {vocab}): {bad[:5]}")
             return list(prompt)
         if isinstance(prompt, Sequence) and prompt:
-            kinds = sorted({type(t).__name__ for t in prompt if not isinstance(t, int)})
+            kinds = sorted({type(t).__name__ for t in prompt
+                            if not isinstance(t, int) or isinstance(t, bool)})  # fmt: skip
             raise ValueError(f"a prompt must be a string or a list of int token ids; this list "
                              f"holds {', '.join(kinds)}")  # fmt: skip
         raise ValueError(

@@ -53,5 +53,8 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
     else:
         from dsv4ray.worker.local_pipeline import LocalPipeline  # torch, in this process
 
+        if config.device == "cuda" and default_device() != "cuda":
+            raise ValueError("device='cuda', but this process sees no CUDA GPU "
+                             "(torch.cuda.is_available() is False)")  # fmt: skip
         pipeline = LocalPipeline(config, model_config)
     return EngineCore(config, model_config, pipeline)

@@ -74,6 +74,10 @@ def test_small_pool_makes_requests_wait_and_all_finish(tiny_ckpt, tiny_model):
         (lambda llm: llm.generate([[]], GREEDY), "empty"),
         (lambda llm: llm.generate([[5, 600, 7]], GREEDY), "vocabulary"),
         (lambda llm: llm.generate([[5, -1]], GREEDY), "vocabulary"),
+        (
+            lambda llm: llm.generate([[0, True]], GREEDY),
+            "list of int token ids; this list holds bool",
+        ),
         (lambda llm: llm.generate([[5] * 70000], GREEDY), "max_model_len"),
         (lambda llm: llm.generate(["hi"], SamplingParams(temperature=-1)), "temperature"),
         (lambda llm: llm.generate(["hi"], SamplingParams(top_p=0)), "top_p"),
@@ -84,6 +88,7 @@ def test_small_pool_makes_requests_wait_and_all_finish(tiny_ckpt, tiny_model):
         "empty",
         "vocab-high",
         "vocab-negative",
+        "bool-id",
         "too-long",
         "temperature",
         "top_p",
@@ -113,6 +118,12 @@ def test_bad_input_raises_and_engine_keeps_serving(fp32_llm, tiny_model, bad, ma
 def test_unknown_or_bad_options_are_named(tiny_ckpt, kw, name):
     with pytest.raises(ValueError, match=name):
         LLM(tiny_ckpt, **kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+def test_cuda_asked_for_in_a_process_without_it_is_named(tiny_ckpt):
+    with pytest.raises(ValueError, match="device='cuda'"):
+        LLM(tiny_ckpt, device="cuda", use_ray=False)
 
 
 def test_stop_conditions(fp32_llm, tiny_model):
