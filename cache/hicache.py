@@ -14,10 +14,11 @@ Write policies decide when a device page is copied to the host:
     write_back               when the device copy is evicted
 
 Device eviction drops the device copy of unlocked nodes with no device-resident child, least
-recently used first; a node with a host copy stays in the index (host only) and a later match
-loads it back. Host eviction removes host-only leaves. Copies are not performed here: they are
-queued as ``HostOps`` for the next StepPlan, and the stages run backups before loads before the
-step's compute.
+recently used first; a node with a host copy stays in the index (host only, its snapshot backed
+up then if the host held none) and a later match loads it back. Host eviction takes snapshots of
+device-resident nodes first, then removes host-only leaves, then host pages of resident nodes.
+Copies are not performed here: they are queued as ``HostOps`` for the next StepPlan, and the
+stages run backups before loads before the step's compute.
 """
 
 from __future__ import annotations
@@ -136,8 +137,11 @@ class HiRadixIndex(RadixIndex):
                 self._backup(node)
         return result
 
-    def _backup(self, node: RadixNode) -> bool:
-        """Queues a device -> host copy of the node's page and snapshot; False if no room."""
+    def _backup(self, node: RadixNode, leaving: bool = False) -> bool:
+        """Queues a device -> host copy of the node's page and snapshot; False if no room.
+        leaving: the node's device copy is being evicted. A node that stays on the device takes
+        a host snapshot only from other resident nodes, never from a host-only prefix (host
+        snapshots are few; a resident one can be remade when its node leaves the device)."""
         if not self.enabled or node.page_id < 0:
             return False
         if node.host_page < 0:
@@ -147,17 +151,19 @@ class HiRadixIndex(RadixIndex):
             node.host_page = host
             self.ops.backups.append((node.page_id, host))
         if node.snapshot is not None and node.host_snapshot < 0:
-            host_snap = self._alloc_host(self.host_snapshots)
+            host_snap = self._alloc_host(self.host_snapshots, keep_host_only=not leaving)
             if host_snap is not None:
                 node.host_snapshot = host_snap
                 snap = node.snapshot
                 self.ops.snapshot_backups.append((snap.window_page_id, snap.state_slot, host_snap))
         return True
 
-    def _alloc_host(self, alloc: PageAllocator) -> int | None:
+    def _alloc_host(self, alloc: PageAllocator, keep_host_only: bool = False) -> int | None:
         if alloc.num_free == 0:
             self.evict_host(
-                1 if alloc is self.host_pages else 0, 1 if alloc is self.host_snapshots else 0
+                1 if alloc is self.host_pages else 0,
+                1 if alloc is self.host_snapshots else 0,
+                keep_host_only,
             )
         ids = alloc.alloc(1)
         return None if ids is None else ids[0]
@@ -177,8 +183,11 @@ class HiRadixIndex(RadixIndex):
         )
 
     def _evict_device(self, node: RadixNode, result: EvictResult) -> None:
-        if self.policy == "write_back":
-            self._backup(node)
+        """A node leaving the device keeps a host copy: all of it under write_back, and under
+        the write-through policies the snapshot its host page lacks (host snapshots are fewer
+        than host pages, so resident nodes give theirs up first: ``evict_host``)."""
+        if self.policy == "write_back" or node.host_page >= 0:
+            self._backup(node, leaving=True)
         self._drop_device(node, result)
 
     def _device_evictable(self, node: RadixNode) -> bool:
@@ -220,8 +229,12 @@ class HiRadixIndex(RadixIndex):
             self.host_snapshots.free([node.host_snapshot])
             node.host_snapshot = -1
 
-    def evict_host(self, num_pages: int = 0, num_snapshots: int = 0) -> None:
-        """Frees host ids: host-only leaves first, then host copies of device-resident nodes."""
+    def evict_host(self, num_pages: int = 0, num_snapshots: int = 0,
+                   keep_host_only: bool = False) -> None:  # fmt: skip
+        """Frees host ids. Snapshots come first from device-resident nodes (a node's snapshot is
+        backed up again when its device copy is evicted), then host-only leaves go (least
+        recently used first; none with keep_host_only), then device-resident nodes give up
+        their host pages."""
 
         def enough() -> bool:
             return (
@@ -229,6 +242,10 @@ class HiRadixIndex(RadixIndex):
                 and self.host_snapshots.num_free >= num_snapshots
             )
 
+        if self.host_snapshots.num_free < num_snapshots:
+            self._free_resident(enough, pages=False)
+        if keep_host_only:
+            return
         heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         while heap and not enough():
@@ -237,8 +254,13 @@ class HiRadixIndex(RadixIndex):
             self._remove_subtree(node, EvictResult([], [], []))
             if self._host_evictable(parent):
                 heapq.heappush(heap, (parent.tick, id(parent), parent))
-        # A host id read by a load queued for this plan must not be rewritten by a backup that
-        # runs before it in the same plan.
+        self._free_resident(enough, pages=True)
+
+    def _free_resident(self, enough, pages: bool) -> None:
+        """Host copies of unlocked device-resident nodes, least recently used first, until
+        enough(): their snapshots only, or with pages their pages and snapshots. A host id read
+        by a load queued for this plan is never freed (a backup running before that load in
+        the same plan would rewrite it)."""
         loading = {h for h, _ in self.ops.loads}
         loading_snaps = {hs for hs, _, _ in self.ops.snapshot_loads}
         for node in sorted(self._iter_nodes(), key=lambda n: n.tick):
@@ -250,7 +272,11 @@ class HiRadixIndex(RadixIndex):
                 and node.host_page not in loading
                 and node.host_snapshot not in loading_snaps
             ):
-                self._free_host(node)
+                if pages:
+                    self._free_host(node)
+                elif node.host_snapshot >= 0:
+                    self.host_snapshots.free([node.host_snapshot])
+                    node.host_snapshot = -1
 
     def _host_evictable(self, node: RadixNode) -> bool:
         """A host-only leaf nobody uses (a locked node is on some request's matched path)."""

@@ -52,6 +52,23 @@ def test_evicted_prefix_comes_back_from_the_host(policy):
     sched.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_short_prefixes_come_back_though_host_snapshots_are_few(policy):
+    """Prefixes of one page each with host snapshots for two: a prefix's snapshot is kept when
+    it leaves the device (resident prefixes give theirs up first), so the most recently
+    evicted prefixes come back from the host whatever the write policy."""
+    sched = Scheduler(_config(policy, num_host_snapshots=2))
+    stage = FakeStage(sched.config)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    a = [3] * 10  # one page of 8 and a partial page
+    prompts = [a] + [[10 + i] * 10 for i in range(7)] + [a]  # the device holds fewer
+    results = _run_rounds(sched, stage, prompts, params)
+    for prompt, done in zip(prompts, results):
+        assert (done.output_token_ids, done.finish_reason) == reference(prompt, params)
+    assert results[-1].num_host_cached_tokens == 8
+    sched.check_integrity()
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 10**6), policy=st.sampled_from(WRITE_POLICIES), host=st.integers(2, 12))
 def test_random_workloads_conserve_host_ids(seed, policy, host):
