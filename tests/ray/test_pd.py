@@ -3,7 +3,6 @@ engine's greedy tokens equal the colocated engine's with fp32 pages, every hando
 byte flipped on the wire or a killed prefill engine ends in a local prefill, with the same tokens
 and no ids left behind."""
 
-import os
 import socket
 import time
 
@@ -12,6 +11,7 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.worker.pd.listen_filter import listening_sockets
 
 # around the window (128) and page (256) edges, as one batch of mixed lengths
 LENGTHS = [1, 127, 128, 129, 255, 256, 257, 300]
@@ -115,29 +115,7 @@ def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefi
 
 def _listening(pid: int) -> set[tuple[str, int]]:
     """(address, port) of every TCP socket the process listens on, IPv4 and IPv6 (/proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:  # closed meanwhile
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[len("socket:[") : -1])
-    found = set()
-    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            with open(f"/proc/{pid}/net/{table}") as f:
-                lines = f.read().splitlines()[1:]
-        except FileNotFoundError:  # a kernel without IPv6
-            continue
-        for line in lines:
-            fields = line.split()  # sl local remote state ... inode
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                address, port = fields[1].split(":")
-                raw = bytes.fromhex(address)  # each 32-bit word in host order
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
-                found.add((socket.inet_ntop(family, raw), int(port, 16)))
-    return found
+    return set(listening_sockets(pid).values())
 
 
 def test_a_pd_stage_listens_only_on_its_ray_port_and_its_transfer_engines(pd_engine):

@@ -278,17 +278,22 @@ def test_a_bug_in_a_route_is_a_500_and_the_server_keeps_serving(engine):
     assert call(client, "POST", "/v1/completions").status_code == 200
 
 
+def _completions_scope(spec_version: str) -> dict:
+    """An ASGI scope of POST /v1/completions from a loopback client."""
+    return {"type": "http", "asgi": {"version": "3.0", "spec_version": spec_version},
+            "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
+            "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+            "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
+            "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+
+
 def test_a_client_gone_mid_stream_aborts_its_request(engine):
     """The ASGI server's send fails once the client is gone: the engine stream is closed
     (the request aborted, its pages freed) and the pending count drops back."""
     engine.reply = engine.reply * 4
     server = make_server(engine)
     body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+    scope = _completions_scope("2.4")
     chunks: list[bytes] = []
 
     async def receive():
@@ -313,11 +318,7 @@ def test_a_call_serve_cancels_mid_stream_is_one_log_line(engine, caplog):
     engine.reply = engine.reply * 4
     server = make_server(engine)
     body = json.dumps({**GOOD, "max_tokens": 40, "stream": True}).encode()
-    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"},
-             "http_version": "1.1", "method": "POST", "scheme": "http", "path": "/v1/completions",
-             "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json")],
-             "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 8000)}  # fmt: skip
+    scope = _completions_scope("2.3")
     received = []
 
     async def receive():

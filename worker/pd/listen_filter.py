@@ -50,10 +50,15 @@ def program(host: str) -> list[tuple[int, int, int, int]]:
 
 
 def listening_inodes(pid: int | str = "self") -> set[str]:
-    """Socket inodes of the TCP sockets (IPv4 and IPv6) that this process has listening."""
+    """Socket inodes of the TCP sockets (IPv4 and IPv6) that a process has listening."""
+    return set(listening_sockets(pid))
+
+
+def listening_sockets(pid: int | str = "self") -> dict[str, tuple[str, int]]:
+    """inode -> (address, port) of the TCP sockets (IPv4 and IPv6) a process has listening."""
     owned = set(_socket_fds(pid).values())
-    found = set()
-    for table in ("tcp", "tcp6"):
+    found = {}
+    for table, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
         try:
             with open(f"/proc/{pid}/net/{table}") as f:
                 lines = f.read().splitlines()[1:]
@@ -62,7 +67,10 @@ def listening_inodes(pid: int | str = "self") -> set[str]:
         for line in lines:
             fields = line.split()  # sl local remote state ... inode
             if fields[3] == "0A" and fields[9] in owned:  # 0A: LISTEN
-                found.add(fields[9])
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # each 32-bit word in host order
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                found[fields[9]] = (socket.inet_ntop(family, raw), int(port, 16))
     return found
 
 
