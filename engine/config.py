@@ -127,6 +127,8 @@ class EngineConfig:
             )
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.model_source is not None and not isinstance(self.model_source, str):
+            raise ValueError(f"model_source must be a URI string, got {self.model_source!r}")
         SpecConfig(self.speculative_num_steps, self.speculative_eagle_topk)  # names a bad one
         self._check_pd()
         self._check_combinations()

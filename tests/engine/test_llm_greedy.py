@@ -113,6 +113,7 @@ def test_bad_input_raises_and_engine_keeps_serving(fp32_llm, tiny_model, bad, ma
         (dict(max_num_batched_tokens=16), "max_num_batched_tokens"),
         (dict(max_total_tokens=-5), "max_total_tokens"),
         (dict(cuda_graphs="yes"), "cuda_graphs"),
+        (dict(model_source=123), "model_source"),
     ],
 )
 def test_unknown_or_bad_options_are_named(tiny_ckpt, kw, name):
