@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import urllib.parse
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -80,13 +81,31 @@ def input_exists(path: str) -> bool:
 
 
 def open_input(path: str):
-    """A text stream over the input, local or remote."""
+    """A binary stream over the input, local or remote: each line is decoded on its own
+    (``line_text``), so that one line that is not UTF-8 is a bad line, not a failed job."""
     if not is_uri(path):
-        return open(path, encoding="utf-8")
+        return open(path, "rb")
     from pyarrow import fs
 
     filesystem, inner = fs.FileSystem.from_uri(path)
-    return io.TextIOWrapper(filesystem.open_input_stream(inner), encoding="utf-8")
+    return io.BufferedReader(filesystem.open_input_stream(inner))
+
+
+def line_text(line: bytes) -> str:
+    """A line of the input as text; ValueError naming the first byte that is not UTF-8."""
+    try:
+        return line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8 text (byte 0x{line[exc.start]:02x} at column "
+                         f"{exc.start + 1})") from None  # fmt: skip
+
+
+def local_path(path: str) -> str | None:
+    """The local file a path or a file:// URI names; None for other URIs."""
+    if not is_uri(path):
+        return path
+    parsed = urllib.parse.urlparse(path)
+    return urllib.parse.unquote(parsed.path) if parsed.scheme == "file" else None
 
 
 def job_rows(path: str, prior: dict, default_max_tokens: int) -> Iterator[dict]:
@@ -102,7 +121,7 @@ def job_rows(path: str, prior: dict, default_max_tokens: int) -> Iterator[dict]:
                 continue
             row = {"line": line_no, "id": "", "kind": "bad", "request": "", "problem": ""}
             try:
-                req_id, request = parse_line(line, default_max_tokens)
+                req_id, request = parse_line(line_text(line), default_max_tokens)
                 if req_id in seen:
                     raise ValueError(f"duplicate id {req_id!r}")
             except (ValueError, TypeError) as exc:
@@ -131,7 +150,7 @@ def scan_input(path: str, prior: dict) -> tuple[int, bool]:
             num_lines += 1
             if not runs:
                 try:
-                    runs = not finished(prior, str(json.loads(line)["id"]))
+                    runs = not finished(prior, str(json.loads(line_text(line))["id"]))
                 except (ValueError, TypeError, KeyError):
                     pass  # a bad line: reported where the lines are checked
     return num_lines, runs
@@ -300,7 +319,8 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
             f"cannot write the output {output_path!r} (a folder, its folder is missing, or not "
             "a local path: the output is appended to as requests finish)"
         )
-    if not is_uri(input_path) and _same_file(input_path, output_path):
+    local_input = local_path(input_path)
+    if local_input is not None and _same_file(local_input, output_path):
         return f"--output {output_path!r} is the input file (results would be appended to it)"
     return None
 

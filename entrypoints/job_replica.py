@@ -68,7 +68,10 @@ class JobReplica:
         except ValueError as exc:  # the engine names its own request id, not the line's
             reason = str(exc).removeprefix(f"request 'line-{line_no}': ")
             return "", f"request {req_id!r}: {reason}"
-        return json.dumps(output_row(req_id, final, tools)), ""
+        row = output_row(req_id, final, tools)
+        if tools is None and item.get("tools"):  # tool_choice "none": an answer and no calls
+            row["content"], row["tool_calls"] = final.text, []
+        return json.dumps(row), ""
 
     def _tokenize(self, item: dict, tools: ChatTools | None) -> list[int]:
         tokenizer = self.engine.tokenizer

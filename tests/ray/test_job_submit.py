@@ -109,9 +109,10 @@ def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None
 
 def _input_line(i: int) -> dict:
     """Request i: a prompt or chat messages, 1 or 2 tokens."""
-    if i % 6 == 0:  # with a tool the answer may call
+    if i % 6 == 0:  # with a tool the answer may call (or, every other one, may not)
+        choice = {"tool_choice": "none"} if i % 12 == 0 else {}
         return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1,
-                "tools": [{"type": "function", "function": {"name": "f"}}]}  # fmt: skip
+                "tools": [{"type": "function", "function": {"name": "f"}}], **choice}  # fmt: skip
     if i % 3 == 0:
         return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}
     return {"id": i, "prompt": f"Hello {i}", "max_tokens": 1 + i % 2, "ignore_eos": True}

@@ -16,6 +16,7 @@ from dsv4ray.entrypoints.job_input import (
     parse_line,
     sampling_params,
     scan_input,
+    usage_problem,
 )
 
 
@@ -119,6 +120,25 @@ def test_rows_keep_input_order_line_numbers_and_kinds(tmp_path):
     assert scan_input(str(src), prior) == (6, True)
     finished = dict.fromkeys(["a", "b", "c", "7"], True)
     assert scan_input(str(src), finished) == (6, False)  # none to run
+
+
+def test_a_line_that_is_not_utf8_is_a_bad_line_and_the_others_run(tmp_path):
+    src = tmp_path / "in.jsonl"
+    good = [json.dumps({"id": i, "prompt": "x"}).encode() for i in ("a", "c")]
+    src.write_bytes(good[0] + b'\n{"id": "b\xff", "prompt": "y"}\n' + good[1] + b"\n")
+    rows = list(job_rows(str(src), {}, 16))
+    assert [(r["line"], r["id"], r["kind"]) for r in rows] == [
+        (1, "a", "new"), (2, "", "bad"), (3, "c", "new"),
+    ]  # fmt: skip
+    assert rows[1]["problem"] == "not UTF-8 text (byte 0xff at column 10)"
+    assert scan_input(str(src), {}) == (3, True)
+
+
+def test_an_output_that_is_the_input_is_refused_through_a_file_uri(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    problem = usage_problem(str(tmp_path), f"file://{src}", str(src), joined=True)
+    assert problem == f"--output {str(src)!r} is the input file (results would be appended to it)"
 
 
 def test_the_read_task_sends_blocks_of_rows_in_input_order(tmp_path):
