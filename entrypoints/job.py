@@ -58,10 +58,9 @@ log = logging.getLogger("dsv4ray.job")
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 0, 1, 2, 130, 143
 REPLICA_CPUS = 0.5  # the actor drives its engine; the stages have bundles of their own
-# reading lines is light and asks for no CPU: the replicas and their stages' bundles may hold
-# every CPU of the cluster (two replicas on a 2-core machine do), and a read task asking for
-# any would wait for ever behind them
-READ_CPUS = 0
+# reading lines is light; with Ray Data's default of a whole CPU the read task of a pp 2 job on
+# a 2-core machine would wait for ever behind the replica and its stages' bundles
+READ_CPUS = 0.25
 REPLICA_EXIT_S = 30.0  # how long the driver waits for the replicas to shut their engines down
 BATCH_SIZE = 16  # requests per map_batches call; Ray Data keeps 4 calls in flight per block
 MAX_BLOCK_ROWS = 256  # output lines come back a block at a time
