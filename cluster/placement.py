@@ -23,8 +23,9 @@ DEVICES = {"cpu": "cpu", "gpu": "cuda"}  # accelerator -> the engine's device
 BOOTSTRAP_CONFIG = "~/ray_bootstrap_config.yaml"
 
 
-def ensure_ray() -> None:
+def ensure_ray(num_cpus: int | None = None) -> None:
     """Joins the cluster at RAY_ADDRESS when set, else starts a local Ray; no-op when connected.
+    num_cpus: logical CPUs of a local Ray (default: the machine's cores); ignored when joining.
 
     Called only from driver-side entry points (LLM, AsyncEngine, the job runner), never inside
     actors.
@@ -36,6 +37,7 @@ def ensure_ray() -> None:
     address = os.environ.get("RAY_ADDRESS") or None
     ray.init(
         address=address,
+        num_cpus=None if address else num_cpus,
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=os.environ.get("DSV4RAY_ACTOR_LOGS", "1") == "1",

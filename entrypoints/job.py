@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 
 import ray
@@ -39,7 +40,13 @@ import ray
 from dsv4ray.actors.host_tier import release_host_tiers
 from dsv4ray.actors.processes import process_alive
 from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
-from dsv4ray.cluster.placement import DEVICES, check_accelerator, ensure_ray, resolve_accelerator
+from dsv4ray.cluster.placement import (
+    DEVICES,
+    check_accelerator,
+    ensure_ray,
+    resolve_accelerator,
+    stage_bundle,
+)
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.job_input import (
@@ -62,8 +69,7 @@ REPLICA_CPUS = 0.5  # the actor drives its engine; the stages have bundles of th
 # a 2-core machine would wait for ever behind the replica and its stages' bundles
 READ_CPUS = 0.25
 REPLICA_EXIT_S = 30.0  # how long the driver waits for the replicas to shut their engines down
-BATCH_SIZE = 16  # requests per map_batches call; Ray Data keeps 4 calls in flight per block
-MAX_BLOCK_ROWS = 256  # output lines come back a block at a time
+MAX_CHUNK_ROWS = 128  # output lines come back a chunk at a time
 
 
 @dataclass(frozen=True)
@@ -86,10 +92,10 @@ def run_job(
     """Runs the job; returns its exit code (EXIT_*). Usage errors return before Ray starts."""
     job = job or JobOptions()
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    problem = usage_problem(model, input_path, output_path, joined)
+    problem, config = usage_problem(model, input_path, output_path, joined), None
     if problem is None:
         try:
-            EngineConfig.build(model, check_model=False, **{**options, "use_ray": True})
+            config = EngineConfig.build(model, check_model=False, **{**options, "use_ray": True})
         except ValueError as exc:
             problem = str(exc)
     if problem is not None:
@@ -105,12 +111,14 @@ def run_job(
         stats.lines, runs = scan_input(input_path, prior)
         if runs:
             started_ray = not joined and not ray.is_initialized()
-            ensure_ray()
+            # a local Ray is this machine: its view decides the device before Ray starts
+            device = _device(job, options) if started_ray else None
+            ensure_ray(_local_cpus(job, config, device) if started_ray else None)
             _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
-            engine = {**options, "use_ray": True, "device": _device(job, options)}
+            engine = {**options, "use_ray": True, "device": device or _device(job, options)}
             where = input_path if is_uri(input_path) else os.path.abspath(input_path)
             source = JobLines(where, prior, job.default_max_tokens,
-                              _rows_per_block(stats.lines, job.replicas))  # fmt: skip
+                              _rows_per_chunk(stats.lines, job.replicas))  # fmt: skip
             pids = _run(source, model, engine, job, input_path, output_path, stats)
             _wait_for_exit(pids, REPLICA_EXIT_S)
         else:  # every line finished before (or is bad): nothing to run, nothing to start
@@ -132,9 +140,24 @@ def run_job(
     return EXIT_FAILED if stats.failed or stats.bad_lines else EXIT_OK
 
 
-def _rows_per_block(num_lines: int, replicas: int) -> int:
-    """Blocks small enough that every replica gets work from a short input."""
-    return max(1, min(MAX_BLOCK_ROWS, math.ceil(num_lines / (4 * replicas))))
+def _local_cpus(job: JobOptions, config: EngineConfig, device: str) -> int:
+    """Logical CPUs for the local Ray this job starts: the machine's cores, or what the read
+    task, the replicas and their stages' bundles ask for when that is more (two replicas on a
+    2-core machine would otherwise hold every CPU, and the read task would wait for ever)."""
+    stages = config.pp_size + config.prefill_pp_size
+    stage_cpus = stage_bundle(device == "cuda")["CPU"]
+    need = READ_CPUS + job.replicas * (REPLICA_CPUS + stages * stage_cpus)
+    cores = os.cpu_count() or 1
+    if need > cores:
+        print(f"dsv4ray job: the read task, {job.replicas} replicas and their stages ask for "
+              f"{need:g} CPUs; the local Ray gets {math.ceil(need)} on this {cores}-core "
+              "machine, and they share its cores", file=sys.stderr)  # fmt: skip
+    return max(cores, math.ceil(need))
+
+
+def _rows_per_chunk(num_lines: int, replicas: int) -> int:
+    """Chunks small enough that every replica gets work from a short input."""
+    return max(1, min(MAX_CHUNK_ROWS, math.ceil(num_lines / (4 * replicas))))
 
 
 def usage_error(message: str) -> int:
@@ -162,13 +185,15 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
     # every replica builds its engine (stage actors, weights, graphs) before the first block
     context.wait_for_min_actors_s = int(engine.get("startup_timeout_s",
                                                    EngineConfig.startup_timeout_s))  # fmt: skip
-    read = ray.data.read_datasource(
-        source, num_cpus=READ_CPUS, ray_remote_args=_read_on(source.path)
-    )
+    with warnings.catch_warnings():  # ray_remote_args is the one way to pin it to a node
+        warnings.filterwarnings("ignore", "`ray_remote_args` is deprecated")
+        read = ray.data.read_datasource(
+            source, num_cpus=READ_CPUS, ray_remote_args=_read_on(source.path)
+        )
     results = read.map_batches(
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},
-        batch_size=min(BATCH_SIZE, source.rows_per_block),
+        batch_size=1,  # one chunk of up to rows_per_chunk lines a call
         compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=2),
         num_cpus=REPLICA_CPUS,
     )

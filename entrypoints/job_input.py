@@ -158,13 +158,17 @@ def scan_input(path: str, prior: dict) -> tuple[int, bool]:
 
 class JobLines(Datasource):
     """The input as a Ray Data source: one read task streams the file in order (line numbers
-    and duplicate ids need one reader) and checks each line where it runs, sending blocks of
-    ``rows_per_block`` rows on as they fill. Neither the driver nor the task holds the input."""
+    and duplicate ids need one reader) and checks each line where it runs. Each Ray Data row is
+    a chunk: ``{"rows": JSON list of up to rows_per_chunk job_rows}``. Ray Data joins a read's
+    small blocks into one of up to 128 MiB, splits that by rows and moves blocks between
+    operators about one per scheduling round: rows of single lines would reach the pool slower
+    than one replica runs them and leave the others idle. A chunk is the unit a replica takes,
+    whatever Ray Data does with blocks."""
 
-    def __init__(self, path: str, prior: dict, default_max_tokens: int, rows_per_block: int):
+    def __init__(self, path: str, prior: dict, default_max_tokens: int, rows_per_chunk: int):
         super().__init__()
         self.path, self.prior = path, prior
-        self.default_max_tokens, self.rows_per_block = default_max_tokens, rows_per_block
+        self.default_max_tokens, self.rows_per_chunk = default_max_tokens, rows_per_chunk
 
     def estimate_inmemory_data_size(self) -> int | None:
         return None
@@ -179,11 +183,11 @@ class JobLines(Datasource):
         rows = []
         for row in job_rows(self.path, self.prior, self.default_max_tokens):
             rows.append(row)
-            if len(rows) == self.rows_per_block:
-                yield pa.Table.from_pylist(rows)
+            if len(rows) == self.rows_per_chunk:
+                yield pa.table({"rows": [json.dumps(rows)]})
                 rows = []
         if rows:
-            yield pa.Table.from_pylist(rows)
+            yield pa.table({"rows": [json.dumps(rows)]})
 
 
 def report_bad(stats: JobStats, path: str, line_no: int, problem: str) -> None:

@@ -1,12 +1,13 @@
 """One replica of a batch job: an actor of the job's Ray Data pool that owns one engine.
 
-``JobReplica`` is the ``map_batches`` class: Ray Data hands it batches of input rows (``line``,
-``id``, ``kind``, ``request``, ``problem``: entrypoints/job_input.py ``job_rows``); it tokenizes
-each prompt of a line to run, runs them all at once through its ``AsyncEngine`` (continuous
-batching across the batches in flight) and returns one row per input row: the output line
-(``result``, JSON) or why the request could not run (``problem``; a bad line's passes through),
-and the replica's name (``replica``) for the job's per-replica counts. A chat line with tools gets
-its answer's ``content`` and ``tool_calls`` (finish_reason "tool_calls" when it made calls).
+``JobReplica`` is the ``map_batches`` class: Ray Data hands it chunks of input rows (``line``,
+``id``, ``kind``, ``request``, ``problem``: entrypoints/job_input.py ``job_rows`` and
+``JobLines``); it tokenizes each prompt of a line to run, runs them all at once through its
+``AsyncEngine`` (continuous batching across the chunks in flight) and returns one row per input
+row: the output line (``result``, JSON) or why the request could not run (``problem``; a bad
+line's passes through), and the replica's name (``replica``) for the job's per-replica counts. A
+chat line with tools gets its answer's ``content`` and ``tool_calls`` (finish_reason
+"tool_calls" when it made calls).
 """
 
 from __future__ import annotations
@@ -33,15 +34,14 @@ class JobReplica:
         log.info("job replica %s: engine up (%s)", self.name, self.engine.describe())
 
     async def __call__(self, batch: dict) -> dict:
-        lines, ids, kinds = batch["line"], batch["id"], batch["kind"]
+        rows = [row for chunk in batch["rows"] for row in json.loads(chunk)]
         done = await asyncio.gather(
-            *(self._row(int(n), str(i), str(k), str(r), str(p))
-              for n, i, k, r, p in zip(lines, ids, kinds, batch["request"], batch["problem"]))
-        )  # fmt: skip
+            *(self._row(r["line"], r["id"], r["kind"], r["request"], r["problem"]) for r in rows)
+        )
         return {
-            "line": [int(n) for n in lines],
-            "id": [str(i) for i in ids],
-            "kind": [str(k) for k in kinds],
+            "line": [r["line"] for r in rows],
+            "id": [r["id"] for r in rows],
+            "kind": [r["kind"] for r in rows],
             "result": [result for result, _ in done],
             "problem": [problem for _, problem in done],
             "replica": [self.name] * len(done),

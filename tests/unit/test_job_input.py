@@ -141,13 +141,14 @@ def test_an_output_that_is_the_input_is_refused_through_a_file_uri(tmp_path):
     assert problem == f"--output {str(src)!r} is the input file (results would be appended to it)"
 
 
-def test_the_read_task_sends_blocks_of_rows_in_input_order(tmp_path):
+def test_the_read_task_sends_chunks_of_rows_in_input_order(tmp_path):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"id": i, "prompt": "p"}) + "\n" for i in range(10)))
-    (task,) = JobLines(str(src), {}, 16, rows_per_block=4).get_read_tasks(8)
-    blocks = list(task())
-    assert [b.num_rows for b in blocks] == [4, 4, 2]
-    assert [r["line"] for b in blocks for r in b.to_pylist()] == list(range(1, 11))
+    (task,) = JobLines(str(src), {}, 16, rows_per_chunk=4).get_read_tasks(8)
+    chunks = [json.loads(row["rows"]) for block in task() for row in block.to_pylist()]
+    assert [len(c) for c in chunks] == [4, 4, 2]  # one Ray Data row per chunk
+    assert [r["line"] for c in chunks for r in c] == list(range(1, 11))
+    assert [r["id"] for c in chunks for r in c] == [str(i) for i in range(10)]
 
 
 def test_ttft_percentiles_come_from_a_bounded_histogram():
@@ -182,3 +183,26 @@ def test_a_job_whose_lines_all_finished_starts_no_engine(tmp_path, monkeypatch, 
     assert "line 2: not JSON" in err
     assert "0 requests (0 failed, 1 bad lines, 1 already done, 0 retried)" in err, err
     assert dst.read_text() == json.dumps(row) + "\n"  # nothing appended
+
+
+@pytest.mark.parametrize(
+    "replicas,pp,cores,expected",
+    [
+        (1, 1, 2, 2),  # 0.25 + 1 x (0.5 + 0.5) fits in the cores
+        (2, 1, 2, 3),  # 0.25 + 2 x (0.5 + 0.5) = 2.25: two replicas would wait for ever on 2
+        (2, 2, 2, 4),  # 0.25 + 2 x (0.5 + 2 x 0.5) = 3.25
+        (2, 1, 16, 16),  # a bigger machine keeps its cores
+    ],
+)
+def test_a_local_ray_has_the_cpus_its_job_asks_for(replicas, pp, cores, expected, monkeypatch,
+                                                   capsys):  # fmt: skip
+    from dsv4ray.engine.config import EngineConfig
+    from dsv4ray.entrypoints import job
+
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    config = EngineConfig.build("unused", check_model=False, use_ray=True, pp_size=pp)
+    assert job._local_cpus(job.JobOptions(replicas=replicas), config, "cpu") == expected
+    said = capsys.readouterr().err
+    assert (f"the local Ray gets {expected} on this {cores}-core machine" in said) == (
+        expected > cores
+    )
