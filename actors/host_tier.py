@@ -32,7 +32,6 @@ log = logging.getLogger("dsv4ray.host_tier")
 
 NAMESPACE = "dsv4ray"
 SWEEP_INTERVAL_S = 30.0
-DEFAULT_GRACE_S = 1860.0  # the engine's default startup_timeout_s (a rebuild's bound) + 60 s
 
 
 def _root_for(nbytes: int) -> str:
@@ -53,11 +52,14 @@ class HostTier:
         self._lock = threading.Lock()  # the actor's sweep thread beside its calls
 
     def create_region(self, key: str, nbytes: int, holder_pid: int | None = None,
-                      grace_s: float = DEFAULT_GRACE_S) -> dict:  # fmt: skip
+                      grace_s: float | None = None) -> dict:  # fmt: skip
         """The region for key, created (zero-filled, sparse) on first use; same path after,
-        now held by holder_pid (None: held until released). ``created`` says which: a region
+        now held by holder_pid (None: held until released), which the sweep releases once that
+        process has been gone grace_s (the holder's rebuild bound). ``created`` says which: a region
         created again (its tier died and a new one took over, or the sweep released it) holds
         none of the pages the engine's index believes are there."""
+        if holder_pid is not None and grace_s is None:
+            raise ValueError(f"host region {key!r}: a holder_pid needs grace_s")
         with self._lock:
             region = self.regions.get(key)
             created = region is None

@@ -84,7 +84,9 @@ def test_a_holder_seen_again_restarts_the_grace_period_and_a_region_without_one_
 
 def test_a_region_asked_for_with_another_size_is_refused(node):
     tier = node.tier()
-    tier.create_region("e1-s0", 4096, holder_pid=11)
+    tier.create_region("e1-s0", 4096, holder_pid=11, grace_s=100)
     with pytest.raises(ValueError, match="exists with 4096 bytes, not 8192"):
-        tier.create_region("e1-s0", 8192, holder_pid=11)
+        tier.create_region("e1-s0", 8192, holder_pid=11, grace_s=100)
+    with pytest.raises(ValueError, match="needs grace_s"):  # a holder without a bound
+        tier.create_region("e1-s1", 4096, holder_pid=11)
     tier.shutdown()

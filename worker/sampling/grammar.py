@@ -29,6 +29,7 @@ import torch
 from dsv4ray.engine.plan import NewRequest
 from dsv4ray.engine.structured import grammar
 from dsv4ray.kernels.dispatch import apply_token_masks
+from dsv4ray.worker.sampling.sampler import to_device
 
 
 class Grammars:
@@ -92,7 +93,8 @@ class Grammars:
                     allowed.append(words)
         if not allowed:
             return logits
-        packed = self._to_device(np.concatenate([mask_of, *allowed]), logits.device)
+        # the row map and masks in one copy
+        packed = to_device(np.concatenate([mask_of, *allowed]), torch.int32, logits.device)
         return apply_token_masks(logits.float().contiguous(), packed, self.num_words)
 
     def record(self, req_ids: list[str], pending,
@@ -150,18 +152,6 @@ class Grammars:
             words.view(np.uint32)[self.eos // 32] = np.uint32(1 << (self.eos % 32))
             return words
         return np.frombuffer(matcher.compute_bitmask(), dtype=np.int32)[: self.num_words]
-
-    def _to_device(self, packed: np.ndarray, device) -> torch.Tensor:
-        """A step's row map and masks in one copy. On CUDA the copy is from pinned memory and
-        asynchronous (the caching host allocator reuses a buffer only once its copy is done): a
-        copy from pageable memory would wait for the step's forward, and the host would lose
-        its lead."""
-        host = torch.from_numpy(packed)
-        if device.type != "cuda":
-            return host.to(device)
-        staging = torch.empty(host.shape, dtype=torch.int32, pin_memory=True)
-        staging.copy_(host)
-        return staging.to(device, non_blocking=True)
 
     def _tokenizer(self):
         if self.tokenizer is None:

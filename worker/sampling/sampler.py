@@ -192,9 +192,12 @@ def _upload(drawn: list[int], rows: list[SamplingRow], positions: list[int], dev
     return to_device(table, torch.float64, device)
 
 
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor without blocking the host (pinned staging on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
+def to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list or array as a device tensor without blocking the host. On CUDA the copy is
+    from pinned staging and asynchronous (the caching host allocator reuses a buffer only once
+    its copy is done): a copy from pageable memory would wait for the step's forward, and the
+    host would lose its lead."""
+    host = torch.as_tensor(values, dtype=dtype)
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
