@@ -69,8 +69,6 @@ class JobReplica:
             reason = str(exc).removeprefix(f"request 'line-{line_no}': ")
             return "", f"request {req_id!r}: {reason}"
         row = output_row(req_id, final, tools)
-        if tools is None and item.get("tools"):  # tool_choice "none": an answer and no calls
-            row["content"], row["tool_calls"] = final.text, []
         return json.dumps(row), ""
 
     def _tokenize(self, item: dict, tools: ChatTools | None) -> list[int]:

@@ -5,10 +5,11 @@ arguments checked against their tool's schema.
 
     tools                [{"type": "function", "function": {"name", "description",
                           "parameters" (a JSON schema of an object), "strict"}}]
-    tool_choice          "auto" (the default with tools: the model decides), "none" (no tools
-                          rendered, nothing parsed), "required" (a call block and nothing else,
-                          forced by a grammar), {"type": "function", "function": {"name"}} (one
-                          call of that function, forced)
+    tool_choice          "auto" (the default with tools: the model decides), "none" (the tools
+                          rendered, as context, and a grammar keeps any call block out of the
+                          answer), "required" (a call block and nothing else, forced by a
+                          grammar), {"type": "function", "function": {"name"}} (one call of that
+                          function, forced)
     parallel_tool_calls  false: at most one call (forced choices make one; with "auto", calls
                           after the first are dropped)
 
@@ -53,7 +54,7 @@ class ChatTools:
         if parallel_tool_calls is not None and not isinstance(parallel_tool_calls, bool):
             raise ValueError("parallel_tool_calls must be true or false")
         choice, named = _choice(tool_choice, names)
-        if not functions or choice == "none":
+        if not functions:
             return None
         return cls(functions, choice, named, parallel_tool_calls is not False)
 
@@ -61,10 +62,17 @@ class ChatTools:
         """The functions the chat format renders into the system prompt."""
         return [dict(f) for f in self.functions]
 
+    @property
+    def forces_call(self) -> bool:
+        return self.choice in ("required", "function")
+
     def structured_output(self) -> dict | None:
-        """The grammar of a forced call (required or named choice), None for auto."""
+        """The grammar of a forced call (required or named choice), of an answer without one
+        (none), None for auto."""
         if self.choice == "auto":
             return None
+        if self.choice == "none":
+            return {"grammar": dsml.no_call_grammar()}
         funcs = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
         one = self.choice == "function" or not self.parallel
         return {"grammar": dsml.call_grammar(funcs, one, JSON_LAYOUT)}
@@ -74,6 +82,8 @@ class ChatTools:
 
     def check(self, name: str, arguments: dict) -> dict | str:
         """The arguments to keep, or why the call is not valid."""
+        if self.choice == "none":
+            return "tool_choice is none"
         function = next((f for f in self.functions if f["name"] == name), None)
         if function is None:
             return f"the request has no tool named {name!r}"
@@ -106,12 +116,17 @@ def constrained(
     field at fault."""
     forced = tools.structured_output() if tools is not None else None
     if forced is not None and params.structured_output is not None:
-        raise ValueError("tool_choice: a forced call and a structured output (response_format) "
-                         "cannot both constrain the answer")  # fmt: skip
+        if not tools.forces_call:  # none: the structured output's own grammar makes no call
+            forced = None
+        else:
+            raise ValueError("tool_choice: a forced call and a structured output "
+                             "(response_format) cannot both constrain the answer")  # fmt: skip
     spec = params.structured_output or forced
     if spec is None:
         return params
     if reasons:
+        if think_end_id is None and spec is forced and not tools.forces_call:
+            return params  # none: a call the answer makes anyway is given back as text
         if think_end_id is None:
             raise ValueError("response_format: a constrained answer in thinking mode needs "
                              "</think> to be one token of the vocabulary")  # fmt: skip

@@ -267,6 +267,13 @@ def _partial_len(text: str, tag: str) -> int:
 _AS_TEXT, _AS_JSON = '" string="true">', '" string="false">'  # a parameter head's ending
 
 
+def no_call_grammar() -> str:
+    """A Lark grammar (llguidance's dialect) of an answer without a call block: any text in which
+    ``CALLS_START`` never appears (tool_choice "none": the tools are in the prompt, no call is
+    made). The answer may end wherever the model ends it."""
+    return f"start: TEXT\nTEXT: /(?s:.*)/ & ~/(?s:.*{_re(CALLS_START)}.*)/"
+
+
 def call_grammar(functions: list[dict], one_call: bool, layout: dict) -> str:
     """A Lark grammar (llguidance's dialect) of an answer that is a call block and nothing else:
     one invoke (``one_call``) or more, of the given functions, each with the parameters its

@@ -320,7 +320,7 @@ class ChatCompletionRequest(_GenerationRequest):
             raise bad_request("prompt_logprobs are given in whole chat answers, not in chat "
                               "streams", "prompt_logprobs")  # fmt: skip
         tools = self.chat_tools()
-        if tools is not None and tools.choice != "auto":
+        if tools is not None and tools.forces_call:
             if self.messages[-1].prefix:
                 raise bad_request("tool_choice: a forced call cannot continue a prefix message",
                                   "tool_choice")  # fmt: skip

@@ -229,8 +229,15 @@ def test_bad_tools_are_refused_naming_the_field(fields, field):
     assert str(info.value).startswith(field)
 
 
-def test_choice_none_renders_nothing_and_forced_choices_constrain_the_answer():
-    assert ChatTools.from_request(TOOLS, "none") is None
+def test_choice_none_keeps_calls_out_and_forced_choices_constrain_the_answer():
+    none = ChatTools.from_request(TOOLS, "none")
+    assert none.prompt_functions() == [t["function"] for t in TOOLS]  # the tools as context
+    spec = constrained(SamplingParams(max_tokens=8), none, True, 261).structured_output
+    assert spec == {"grammar": dsml.no_call_grammar(), "after_token": 261}
+    json_answer = SamplingParams(structured_output={"json_object": True})
+    got = constrained(json_answer, none, False, None).structured_output
+    assert got == {"json_object": True}  # response_format's grammar makes no call either
+    assert none.check("add", {}) == "tool_choice is none"  # a call made anyway stays text
     assert ChatTools.from_request([], "auto") is None
     params = SamplingParams(max_tokens=8)
     assert constrained(params, tools(), False, 261) is params  # auto: the model decides

@@ -161,3 +161,21 @@ def test_drafts_that_cross_the_after_token_start_the_grammar_there(tiny_ckpt, ti
     assert torch.equal(masked[:2], logits[:2])  # before the after_token: free rows
     want = _walk(tiny_ckpt, vocab, eos, {"regex": "[a-c]{3}"}, abc[:1])
     assert torch.equal(torch.isfinite(masked[2:]), torch.stack(want))
+
+
+def test_tool_choice_none_masks_every_token_that_would_open_a_call_block(tiny_ckpt, tiny_model):
+    from dsv4ray.text.dsml import CALLS_START, no_call_grammar
+
+    tok, vocab = Tokenizer(tiny_ckpt), tiny_model.cfg.vocab_size
+    prompt = tok.encode("q", add_bos=False)
+    done = tok.encode("Sure.\n\n" + CALLS_START[:-1], add_bos=False)  # one char short
+    grammars = Grammars(tiny_ckpt, vocab, tok.eos_token_id)
+    grammars.add(_new("a", {"grammar": no_call_grammar()}, prompt + done, len(prompt)))
+    allowed = grammars.mask(torch.zeros(1, vocab), ["a"])[0] > float("-inf")
+    opens = [t for t in range(vocab) if CALLS_START in tok.decode(done + [t])]
+    assert opens and not allowed[opens].any()  # every token that completes the block's tag
+    # the rest of the text (the thinking tags are added tokens, never text), and the end
+    pieces = {t: tok.decode([t]) for t in range(vocab) if t not in opens}
+    others = [t for t, p in pieces.items() if p.isascii() and p.isprintable()
+              and p and "think>" not in p]  # fmt: skip
+    assert others and allowed[others].all() and allowed[tok.eos_token_id]

@@ -12,6 +12,7 @@ from starlette.testclient import TestClient
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
 from dsv4ray.text.chat_encoding import THINK_END
+from dsv4ray.text.dsml import no_call_grammar
 from tests.unit.openai_fake import FakeEngine
 
 MODEL = "tiny-test"
@@ -127,10 +128,14 @@ def test_thinking_answers_reason_then_call(client, engine, stream):
     assert got[:3] == (None, "Paris needs weather.", CALLS) and got[4] == "tool_calls"
 
 
-def test_tool_choice_none_renders_no_tools_and_parses_nothing(client, engine):
-    script(engine, BLOCK)
-    assert ask(client, False, tool_choice="none")[:3] == (BLOCK, None, [])
-    assert engine.requests[-1][0] == engine.tokenizer.encode_chat(MESSAGES)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_none_renders_the_tools_and_makes_no_call(client, engine, stream):
+    script(engine, BLOCK)  # what a model could write if nothing kept it out
+    assert ask(client, stream, tool_choice="none")[:3] == (BLOCK, None, [])
+    prompt, params = engine.requests[-1][:2]
+    functions = [t["function"] for t in TOOLS]
+    assert prompt == engine.tokenizer.encode_chat(MESSAGES, None, functions)
+    assert params.structured_output == {"grammar": no_call_grammar()}  # keeps the block out
 
 
 def test_forced_choices_send_the_call_grammar_after_the_reasoning(client, engine):
