@@ -108,7 +108,7 @@ def run_job(
     previous = _raise_on_sigterm()
     try:
         prior = last_results(output_path)
-        stats.lines, runs = scan_input(input_path, prior)
+        stats.lines, runs = scan_input(input_path, prior, job.default_max_tokens)
         if runs:
             started_ray = not joined and not ray.is_initialized()
             # a local Ray is this machine: its view decides the device before Ray starts

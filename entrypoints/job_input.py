@@ -138,21 +138,25 @@ def finished(prior: dict, req_id: str) -> bool:
     return prior.get(req_id) is True
 
 
-def scan_input(path: str, prior: dict) -> tuple[int, bool]:
-    """(the input's non-empty lines, whether any of them may run: one whose id has no finished
-    output line). A pass that keeps nothing: the progress bar's total, and no engine starts
-    for a job whose lines all finished or are bad."""
-    num_lines, runs = 0, False
+def scan_input(path: str, prior: dict, default_max_tokens: int) -> tuple[int, bool]:
+    """(the input's non-empty lines, whether any of them runs: a good line, not a duplicate,
+    whose id has no finished output line). A pass that keeps the ids only up to the first line
+    that runs: the progress bar's total, and no engine starts for a job whose lines all
+    finished or are bad."""
+    num_lines, runs, seen = 0, False, set()
     with open_input(path) as f:
         for line in f:
             if not line.strip():
                 continue
             num_lines += 1
-            if not runs:
-                try:
-                    runs = not finished(prior, str(json.loads(line_text(line))["id"]))
-                except (ValueError, TypeError, KeyError):
-                    pass  # a bad line: reported where the lines are checked
+            if runs:
+                continue
+            try:
+                req_id, _ = parse_line(line_text(line), default_max_tokens)
+            except (ValueError, TypeError):
+                continue  # a bad line: reported where the lines are checked
+            runs = req_id not in seen and not finished(prior, req_id)
+            seen.add(req_id)
     return num_lines, runs
 
 

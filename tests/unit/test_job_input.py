@@ -117,9 +117,9 @@ def test_rows_keep_input_order_line_numbers_and_kinds(tmp_path):
     assert "unknown field 'bogus'" in rows[5]["problem"]
     assert json.loads(rows[0]["request"]) == {"prompt": "x", "params": {"max_tokens": 16}}
     assert rows[2]["request"] == ""  # a finished line carries nothing to run
-    assert scan_input(str(src), prior) == (6, True)
-    finished = dict.fromkeys(["a", "b", "c", "7"], True)
-    assert scan_input(str(src), finished) == (6, False)  # none to run
+    assert scan_input(str(src), prior, 16) == (6, True)
+    finished = dict.fromkeys(["a", "b", "c"], True)  # and line 7 is bad (bogus), not new
+    assert scan_input(str(src), finished, 16) == (6, False)  # none to run
 
 
 def test_a_line_that_is_not_utf8_is_a_bad_line_and_the_others_run(tmp_path):
@@ -131,7 +131,7 @@ def test_a_line_that_is_not_utf8_is_a_bad_line_and_the_others_run(tmp_path):
         (1, "a", "new"), (2, "", "bad"), (3, "c", "new"),
     ]  # fmt: skip
     assert rows[1]["problem"] == "not UTF-8 text (byte 0xff at column 10)"
-    assert scan_input(str(src), {}) == (3, True)
+    assert scan_input(str(src), {}, 16) == (3, True)
 
 
 def test_an_output_that_is_the_input_is_refused_through_a_file_uri(tmp_path):
@@ -165,23 +165,26 @@ def test_ttft_percentiles_come_from_a_bounded_histogram():
     assert math.isnan(JobStats().ttft_percentile(0.5))
 
 
-def test_a_job_whose_lines_all_finished_starts_no_engine(tmp_path, monkeypatch, capsys):
+def test_a_job_whose_lines_all_finished_or_are_bad_starts_no_engine(tmp_path, monkeypatch, capsys):
     from dsv4ray.entrypoints import job
 
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    src.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n{broken\n")
+    bad = [{"id": "b", "prompt": "y", "max_tokens": 0}, {"id": "a", "prompt": "again"},
+           {"id": "c", "prompt": "z", "temperature": -1}]  # fmt: skip
+    src.write_text("\n".join([json.dumps({"id": "a", "prompt": "x"}), "{broken",
+                              *map(json.dumps, bad)]) + "\n")  # fmt: skip
     row = {"id": "a", "text": "x", "token_ids": [1], "finish_reason": "length", "metrics": {}}
     dst.write_text(json.dumps(row) + "\n")
 
-    def no_ray():
+    def no_ray(*args):
         raise AssertionError("a job with nothing to run started Ray")
 
     monkeypatch.setattr(job, "ensure_ray", no_ray)
     ckpt = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
-    assert job.run_job(ckpt, str(src), str(dst)) == 1  # the bad line
+    assert job.run_job(ckpt, str(src), str(dst)) == 1  # the bad lines
     err = capsys.readouterr().err
-    assert "line 2: not JSON" in err
-    assert "0 requests (0 failed, 1 bad lines, 1 already done, 0 retried)" in err, err
+    assert "line 2: not JSON" in err and "line 4: duplicate id 'a'" in err
+    assert "0 requests (0 failed, 4 bad lines, 1 already done, 0 retried)" in err, err
     assert dst.read_text() == json.dumps(row) + "\n"  # nothing appended
 
 
