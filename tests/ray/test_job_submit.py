@@ -108,14 +108,15 @@ def _wait_for_dashboard(address: str, env: dict, head: subprocess.Popen) -> None
 
 
 def _input_line(i: int) -> dict:
-    """Request i: a prompt or chat messages, 1 or 2 tokens."""
+    """Request i: a prompt (4 or 5 tokens) or chat messages (1 token)."""
     if i % 6 == 0:  # with a tool the answer may call (or, every other one, may not)
         choice = {"tool_choice": "none"} if i % 12 == 0 else {}
         return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1,
                 "tools": [{"type": "function", "function": {"name": "f"}}], **choice}  # fmt: skip
     if i % 3 == 0:
         return {"id": i, "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 1}
-    return {"id": i, "prompt": f"Hello {i}", "max_tokens": 1 + i % 2, "ignore_eos": True}
+    # 4-5 tokens: a chunk outlasts the 0.1 s Ray Data takes to hand out the next one
+    return {"id": i, "prompt": f"Hello {i}", "max_tokens": 4 + i % 2, "ignore_eos": True}
 
 
 def _prior_run(num_done: int) -> list[str]:
