@@ -43,9 +43,11 @@ from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import (
     DEVICES,
     check_accelerator,
+    declared_node_types,
     ensure_ray,
     resolve_accelerator,
     stage_bundle,
+    unplaceable,
 )
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.spec import describe
@@ -102,7 +104,7 @@ def run_job(
         return usage_error(problem)
     if options.get("speculative_num_steps"):
         print(f"dsv4ray job: {describe(options['speculative_num_steps'])}", file=sys.stderr)
-    stats, started_ray = JobStats(), False
+    stats, started_ray, shortfall = JobStats(), False, None
     start = time.perf_counter()
     _TERMINATED.clear()
     previous = _raise_on_sigterm()
@@ -116,11 +118,13 @@ def run_job(
             ensure_ray(_local_cpus(job, config, device) if started_ray else None)
             _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": device or _device(job, options)}
-            where = input_path if is_uri(input_path) else os.path.abspath(input_path)
-            source = JobLines(where, prior, job.default_max_tokens,
-                              _rows_per_chunk(stats.lines, job.replicas))  # fmt: skip
-            pids = _run(source, model, engine, job, input_path, output_path, stats)
-            _wait_for_exit(pids, REPLICA_EXIT_S)
+            shortfall = _shortfall(job, config, engine["device"])
+            if shortfall is None:
+                where = input_path if is_uri(input_path) else os.path.abspath(input_path)
+                source = JobLines(where, prior, job.default_max_tokens,
+                                  _rows_per_chunk(stats.lines, job.replicas))  # fmt: skip
+                pids = _run(source, model, engine, job, input_path, output_path, stats)
+                _wait_for_exit(pids, REPLICA_EXIT_S)
         else:  # every line finished before (or is bad): nothing to run, nothing to start
             for row in job_rows(input_path, prior, job.default_max_tokens):
                 _account(None, stats, input_path, row["line"], row["kind"], "", row["problem"], "")
@@ -134,25 +138,47 @@ def run_job(
             ray.shutdown()
             sweep_dead_raylets()
             sweep_dead_graphs()  # and the lists of graphs whose files went with it
+    if shortfall is not None:
+        return usage_error(shortfall)
     _summary(stats, time.perf_counter() - start)
     if stats.interrupted:
         return EXIT_TERMINATED if stats.terminated else EXIT_INTERRUPTED
     return EXIT_FAILED if stats.failed or stats.bad_lines else EXIT_OK
 
 
+def _job_bundles(job: JobOptions, config: EngineConfig, device: str) -> list[dict]:
+    """What the job holds at once: the read task, each replica and its stages' bundles."""
+    stages = config.pp_size + config.prefill_pp_size
+    replica = [{"CPU": REPLICA_CPUS}] + [stage_bundle(device == "cuda")] * stages
+    return [{"CPU": READ_CPUS}] + replica * job.replicas
+
+
 def _local_cpus(job: JobOptions, config: EngineConfig, device: str) -> int:
     """Logical CPUs for the local Ray this job starts: the machine's cores, or what the read
     task, the replicas and their stages' bundles ask for when that is more (two replicas on a
     2-core machine would otherwise hold every CPU, and the read task would wait for ever)."""
-    stages = config.pp_size + config.prefill_pp_size
-    stage_cpus = stage_bundle(device == "cuda")["CPU"]
-    need = READ_CPUS + job.replicas * (REPLICA_CPUS + stages * stage_cpus)
+    need = sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
     cores = os.cpu_count() or 1
     if need > cores:
         print(f"dsv4ray job: the read task, {job.replicas} replicas and their stages ask for "
               f"{need:g} CPUs; the local Ray gets {math.ceil(need)} on this {cores}-core "
               "machine, and they share its cores", file=sys.stderr)  # fmt: skip
     return max(cores, math.ceil(need))
+
+
+def _shortfall(job: JobOptions, config: EngineConfig, device: str) -> str | None:
+    """Why the cluster can never run the job (the read task waits until every replica holds
+    its resources, so a job larger than the cluster would wait for ever), or None; a cluster
+    with an autoscaler may add nodes and is given the chance."""
+    bundles = _job_bundles(job, config, device)
+    problem = unplaceable(bundles, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    if not problem or declared_node_types():
+        return None
+    stages = (len(bundles) - 1) // job.replicas - 1
+    each = f"{stages} stage bundle{'s' if stages > 1 else ''} of {bundles[2]}"
+    return (f"the read task ({READ_CPUS} CPU) and {job.replicas} replicas (each {REPLICA_CPUS} "
+            f"CPU and {each}) cannot run at once: {problem}, and no autoscaler can add nodes; "
+            "use fewer --replicas")  # fmt: skip
 
 
 def _rows_per_chunk(num_lines: int, replicas: int) -> int:

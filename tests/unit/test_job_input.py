@@ -209,3 +209,28 @@ def test_a_local_ray_has_the_cpus_its_job_asks_for(replicas, pp, cores, expected
     assert (f"the local Ray gets {expected} on this {cores}-core machine" in said) == (
         expected > cores
     )
+
+
+@pytest.mark.parametrize(
+    "nodes,device,autoscaler,problem",
+    [
+        ([{"CPU": 2.0}], "cpu", False, "they need {'CPU': 2.25} in all and the cluster has"),
+        ([{"CPU": 4.0}], "cpu", False, None),
+        ([{"CPU": 2.0}], "cpu", True, None),  # an autoscaler may add a node: the job waits
+        ([{"CPU": 16.0, "GPU": 1.0}], "cuda", False, "they need {'GPU': 2.0} in all"),
+    ],
+)
+def test_a_job_larger_than_its_cluster_is_refused_by_what_it_lacks(
+    nodes, device, autoscaler, problem, monkeypatch
+):
+    from dsv4ray.engine.config import EngineConfig
+    from dsv4ray.entrypoints import job
+
+    monkeypatch.setattr(job.ray, "nodes", lambda: [{"Alive": True, "Resources": n} for n in nodes])
+    monkeypatch.setattr(job, "declared_node_types", lambda: {"gpu": {}} if autoscaler else {})
+    config = EngineConfig.build("unused", check_model=False, use_ray=True)
+    got = job._shortfall(job.JobOptions(replicas=2), config, device)
+    if problem is None:
+        assert got is None
+    else:
+        assert problem in got and "2 replicas" in got and "use fewer --replicas" in got, got
