@@ -88,14 +88,20 @@ class ResponseFormat(_Request):
     json_schema: JsonSchemaFormat | None = None
 
     def structured_output(self) -> dict | None:
-        """The engine's constraint (engine/structured.py), None for plain text."""
+        """The engine's constraint (engine/structured.py), None for plain text. ``strict``
+        keeps every object to its declared properties, as OpenAI's strict mode does:
+        ``additionalProperties`` is false wherever the schema leaves it out."""
+        if self.json_schema is not None and self.type != "json_schema":
+            raise bad_request(f"response_format.json_schema: only with type json_schema, not "
+                              f"{self.type}", "response_format.json_schema")  # fmt: skip
         if self.type == "json_object":
             spec = {"json_object": True}
         elif self.type == "json_schema":
             if self.json_schema is None:
                 raise bad_request("response_format.json_schema is required with type "
                                   "json_schema", "response_format.json_schema")  # fmt: skip
-            spec = {"json": self.json_schema.schema_ or {}}
+            schema = self.json_schema.schema_ or {}
+            spec = {"json": closed_objects(schema) if self.json_schema.strict else schema}
         else:
             return None
         try:
@@ -104,6 +110,33 @@ class ResponseFormat(_Request):
             raise bad_request(str(exc).replace("structured_output.json", "response_format"),
                               "response_format") from None  # fmt: skip
         return spec
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_ONES = ("items", "not", "if", "then", "else", "additionalProperties", "contains")
+
+
+def closed_objects(schema):
+    """A copy of a JSON schema in which every object schema that says nothing of
+    ``additionalProperties`` has it false (subschemas at any depth)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed_objects(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(sub) for sub in out[key]]
+    for key in _SCHEMA_ONES:
+        if isinstance(out.get(key), dict):
+            out[key] = closed_objects(out[key])
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind)
+    if (is_object or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 class StreamOptions(_Request):
@@ -313,8 +346,14 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
+        calls: set[str] = set()  # the ids of the calls made so far in the conversation
         for i, message in enumerate(self.messages):
             _check_message(i, message, last=i == len(self.messages) - 1)
+            if message.role == "tool" and message.tool_call_id not in calls:
+                raise bad_request(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers "
+                                  "no tool call of an earlier assistant message",
+                                  f"messages.{i}.tool_call_id")  # fmt: skip
+            calls.update(call.id for call in message.tool_calls or [])
         self.template_kwargs()  # a bad thinking option is a 400 naming it
         if self.stream and self.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs are given in whole chat answers, not in chat "
@@ -438,6 +477,9 @@ def _check_message(index: int, message: ChatMessage, last: bool) -> None:
     if (message.role == "tool") != (message.tool_call_id is not None):
         raise bad_request(f"{where}.tool_call_id: a tool message needs one, other messages "
                           "have none", f"{where}.tool_call_id")  # fmt: skip
+    if message.content is None and message.role != "assistant":
+        raise bad_request(f"{where}.content: a {message.role} message needs content",
+                          f"{where}.content")  # fmt: skip
     if message.name is not None:
         raise bad_request(f"{where}.name: the DeepSeek-V4 chat format renders no participant "
                           "names", f"{where}.name")  # fmt: skip
@@ -493,7 +535,7 @@ def _validation_error(exc: ValidationError) -> APIError:
     elif err["type"] == "extra_forbidden":
         msg = "this server does not implement this field (unknown fields are refused, not ignored)"
         return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc))  # the field, however deep
-    return bad_request(f"{'.'.join(loc)}: {msg}", loc[0] if loc else None)
+    return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc) or None)  # the field's path
 
 
 def _is_type_tag(part: object) -> bool:

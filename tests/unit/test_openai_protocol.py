@@ -253,6 +253,50 @@ def test_unknown_or_unrendered_message_keys_are_a_400_naming_them(message, param
     assert err.param == param
 
 
+CALL = {"id": "c1", "type": "function", "function": {"name": "ping", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    "messages,param",
+    [
+        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}],
+         "messages.0.content"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "zzz", "content": "pong"}], "messages.2.tool_call_id"),
+        ([{"role": "tool", "tool_call_id": "c1", "content": "pong"}], "messages.0.tool_call_id"),
+    ],
+)  # fmt: skip
+def test_messages_without_content_or_answering_no_call_are_a_400_naming_them(messages, param):
+    err = rejected(chat_body(messages=messages), ChatCompletionRequest)
+    assert err.param == param, err.message
+
+
+def test_a_tool_message_answers_an_earlier_call_and_an_assistant_call_needs_no_content():
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "c1", "content": "pong"}]  # fmt: skip
+    assert len(parse_request(ChatCompletionRequest, chat_body(messages=messages)).messages) == 3
+
+
+def test_a_strict_json_schema_keeps_every_object_to_its_properties():
+    inner = {"type": "object", "properties": {"b": {"type": "string"}}}
+    opened = {"type": "object", "additionalProperties": True}
+    schema = {"type": "object", "properties": {"a": inner, "c": {"type": "array", "items": inner}},
+              "$defs": {"d": {"properties": {"e": {}}}, "open": opened}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    loose = parse_request(ChatCompletionRequest, chat_body(response_format=fmt))
+    assert loose.sampling_params(16, None).structured_output == {"json": schema}
+    fmt["json_schema"]["strict"] = True
+    strict = parse_request(ChatCompletionRequest, chat_body(response_format=fmt))
+    got = strict.sampling_params(16, None).structured_output["json"]
+    assert got["additionalProperties"] is False
+    assert got["properties"]["a"]["additionalProperties"] is False
+    assert got["properties"]["c"]["items"]["additionalProperties"] is False
+    assert got["$defs"]["d"]["additionalProperties"] is False  # properties make it an object
+    assert got["$defs"]["open"]["additionalProperties"] is True  # what the schema says stays
+    assert "additionalProperties" not in schema  # the request's own schema is left as it was
+
+
 def test_stream_options_accept_continuous_usage_and_refuse_unknown_keys():
     ok = chat_body(stream=True, stream_options={"include_usage": True,
                                                 "continuous_usage_stats": True})  # fmt: skip
@@ -352,11 +396,14 @@ def test_response_format_becomes_the_structured_output_constraint(response_forma
 @pytest.mark.parametrize(
     "response_format,param",
     [({"type": "json_schema"}, "response_format.json_schema"),
-     ({"type": "xml"}, "response_format"),
+     ({"type": "xml"}, "response_format.type"),
      ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer"},
                                               "bogus": 1}}, "response_format.json_schema.bogus"),
      ({"type": "json_schema", "json_schema": {"name": "n", "schema": {"$ref": "#/nowhere"}}},
-      "response_format")],
+      "response_format"),
+     ({"type": "json_object", "json_schema": {"name": "n", "schema": {"type": "integer"}}},
+      "response_format.json_schema"),  # a schema the type would leave unused
+     ({"type": "text", "json_schema": {"name": "n", "schema": {}}}, "response_format.json_schema")],
 )  # fmt: skip
 def test_a_response_format_that_cannot_hold_is_a_400_naming_it(response_format, param):
     body = chat_body(response_format=response_format)

@@ -141,7 +141,7 @@ def test_bad_requests_are_400_naming_the_field(client, case, body, param):
 def test_bad_chat_requests_are_400_naming_the_field(client):
     for body, param in [
         ({**CHAT, "messages": []}, "messages"),
-        ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "stream": "yes"}, "stream"),
         ({**CHAT, "chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking"),

@@ -108,7 +108,7 @@ BAD_TOKENIZE = [
     ("no generation prompt", {"messages": MESSAGES, "add_generation_prompt": False},
      "add_generation_prompt"),
     ("a tool call without its id", {"messages": [{"role": "assistant", "tool_calls": [{}]}]},
-     "messages"),
+     "messages.0.tool_calls.0.id"),
     ("a non-boolean thinking switch", {"messages": MESSAGES, "chat_template_kwargs": NO_THINKING},
      "chat_template_kwargs.thinking"),
     ("add_special_tokens as a string", {"prompt": "hi", "add_special_tokens": "no"},
@@ -122,11 +122,14 @@ def test_bad_tokenize_requests_are_400_naming_the_field(client, case, body, para
 
 
 @pytest.mark.parametrize(
-    "tokens", [[5, 10**6], [-1], [1.5], [True], "abc", None], ids=str
+    "tokens,param",
+    [([5, 10**6], "tokens"), ([-1], "tokens"), ([1.5], "tokens.0"), ([True], "tokens.0"),
+     ("abc", "tokens"), (None, "tokens")],
+    ids=str,
 )  # fmt: skip
-def test_bad_detokenize_requests_are_400_naming_tokens(client, tokens):
+def test_bad_detokenize_requests_are_400_naming_tokens(client, tokens, param):
     body = {"model": MODEL} if tokens is None else {"model": MODEL, "tokens": tokens}
-    assert_400(client.post("/detokenize", json=body), "tokens")
+    assert_400(client.post("/detokenize", json=body), param)
 
 
 def test_detokenize_takes_the_ids_of_the_models_vocabulary(client, engine):
