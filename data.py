@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import ray
 
 from dsv4ray.engine.config import EngineConfig
-from dsv4ray.entrypoints.job_input import check_messages, sampling_params
+from dsv4ray.entrypoints.job_input import checked_messages, sampling_params
 
 __all__ = ["Processor", "ProcessorConfig", "build_processor"]
 
@@ -133,8 +133,7 @@ class EngineStage:
             ids = [int(t) for t in prompt]
             return self.engine.core.prompt_ids(ids)  # checked against the vocabulary
         if messages is not None and not _is_missing(messages):
-            messages = [dict(m) for m in messages]
-            check_messages(messages)
+            messages = checked_messages(_plain(messages))
             try:
                 return tokenizer.encode_chat(messages)
             except Exception as exc:  # messages the chat template cannot render: this row's
@@ -144,6 +143,17 @@ class EngineStage:
     def __del__(self) -> None:
         if hasattr(self, "engine"):
             self.engine.shutdown()
+
+
+def _plain(value):
+    """A column value as JSON would hold it: Arrow's arrays as lists, and without the keys of
+    a struct that this row leaves empty (Arrow gives every row each key any row has)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items() if v is not None}
+    if isinstance(value, (list, tuple)) or hasattr(value, "tolist"):
+        items = value.tolist() if hasattr(value, "tolist") else value
+        return [_plain(v) for v in items] if isinstance(items, list) else items
+    return value
 
 
 def _is_missing(value) -> bool:

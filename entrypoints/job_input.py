@@ -222,7 +222,7 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     if "prompt" in item and not isinstance(item["prompt"], str):
         raise ValueError("'prompt' must be a string")
     if "messages" in item:
-        check_messages(item["messages"])
+        item["messages"] = checked_messages(item["messages"])
     params = {k: item[k] for k in PARAM_KEYS if k in item}
     params.setdefault("max_tokens", default_max_tokens)
     if "response_format" in item:  # OpenAI's shape, as the chat API takes it
@@ -258,19 +258,16 @@ def sampling_params(params: dict) -> SamplingParams:
     return SamplingParams(**params)
 
 
-def check_messages(messages) -> None:
-    if (
-        not isinstance(messages, list)
-        or not messages
-        or not all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and (isinstance(m.get("content"), str) or m.get("tool_calls") and m["content"] is None)
-            for m in messages
-        )
-    ):
-        raise ValueError("'messages' must be a non-empty list of {role, content} strings (content "
-                         "may be null beside tool_calls)")  # fmt: skip
+def checked_messages(messages) -> list[dict]:
+    """A line's OpenAI chat messages, checked as the chat API checks them, in the chat format's
+    shape (text parts joined); ValueError naming the field."""
+    from dsv4ray.entrypoints.openai.errors import APIError
+    from dsv4ray.entrypoints.openai.protocol import chat_messages
+
+    try:
+        return chat_messages(messages)
+    except APIError as exc:
+        raise ValueError(f"'messages': {exc.message}") from None
 
 
 def last_results(path: str) -> dict[str, bool]:

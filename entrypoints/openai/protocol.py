@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
 
 from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
 from dsv4ray.engine.structured import grammar
@@ -332,6 +332,33 @@ class ChatMessage(_Request):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def template(self) -> dict:
+        """The message as the chat format renders it (text/chat_encoding.py)."""
+        extra = {"reasoning_content": self.reasoning_content} if self.reasoning_content else {}
+        if self.prefix:
+            extra["prefix"] = True
+        if self.tool_calls:
+            extra["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            extra["tool_call_id"] = self.tool_call_id
+        return {"role": self.role, "content": self.text(), **extra}
+
+
+_MESSAGES = TypeAdapter(list[ChatMessage])
+
+
+def chat_messages(raw) -> list[dict]:
+    """OpenAI chat messages (decoded JSON) -> the chat format's messages, checked as a chat
+    completion checks them (batch job lines); an APIError naming the field."""
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("messages must be a non-empty list", "messages")
+    try:
+        messages = _MESSAGES.validate_python(raw)
+    except ValidationError as exc:
+        raise _validation_error(exc, prefix=["messages"]) from None
+    _check_conversation(messages)
+    return [m.template() for m in messages]
+
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
@@ -346,14 +373,7 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self) -> None:
         super().check_supported()
-        calls: set[str] = set()  # the ids of the calls made so far in the conversation
-        for i, message in enumerate(self.messages):
-            _check_message(i, message, last=i == len(self.messages) - 1)
-            if message.role == "tool" and message.tool_call_id not in calls:
-                raise bad_request(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers "
-                                  "no tool call of an earlier assistant message",
-                                  f"messages.{i}.tool_call_id")  # fmt: skip
-            calls.update(call.id for call in message.tool_calls or [])
+        _check_conversation(self.messages)
         self.template_kwargs()  # a bad thinking option is a 400 naming it
         if self.stream and self.prompt_logprobs is not None:
             raise bad_request("prompt_logprobs are given in whole chat answers, not in chat "
@@ -386,17 +406,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_tokens, "max_tokens"
 
     def template_messages(self) -> list[dict]:
-        messages = []
-        for m in self.messages:
-            extra = {"reasoning_content": m.reasoning_content} if m.reasoning_content else {}
-            if m.prefix:
-                extra["prefix"] = True
-            if m.tool_calls:
-                extra["tool_calls"] = [c.model_dump() for c in m.tool_calls]
-            if m.tool_call_id is not None:
-                extra["tool_call_id"] = m.tool_call_id
-            messages.append({"role": m.role, "content": m.text(), **extra})
-        return messages
+        return [m.template() for m in self.messages]
 
     def chat_tools(self) -> ChatTools | None:
         """The request's tools (None: none, or tool_choice "none"); a bad one is a 400 naming
@@ -466,6 +476,17 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
 
 
+def _check_conversation(messages: list[ChatMessage]) -> None:
+    calls: set[str] = set()  # the ids of the calls made so far in the conversation
+    for i, message in enumerate(messages):
+        _check_message(i, message, last=i == len(messages) - 1)
+        if message.role == "tool" and message.tool_call_id not in calls:
+            raise bad_request(f"messages.{i}.tool_call_id: {message.tool_call_id!r} answers "
+                              "no tool call of an earlier assistant message",
+                              f"messages.{i}.tool_call_id")  # fmt: skip
+        calls.update(call.id for call in message.tool_calls or [])
+
+
 def _check_message(index: int, message: ChatMessage, last: bool) -> None:
     where = f"messages.{index}"
     for name, why in MESSAGE_NOT_IMPLEMENTED.items():
@@ -523,11 +544,12 @@ def _without_neutral_fields(data: dict) -> dict:
     return kept
 
 
-def _validation_error(exc: ValidationError) -> APIError:
+def _validation_error(exc: ValidationError, prefix: list[str] = ()) -> APIError:
     # union members add their type to the location ("content.str"); users know only fields.
     # A value that fits no member fails in each: the deepest failure is in the member whose
     # shape the value has (a list of parts with an unknown key, not "content is no string")
-    located = [([str(p) for p in e["loc"] if not _is_type_tag(p)], e) for e in exc.errors()]
+    located = [([*prefix, *(str(p) for p in e["loc"] if not _is_type_tag(p))], e)
+               for e in exc.errors()]  # fmt: skip
     loc, err = max(located, key=lambda pair: len(pair[0]))
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "missing":

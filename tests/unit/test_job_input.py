@@ -234,3 +234,26 @@ def test_a_job_larger_than_its_cluster_is_refused_by_what_it_lacks(
         assert got is None
     else:
         assert problem in got and "2 replicas" in got and "use fewer --replicas" in got, got
+
+
+@pytest.mark.parametrize(
+    "messages,problem",
+    [
+        ([{"role": "user", "content": "hi", "nmae": "x"}], "messages.0.nmae"),
+        ([{"role": "wizard", "content": "hi"}], "messages.0.role"),
+        ([{"role": "user", "content": "hi", "name": "bob"}], "messages.0.name"),  # not dropped
+        ([{"role": "user"}], "messages.0.content"),
+        ([{"role": "user", "content": "hi"},
+          {"role": "tool", "tool_call_id": "c9", "content": "x"}], "messages.1.tool_call_id"),
+        ([], "non-empty"),
+    ],
+)  # fmt: skip
+def test_a_lines_messages_are_checked_as_the_chat_api_checks_them(messages, problem):
+    with pytest.raises(ValueError, match=f"^'messages': .*{problem}"):
+        parse_line(json.dumps({"id": 1, "messages": messages}), 16)
+
+
+def test_a_lines_text_parts_are_joined_for_the_chat_format():
+    parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
+    _, item = parse_line(json.dumps({"id": 1, "messages": [{"role": "user", "content": parts}]}), 4)
+    assert item["messages"] == [{"role": "user", "content": "Hello"}]
