@@ -74,6 +74,7 @@ class LLM:
         tools, tool_choice, parallel_tool_calls: OpenAI's (entrypoints/tool_calls.py); with
         tools, each output's ``content`` and ``tool_calls`` hold the answer and its calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = [_checked_messages(c) for c in conversations]
         chat_tools = ChatTools.from_request(tools, tool_choice, parallel_tool_calls)
         functions = chat_tools.prompt_functions() if chat_tools is not None else None
         tokenizer = self.core.tokenizer
@@ -141,3 +142,15 @@ def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"sampling_params: give one SamplingParams or a list of {n}")
     return params
+
+
+def _checked_messages(messages) -> list[dict]:
+    """One conversation checked as the chat API checks it, in the chat format's shape;
+    ValueError naming the field."""
+    from dsv4ray.entrypoints.openai.errors import APIError
+    from dsv4ray.entrypoints.openai.protocol import chat_messages
+
+    try:
+        return chat_messages(list(messages))
+    except APIError as exc:
+        raise ValueError(exc.message) from None
