@@ -155,9 +155,10 @@ class OpenAIServer:
     # ------------------------------------------------------------------ small routes
     def _check_model(self, model: str) -> None:
         if model != self.options.served_model_name:
+            named = model if len(model) <= 200 else model[:200] + "..."  # a bounded echo
             raise APIError(
                 404,
-                f"the model {model!r} does not exist; this server serves "
+                f"the model {named!r} does not exist; this server serves "
                 f"{self.options.served_model_name!r}",
                 param="model",
                 code="model_not_found",

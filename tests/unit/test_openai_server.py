@@ -100,6 +100,9 @@ def test_unknown_routes_are_404_and_wrong_methods_405(client):
     assert_error(client.post("/v1/models", json={}), 405, code="bad_method")
     unknown = client.get("/v1/models/gpt-4")
     assert_error(unknown, 404, param="model", code="model_not_found")
+    huge = client.post("/v1/completions", json={**GOOD, "model": "m" * 5000})
+    assert_error(huge, 404, param="model", code="model_not_found")
+    assert len(huge.json()["error"]["message"]) < 400  # a client's long name is not echoed whole
     assert client.get("/v1/models/").json()["data"][0]["id"] == MODEL  # one spelling per route
     assert client.post("/v1/completions/", json=GOOD).status_code == 200
 
