@@ -107,6 +107,10 @@ async def read_body(request, limit: int) -> bytes:
     too_large = APIError(
         413, f"the request body is larger than {limit} bytes", code="request_too_large"
     )
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # a compressed body would read as bad UTF-8
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported; send the JSON "
+                       "body uncompressed", code="unsupported_media_type")  # fmt: skip
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > limit:
         raise too_large

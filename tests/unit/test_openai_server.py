@@ -2,6 +2,7 @@
 the right status for every failure (bad fields, limits, routes, methods, engine errors, bugs)."""
 
 import asyncio
+import gzip
 import inspect
 import json
 import logging
@@ -170,6 +171,15 @@ def test_bodies_over_the_limit_are_413_declared_or_streamed(engine):
     assert_error(response, 413, code="request_too_large")
     small = json.dumps({**GOOD, "prompt": "a" * 40}).encode()
     assert client.post("/v1/completions", content=small).status_code == 200
+
+
+def test_a_compressed_body_is_415_naming_its_encoding(client):
+    body = gzip.compress(json.dumps(GOOD).encode())
+    response = client.post("/v1/completions", content=body, headers={"Content-Encoding": "gzip"})
+    assert_error(response, 415, code="unsupported_media_type")
+    assert "'gzip'" in response.json()["error"]["message"]
+    plain = {"Content-Encoding": "identity"}
+    assert client.post("/v1/completions", json=GOOD, headers=plain).status_code == 200
 
 
 def test_engine_failures_are_500_without_internals(client, engine):
