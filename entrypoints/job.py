@@ -24,6 +24,8 @@ Exit codes: 0 every request finished; 1 some input line was bad or some request 
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -128,16 +130,15 @@ def run_job(
         else:  # every line finished before (or is bad): nothing to run, nothing to start
             for row in job_rows(input_path, prior, job.default_max_tokens):
                 _account(None, stats, input_path, row["line"], row["kind"], "", row["problem"], "")
-    except KeyboardInterrupt:
-        stats.interrupted, stats.terminated = True, _TERMINATED.is_set()
-        stats.left = stats.lines - stats.seen if stats.lines else None
+    except (KeyboardInterrupt, SystemExit) as exc:
+        # SystemExit: a SIGTERM while ray.init had its own handler in place
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        _stopped(stats, isinstance(exc, SystemExit) or _TERMINATED.is_set())
     finally:
-        _restore_sigterm(previous)
-        if started_ray:  # the local Ray this call started, and then its leftover files
-            release_host_tiers()  # its engines are done; a killed one kept its host region
-            ray.shutdown()
-            sweep_dead_raylets()
-            sweep_dead_graphs()  # and the lists of graphs whose files went with it
+        with _signals_noted(stats, previous):  # the cleanup runs to its end
+            if started_ray:  # the local Ray this call started, and then its leftover files
+                _stop_local_ray()
     if shortfall is not None:
         return usage_error(shortfall)
     _summary(stats, time.perf_counter() - start)
@@ -170,15 +171,20 @@ def _shortfall(job: JobOptions, config: EngineConfig, device: str) -> str | None
     """Why the cluster can never run the job (the read task waits until every replica holds
     its resources, so a job larger than the cluster would wait for ever), or None; a cluster
     with an autoscaler may add nodes and is given the chance."""
-    bundles = _job_bundles(job, config, device)
-    problem = unplaceable(bundles, [n["Resources"] for n in ray.nodes() if n.get("Alive")])
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    problem = unplaceable(_job_bundles(job, config, device), nodes)
     if not problem or declared_node_types():
         return None
-    stages = (len(bundles) - 1) // job.replicas - 1
-    each = f"{stages} stage bundle{'s' if stages > 1 else ''} of {bundles[2]}"
-    return (f"the read task ({READ_CPUS} CPU) and {job.replicas} replicas (each {REPLICA_CPUS} "
-            f"CPU and {each}) cannot run at once: {problem}, and no autoscaler can add nodes; "
-            "use fewer --replicas")  # fmt: skip
+    one = _job_bundles(dataclasses.replace(job, replicas=1), config, device)
+    stages = len(one) - 2
+    replica = f"{REPLICA_CPUS} CPU and {stages} stage bundle{'s' * (stages > 1)} of {one[2]}"
+    alone = unplaceable(one, nodes)
+    if alone:  # even one replica: fewer would not help
+        return (f"the read task ({READ_CPUS} CPU) and a replica ({replica}) cannot run: {alone}, "
+                "and no autoscaler can add nodes; check --accelerator and --pp")  # fmt: skip
+    return (f"the read task ({READ_CPUS} CPU) and {job.replicas} replicas (each {replica}) "
+            f"cannot run at once: {problem}, and no autoscaler can add nodes; use fewer "
+            "--replicas")  # fmt: skip
 
 
 def _rows_per_chunk(num_lines: int, replicas: int) -> int:
@@ -288,6 +294,40 @@ def _write(out, line: str, replica: str, stats: JobStats) -> None:
         stats.add_ttft(row["metrics"]["ttft_s"])
 
 
+def _stop_local_ray() -> None:
+    if ray.is_initialized():  # not when a signal cut ray.init short
+        release_host_tiers()  # its engines are done; a killed one kept its host region
+    ray.shutdown()
+    sweep_dead_raylets()
+    sweep_dead_graphs()  # and the lists of graphs whose files went with it
+
+
+def _stopped(stats: JobStats, terminated: bool) -> None:
+    stats.interrupted, stats.terminated = True, stats.terminated or terminated
+    stats.left = stats.lines - stats.seen if stats.lines else None
+
+
+@contextlib.contextmanager
+def _signals_noted(stats: JobStats, previous_sigterm):
+    """While the job shuts down (its replicas, a local Ray: seconds), SIGINT and SIGTERM are
+    noted instead of cutting the cleanup short (which left a raylet's files in /dev/shm and no
+    summary); then SIGTERM's own handler is back. Off the main thread, nothing to do."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted: list[int] = []
+    handlers = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, handlers[signal.SIGINT])
+        restored = handlers[signal.SIGTERM] if previous_sigterm is None else previous_sigterm
+        signal.signal(signal.SIGTERM, restored)
+        if noted:
+            _stopped(stats, signal.SIGTERM in noted)
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM arrived: the job stops as on SIGINT. A KeyboardInterrupt because Ray turns one
     that lands inside its blocking calls back into a KeyboardInterrupt (any other exception
@@ -322,7 +362,7 @@ def _summary(stats: JobStats, seconds: float) -> None:
     if stats.interrupted and stats.left is None:
         head += f"{how} while reading the input; "
     elif stats.interrupted:
-        head += f"{how}, {stats.left} input lines left (a rerun does them); "
+        head += f"{how}, {stats.left} input lines not reached (a rerun does the unfinished); "
     print(
         f"{head}{stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad lines, "
         f"{stats.skipped} already done, {stats.retried} retried), "

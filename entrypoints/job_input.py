@@ -195,14 +195,17 @@ class JobLines(Datasource):
 
 
 def report_bad(stats: JobStats, path: str, line_no: int, problem: str) -> None:
+    from tqdm import tqdm
+
     stats.bad_lines += 1
-    print(f"dsv4ray job: {path}: line {line_no}: {problem}; skipped", file=sys.stderr)
+    # above the progress bar, not inside its line
+    tqdm.write(f"dsv4ray job: {path}: line {line_no}: {problem}; skipped", file=sys.stderr)
 
 
 def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     """(id, {"prompt" | "messages", "params"}); ValueError saying what is wrong."""
     try:
-        item = json.loads(line)
+        item = json.loads(line.removeprefix("\ufeff"))  # a file's byte order mark
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg})") from None
     if not isinstance(item, dict):
@@ -226,6 +229,8 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
     params = {k: item[k] for k in PARAM_KEYS if k in item}
     params.setdefault("max_tokens", default_max_tokens)
     if "response_format" in item:  # OpenAI's shape, as the chat API takes it
+        if "structured_output" in item:
+            raise ValueError("give at most one of 'structured_output' and 'response_format'")
         params["structured_output"] = structured_output(item["response_format"])
     chat_tools = ChatTools.from_request(*(tools.get(k) for k in TOOL_KEYS))
     constrained(sampling_params(params), chat_tools, False, None)  # a bad value is named
@@ -274,7 +279,7 @@ def last_results(path: str) -> dict[str, bool]:
     """id -> whether the id's last line in the output finished (not aborted, no error)."""
     results: dict[str, bool] = {}
     if os.path.isfile(path):
-        with open(path) as f:
+        with open(path, errors="replace") as f:  # a line edited into bad UTF-8: not a result
             for line in f:
                 try:
                     row = json.loads(line)
@@ -316,7 +321,11 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
             check_checkpoint(model)
         except CheckpointError as exc:
             return f"bad checkpoint: {exc}"
-    if not input_exists(input_path):
+    try:
+        exists = input_exists(input_path)
+    except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        return f"cannot open the input {input_path!r}: {str(exc).splitlines()[0]}"
+    if not exists:
         return f"no input file {input_path!r}"
     folder = os.path.dirname(os.path.abspath(output_path))
     if is_uri(output_path) or os.path.isdir(output_path) or not os.path.isdir(folder):

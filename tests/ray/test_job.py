@@ -149,7 +149,8 @@ def _stop_a_decoding_job(tiny_ckpt, folder, sig, code: int, how: str) -> None:
         proc.kill()
     err.thread.join(timeout=10)
     text = err.text()
-    assert f"dsv4ray job: {how}, 3 input lines left (a rerun does them)" in text, text
+    said = f"dsv4ray job: {how}, 3 input lines not reached (a rerun does the unfinished)"
+    assert said in text, text
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
     assert dst.read_text() == ""  # interrupted requests get no line, so a rerun does them
 

@@ -13,6 +13,7 @@ from dsv4ray.entrypoints.job_input import (
     JobLines,
     JobStats,
     job_rows,
+    last_results,
     parse_line,
     sampling_params,
     scan_input,
@@ -218,6 +219,7 @@ def test_a_local_ray_has_the_cpus_its_job_asks_for(replicas, pp, cores, expected
         ([{"CPU": 4.0}], "cpu", False, None),
         ([{"CPU": 2.0}], "cpu", True, None),  # an autoscaler may add a node: the job waits
         ([{"CPU": 16.0, "GPU": 1.0}], "cuda", False, "they need {'GPU': 2.0} in all"),
+        ([{"CPU": 16.0}], "cuda", False, "no node has {'GPU': 1"),  # not even one replica
     ],
 )
 def test_a_job_larger_than_its_cluster_is_refused_by_what_it_lacks(
@@ -232,6 +234,8 @@ def test_a_job_larger_than_its_cluster_is_refused_by_what_it_lacks(
     got = job._shortfall(job.JobOptions(replicas=2), config, device)
     if problem is None:
         assert got is None
+    elif "no node has" in problem:
+        assert problem in got and "check --accelerator" in got and "fewer" not in got, got
     else:
         assert problem in got and "2 replicas" in got and "use fewer --replicas" in got, got
 
@@ -257,3 +261,51 @@ def test_a_lines_text_parts_are_joined_for_the_chat_format():
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     _, item = parse_line(json.dumps({"id": 1, "messages": [{"role": "user", "content": parts}]}), 4)
     assert item["messages"] == [{"role": "user", "content": "Hello"}]
+
+
+def test_input_uris_that_cannot_be_opened_and_odd_lines_are_named(tmp_path):
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+    out = str(tmp_path / "out.jsonl")
+    for uri in ("foo://bar/in.jsonl", "file://relative.jsonl"):
+        assert usage_problem(model, uri, out, False).startswith(f"cannot open the input {uri!r}")
+    both = {"id": 1, "prompt": "p", "structured_output": {"regex": "a+"},
+            "response_format": {"type": "text"}}  # fmt: skip
+    with pytest.raises(ValueError, match="at most one of 'structured_output' and"):
+        parse_line(json.dumps(both), 4)
+    assert parse_line("\ufeff" + json.dumps({"id": 1, "prompt": "p"}), 4)[0] == "1"  # a BOM
+    dst = tmp_path / "prior.jsonl"
+    dst.write_bytes(b'{"id": "a", "finish_reason": "stop"}\n\xff\xfe garbage\n')
+    assert last_results(str(dst)) == {"a": True}  # a line edited into bad UTF-8 is no result
+
+
+def test_a_signal_while_the_job_shuts_down_is_noted_not_cutting_it_short():
+    import signal
+
+    from dsv4ray.entrypoints import job
+
+    stats = JobStats(lines=5)
+    before = signal.getsignal(signal.SIGTERM)
+    with job._signals_noted(stats, before):
+        os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt inside
+        os.kill(os.getpid(), signal.SIGTERM)  # and no exit
+    assert stats.interrupted and stats.terminated and stats.left == 5
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigterm_while_ray_starts_ends_the_job_as_stopped(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from dsv4ray.entrypoints import job
+
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"id": "a", "prompt": "x"}) + "\n")
+
+    def ray_init_cut_short(*args):  # what ray.init's own SIGTERM handler raises
+        raise SystemExit(signal.SIGTERM)
+
+    monkeypatch.setattr(job, "ensure_ray", ray_init_cut_short)
+    monkeypatch.setattr(job, "_stop_local_ray", lambda: None)  # no Ray came up
+    ckpt = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+    assert job.run_job(ckpt, str(src), str(dst)) == job.EXIT_TERMINATED
+    assert "dsv4ray job: stopped by SIGTERM, 1 input lines not reached" in capsys.readouterr().err
