@@ -22,6 +22,7 @@ from dsv4ray.engine.handoff import PD_PROTOCOLS
 from dsv4ray.engine.spec import SpecConfig
 
 WEIGHT_FORMATS = ("auto", "dequantized", "native")
+INTERNAL_OPTIONS = ("draft_rings",)  # set by the engine for itself (a prefill engine's)
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,8 @@ class EngineConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - names)
         if unknown:
-            raise ValueError(f"unknown LLM option {unknown[0]!r}; known options: {sorted(names)}")
+            known = sorted(names - set(INTERNAL_OPTIONS) - {"model"})
+            raise ValueError(f"unknown LLM option {unknown[0]!r}; known options: {known}")
         config = cls(model=model, **options)
         if check_model:
             config.check_model()
@@ -92,6 +94,9 @@ class EngineConfig:
     def check_model(self) -> None:
         from dsv4ray.sources import is_remote
 
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint's path or URI (a string), got "
+                             f"{self.model!r}")  # fmt: skip
         if is_remote(str(self.model)):
             return  # fetched (and checked) where an engine is built
         if not os.path.isfile(os.path.join(str(self.model), "config.json")):

@@ -31,7 +31,7 @@ from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
 from dsv4ray.engine.plan import NO_DRAFTS
-from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams, check_text
 from dsv4ray.engine.scheduler import Scheduler
 from dsv4ray.engine.stats import hisparse_totals
 from dsv4ray.engine.warm_up import warm_up
@@ -67,6 +67,7 @@ class EngineCore:
         self.host_pages, self.host_snapshots = self._attach_host_tier()
         self.scheduler = self._new_scheduler()
         self.outputs = OutputProcessor(self.tokenizer)
+        self.closed = False  # shut down: takes no request and never rebuilds its pipeline
         self.in_flight: deque = deque()
         self.scoring: set[str] = set()
         self.num_rebuilds = 0
@@ -150,7 +151,11 @@ class EngineCore:
     def prompt_ids(self, prompt) -> list[int]:
         """A string (tokenised) or a list of token ids (checked against the vocabulary)."""
         if isinstance(prompt, str):
+            check_text("prompt", prompt)
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray)):  # a Sequence of ints, but not token ids
+            raise ValueError("a prompt must be a string or a list of token ids, got bytes "
+                             "(decode it to a string)")  # fmt: skip
         ints = isinstance(prompt, Sequence) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         )
@@ -173,7 +178,10 @@ class EngineCore:
         self, req_id: str, prompt_ids: list[int], params: SamplingParams, score: bool = False
     ) -> None:
         """ValueError for anything a plan could not carry: a request is checked whole before it
-        reaches the scheduler, so no step ever fails on one request's data."""
+        reaches the scheduler, so no step ever fails on one request's data. RuntimeError once
+        the engine is shut down."""
+        if self.closed:
+            raise RuntimeError("the engine is shut down; start a new one to generate")
         check_request_id(req_id)
         check_sampling(params, self.model_config.vocab_size)
         limit = self.hisparse_host_limit
@@ -201,6 +209,8 @@ class EngineCore:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestUpdate]:
         """Submits plans up to the pipeline depth, then commits the oldest one in flight."""
+        if self.closed:  # what a shut-down engine still held ends here, with no rebuild
+            return self.abort_all("the engine was shut down")
         if self.needs_rebuild:
             refused = self._rebuild()
             if refused is None:
@@ -456,7 +466,7 @@ class EngineCore:
         """Between requests: a stage or draft worker that died while idle is found and the
         pipeline rebuilt now, before a request needs it (so none fails for it). Returns what a
         step would (nothing, unless a rebuild refuses waiting requests)."""
-        if self.in_flight or self.scheduler.has_unfinished():
+        if self.closed or self.in_flight or self.scheduler.has_unfinished():
             return []
         if not self.needs_rebuild and self.pipeline.stages_alive():
             return []
@@ -499,4 +509,5 @@ class EngineCore:
         return self.outputs.pop(req_id)
 
     def shutdown(self) -> None:
+        self.closed = True
         self.pipeline.shutdown()

@@ -170,6 +170,9 @@ class SamplingParams:
         if bias is None:
             return ()
         if isinstance(bias, (list, tuple)):  # to_dict's pairs
+            pairs = all(isinstance(p, (list, tuple)) and len(p) == 2 for p in bias)
+            if not pairs:
+                raise ValueError(f"logit_bias must map token ids to biases, got {bias!r}"[:300])
             bias = dict(bias)
         if not isinstance(bias, Mapping) or len(bias) > MAX_LOGIT_BIAS_TOKENS:
             raise ValueError(f"logit_bias must map at most {MAX_LOGIT_BIAS_TOKENS} token ids to "

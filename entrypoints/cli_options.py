@@ -19,7 +19,7 @@ import tokenize
 
 from dsv4ray.cache.formats import DTYPES as KV_DTYPES
 from dsv4ray.cache.hicache import WRITE_POLICIES
-from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.config import INTERNAL_OPTIONS, EngineConfig
 
 # conventional spellings beside the generated one (vLLM and SGLang users type these)
 ALIASES = {
@@ -28,7 +28,7 @@ ALIASES = {
 }
 CHOICES = {"kv_cache_dtype": KV_DTYPES, "hicache_write_policy": WRITE_POLICIES}
 # model: a positional argument or --model, per subcommand; draft_rings: set for prefill engines
-NOT_FLAGS = ("model", "draft_rings")
+NOT_FLAGS = ("model", *INTERNAL_OPTIONS)
 
 
 def engine_fields() -> list[dataclasses.Field]:

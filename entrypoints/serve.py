@@ -52,6 +52,7 @@ replica's CPU, then one bundle per further stage] with strategy PACK, and the re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -223,13 +224,14 @@ def run_server(
             "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    ensure_ray()
-    stop = _stop_on_signals()  # after Ray's init, which installs handlers of its own
+    stop = _stop_on_signals()
     try:
-        app = application(config, deployment)
-    except ValueError as exc:
-        raise SystemExit(f"dsv4ray serve: {exc}") from None
-    try:
+        ensure_ray()
+        stop = _stop_on_signals(stop)  # again: Ray's init installs handlers of its own
+        try:
+            app = application(config, deployment)
+        except ValueError as exc:
+            raise SystemExit(f"dsv4ray serve: {exc}") from None
         info = _start(app, serve_options, host, port)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
@@ -242,16 +244,50 @@ def run_server(
             pass
     except KeyboardInterrupt:
         pass
+    except SystemExit as exc:  # a SIGTERM while ray.init had its own handler in place
+        if exc.code != signal.SIGTERM:
+            raise
     finally:
-        print("dsv4ray serve: stopping", flush=True)
-        if joined:  # other applications on the cluster keep running
-            _delete_app()
-        else:
-            serve.shutdown()
-            ray.shutdown()  # the local Ray this command started, and then its leftover files
-            sweep_dead_raylets()
-            sweep_dead_graphs()  # and the lists of graphs whose files went with it
+        with _signals_ignored():  # the shutdown runs to its end (seconds)
+            print("dsv4ray serve: stopping", flush=True)
+            if joined and ray.is_initialized():  # other applications keep running
+                _delete_app()
+            elif not joined:
+                # Serve's shutdown would start a Ray if a signal cut ray.init short
+                if ray.is_initialized():
+                    _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "Serve's shutdown")
+                ray.shutdown()  # the local Ray this command started, then its leftover files
+                sweep_dead_raylets()
+                sweep_dead_graphs()  # and the lists of graphs whose files went with it
     return 0
+
+
+SERVE_SHUTDOWN_S = 60.0  # Serve drains its replicas first; Ray's shutdown ends them anyway
+
+
+def _bounded(fn, timeout_s: float, what: str) -> None:
+    """fn() on a thread, waited for at most timeout_s: a shutdown that hangs (a handle
+    waiting on a router that is gone) must not keep the command from exiting."""
+    worker = threading.Thread(target=fn, name=what, daemon=True)
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        log.warning("%s did not finish in %.0f s; stopping without it", what, timeout_s)
+
+
+@contextlib.contextmanager
+def _signals_ignored():
+    """SIGINT and SIGTERM do nothing while the command shuts down: a second Ctrl-C would cut
+    the shutdown short and leave Serve, Ray or their files behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _start(app, serve_options, host: str, port: int) -> dict:

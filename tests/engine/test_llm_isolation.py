@@ -61,6 +61,7 @@ def test_extreme_valid_values_give_greedy_tokens(llm, tiny_model, kw):
         (lambda: SamplingParams(stop=["fine", "\udc00x"]), "stop"),
         (lambda: SamplingParams(temperature=float("nan")), "temperature"),
         (lambda: SamplingParams(top_p=0.0), "top_p"),
+        (lambda: SamplingParams(logit_bias=[1, 2]), "logit_bias"),  # a list, not pairs
     ],
 )
 def test_invalid_values_raise_value_error_naming_the_field(make, field):
@@ -74,7 +75,8 @@ def test_a_bad_prompt_queues_nothing(llm):
     with pytest.raises(ValueError, match="request id"):
         llm.core.add_request("bad\ud800id", PROMPTS[0], SamplingParams())
     for prompts, named in [(5, "got int"), ([PROMPTS[0], [3, 4.0]], "holds float"),
-                           ([None], "got NoneType")]:  # fmt: skip
+                           ([None], "got NoneType"), (b"Hello", "got bytes"),
+                           ("a\ud800b", "prompt is not valid text")]:  # fmt: skip
         with pytest.raises(ValueError, match=named):
             llm.generate(prompts, SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="stop_token_ids"):
@@ -238,3 +240,16 @@ def test_a_request_id_in_use_is_refused_and_its_running_stream_keeps_its_tokens(
         assert tokens == out.token_ids == reference_greedy(tiny_model, PROMPTS[0], 12)
     finally:
         engine.shutdown()
+
+
+def test_a_shut_down_engine_refuses_requests_and_never_rebuilds(tiny_ckpt):
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", use_ray=False)
+    assert llm.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids
+    llm.shutdown()
+    for call in (lambda: llm.generate("Hi"), lambda: llm.score([PROMPTS[0][:4]])):
+        with pytest.raises(RuntimeError, match="shut down"):
+            call()
+    assert llm.core.step() == [] and llm.core.check_liveness() == []  # no rebuild
+    llm.shutdown()  # twice is fine
+    with pytest.raises(ValueError, match="model must be a checkpoint's path"):
+        LLM(None)
