@@ -114,8 +114,8 @@ def test_bad_chat_requests_get_400(base_url, client):
     good = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     cases = [
         ({**good, "messages": []}, "messages"),
-        ({**good, "messages": [{"role": "wizard", "content": "hi"}]}, "messages"),
-        ({**good, "messages": [{"role": "user", "content": 7}]}, "messages"),
+        ({**good, "messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
+        ({**good, "messages": [{"role": "user", "content": 7}]}, "messages.0.content"),
         ({**good, "top_logprobs": 2}, "top_logprobs"),  # without logprobs: true
         ({**good, "stream": "yes"}, "stream"),
         ({**good, "messages": [{"role": "user", "content": "x" * (CONTEXT + 5)}]}, "messages"),
