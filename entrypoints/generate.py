@@ -8,6 +8,12 @@ import sys
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.stop_signals import (
+    restore_sigterm,
+    signals_ignored,
+    sigterm_interrupts,
+    stop_asked,
+)
 
 
 def generate(
@@ -20,18 +26,31 @@ def generate(
     out=None,
     **options,
 ) -> int:
+    """Streams each prompt's completion to ``out``; 1 when a prompt was refused or aborted.
+    SIGINT and SIGTERM stop it (exit 0, a line saying so) after the engine shuts down."""
     out = out or sys.stdout
+    previous, engine = sigterm_interrupts(), None
     try:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-        engine = AsyncEngine(model_path, pp_size=pp_size, **options)
-    except ValueError as exc:
-        raise SystemExit(f"dsv4ray: {exc}") from exc
-    if engine.config.speculative_num_steps:
-        print(f"dsv4ray: {describe(engine.config.speculative_num_steps)}", file=sys.stderr)
-    try:
+        try:
+            params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
+            engine = AsyncEngine(model_path, pp_size=pp_size, **options)
+        except ValueError as exc:
+            raise SystemExit(f"dsv4ray: {exc}") from exc
+        sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
+        if engine.config.speculative_num_steps:
+            print(f"dsv4ray: {describe(engine.config.speculative_num_steps)}", file=sys.stderr)
         return asyncio.run(_stream_all(engine, prompts, params, out))
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if not stop_asked(exc):
+            raise
+        out.write("\n")
+        print("dsv4ray: stopped", file=sys.stderr)
+        return 0
     finally:
-        engine.shutdown()
+        with signals_ignored():  # the engine's shutdown runs to its end
+            if engine is not None:
+                engine.shutdown()
+        restore_sigterm(previous)
 
 
 async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> int:

@@ -52,7 +52,6 @@ replica's CPU, then one bundle per further stage] with strategy PACK, and the re
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 import os
@@ -80,6 +79,7 @@ from dsv4ray.entrypoints.serve_config import (
     ingress_options,
     resolve_api_key,
 )
+from dsv4ray.entrypoints.stop_signals import signals_ignored, stop_asked
 from dsv4ray.sources import fetch_model, is_remote
 
 log = logging.getLogger("dsv4ray.serve")
@@ -245,10 +245,10 @@ def run_server(
     except KeyboardInterrupt:
         pass
     except SystemExit as exc:  # a SIGTERM while ray.init had its own handler in place
-        if exc.code != signal.SIGTERM:
+        if not stop_asked(exc):
             raise
     finally:
-        with _signals_ignored():  # the shutdown runs to its end (seconds)
+        with signals_ignored():  # the shutdown runs to its end (seconds)
             print("dsv4ray serve: stopping", flush=True)
             if joined and ray.is_initialized():  # other applications keep running
                 _delete_app()
@@ -273,21 +273,6 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
     worker.join(timeout_s)
     if worker.is_alive():
         log.warning("%s did not finish in %.0f s; stopping without it", what, timeout_s)
-
-
-@contextlib.contextmanager
-def _signals_ignored():
-    """SIGINT and SIGTERM do nothing while the command shuts down: a second Ctrl-C would cut
-    the shutdown short and leave Serve, Ray or their files behind."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
 
 
 def _start(app, serve_options, host: str, port: int) -> dict:
