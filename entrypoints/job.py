@@ -310,7 +310,7 @@ def _stopped(stats: JobStats, terminated: bool) -> None:
 @contextlib.contextmanager
 def _signals_noted(stats: JobStats, previous_sigterm):
     """While the job shuts down (its replicas, a local Ray: seconds), SIGINT and SIGTERM are
-    noted instead of cutting the cleanup short (which left a raylet's files in /dev/shm and no
+    noted instead of cutting the cleanup short (a raylet's files would stay in /dev/shm, and no
     summary); then SIGTERM's own handler is back. Off the main thread, nothing to do."""
     if threading.current_thread() is not threading.main_thread():
         yield
