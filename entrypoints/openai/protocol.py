@@ -555,7 +555,7 @@ def _validation_error(exc: ValidationError, prefix: list[str] = ()) -> APIError:
     if err["type"] == "missing":
         msg = "a required field is missing"
     elif err["type"] == "extra_forbidden":
-        msg = "this server does not implement this field (unknown fields are refused, not ignored)"
+        msg = "dsv4ray does not implement this field (unknown fields are refused, not ignored)"
         return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc))  # the field, however deep
     return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc) or None)  # the field's path
 
