@@ -187,3 +187,19 @@ def _reported_node_types() -> dict[str, dict]:
 def bundle_device(bundles: list[Mapping[str, float]]) -> str:
     """The engine's device for stages placed in ``bundles`` (the replica's placement group)."""
     return "cuda" if any(b.get("GPU", 0) > 0 for b in bundles) else "cpu"
+
+
+def stop_local_ray() -> None:
+    """Stops the local Ray a command started, and then removes what its dead processes left
+    in /dev/shm: host-tier regions (engines killed without a shutdown keep theirs), the
+    raylets' semaphores and the graphs' file lists. Safe when a signal cut ray.init short."""
+    import ray
+
+    from dsv4ray.actors.host_tier import release_host_tiers
+    from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
+
+    if ray.is_initialized():
+        release_host_tiers()
+    ray.shutdown()
+    sweep_dead_raylets()
+    sweep_dead_graphs()

@@ -10,7 +10,7 @@ from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.stop_signals import (
     restore_sigterm,
-    signals_ignored,
+    signals_held,
     sigterm_interrupts,
     stop_asked,
 )
@@ -47,7 +47,7 @@ def generate(
         print("dsv4ray: stopped", file=sys.stderr)
         return 0
     finally:
-        with signals_ignored():  # the engine's shutdown runs to its end
+        with signals_held():  # the engine's shutdown runs to its end
             if engine is not None:
                 engine.shutdown()
         restore_sigterm(previous)

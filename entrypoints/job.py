@@ -32,16 +32,13 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 import warnings
 from dataclasses import dataclass
 
 import ray
 
-from dsv4ray.actors.host_tier import release_host_tiers
 from dsv4ray.actors.processes import process_alive
-from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
 from dsv4ray.cluster.placement import (
     DEVICES,
     check_accelerator,
@@ -49,6 +46,7 @@ from dsv4ray.cluster.placement import (
     ensure_ray,
     resolve_accelerator,
     stage_bundle,
+    stop_local_ray,
     unplaceable,
 )
 from dsv4ray.engine.config import EngineConfig
@@ -63,6 +61,14 @@ from dsv4ray.entrypoints.job_input import (
     report_bad,
     scan_input,
     usage_problem,
+)
+from dsv4ray.entrypoints.stop_signals import (
+    TERMINATED,
+    by_sigterm,
+    restore_sigterm,
+    signals_held,
+    sigterm_interrupts,
+    stop_asked,
 )
 
 log = logging.getLogger("dsv4ray.job")
@@ -108,8 +114,8 @@ def run_job(
         print(f"dsv4ray job: {describe(options['speculative_num_steps'])}", file=sys.stderr)
     stats, started_ray, shortfall = JobStats(), False, None
     start = time.perf_counter()
-    _TERMINATED.clear()
-    previous = _raise_on_sigterm()
+    TERMINATED.clear()
+    previous = sigterm_interrupts()
     try:
         prior = last_results(output_path)
         stats.lines, runs = scan_input(input_path, prior, job.default_max_tokens)
@@ -118,7 +124,7 @@ def run_job(
             # a local Ray is this machine: its view decides the device before Ray starts
             device = _device(job, options) if started_ray else None
             ensure_ray(_local_cpus(job, config, device) if started_ray else None)
-            _raise_on_sigterm()  # again: starting Ray installs its own SIGTERM handler
+            sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": device or _device(job, options)}
             shortfall = _shortfall(job, config, engine["device"])
             if shortfall is None:
@@ -131,14 +137,13 @@ def run_job(
             for row in job_rows(input_path, prior, job.default_max_tokens):
                 _account(None, stats, input_path, row["line"], row["kind"], "", row["problem"], "")
     except (KeyboardInterrupt, SystemExit) as exc:
-        # SystemExit: a SIGTERM while ray.init had its own handler in place
-        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+        if not stop_asked(exc):
             raise
-        _stopped(stats, isinstance(exc, SystemExit) or _TERMINATED.is_set())
+        _stopped(stats, by_sigterm(exc))
     finally:
         with _signals_noted(stats, previous):  # the cleanup runs to its end
-            if started_ray:  # the local Ray this call started, and then its leftover files
-                _stop_local_ray()
+            if started_ray:
+                stop_local_ray()
     if shortfall is not None:
         return usage_error(shortfall)
     _summary(stats, time.perf_counter() - start)
@@ -294,14 +299,6 @@ def _write(out, line: str, replica: str, stats: JobStats) -> None:
         stats.add_ttft(row["metrics"]["ttft_s"])
 
 
-def _stop_local_ray() -> None:
-    if ray.is_initialized():  # not when a signal cut ray.init short
-        release_host_tiers()  # its engines are done; a killed one kept its host region
-    ray.shutdown()
-    sweep_dead_raylets()
-    sweep_dead_graphs()  # and the lists of graphs whose files went with it
-
-
 def _stopped(stats: JobStats, terminated: bool) -> None:
     stats.interrupted, stats.terminated = True, stats.terminated or terminated
     stats.left = stats.lines - stats.seen if stats.lines else None
@@ -311,48 +308,14 @@ def _stopped(stats: JobStats, terminated: bool) -> None:
 def _signals_noted(stats: JobStats, previous_sigterm):
     """While the job shuts down (its replicas, a local Ray: seconds), SIGINT and SIGTERM are
     noted instead of cutting the cleanup short (a raylet's files would stay in /dev/shm, and no
-    summary); then SIGTERM's own handler is back. Off the main thread, nothing to do."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    noted: list[int] = []
-    handlers = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
+    summary); then SIGTERM's handler from before the job is back."""
     try:
-        yield
+        with signals_held() as noted:
+            yield
     finally:
-        signal.signal(signal.SIGINT, handlers[signal.SIGINT])
-        restored = handlers[signal.SIGTERM] if previous_sigterm is None else previous_sigterm
-        signal.signal(signal.SIGTERM, restored)
+        restore_sigterm(previous_sigterm)
         if noted:
             _stopped(stats, signal.SIGTERM in noted)
-
-
-class Terminated(KeyboardInterrupt):
-    """SIGTERM arrived: the job stops as on SIGINT. A KeyboardInterrupt because Ray turns one
-    that lands inside its blocking calls back into a KeyboardInterrupt (any other exception
-    raised there comes out as a logged SystemError); ``_TERMINATED`` tells the two apart."""
-
-
-_TERMINATED = threading.Event()
-
-
-def _on_sigterm(signum, frame) -> None:
-    _TERMINATED.set()
-    raise Terminated
-
-
-def _raise_on_sigterm():
-    """Installs the SIGTERM handler; returns the one it replaced (None off the main thread,
-    where handlers cannot be set)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, _on_sigterm)
-
-
-def _restore_sigterm(previous) -> None:
-    if previous is not None:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _summary(stats: JobStats, seconds: float) -> None:

@@ -266,13 +266,12 @@ def sampling_params(params: dict) -> SamplingParams:
 def checked_messages(messages) -> list[dict]:
     """A line's OpenAI chat messages, checked as the chat API checks them, in the chat format's
     shape (text parts joined); ValueError naming the field."""
-    from dsv4ray.entrypoints.openai.errors import APIError
     from dsv4ray.entrypoints.openai.protocol import chat_messages
 
     try:
         return chat_messages(messages)
-    except APIError as exc:
-        raise ValueError(f"'messages': {exc.message}") from None
+    except ValueError as exc:
+        raise ValueError(f"'messages': {exc}") from None
 
 
 def last_results(path: str) -> dict[str, bool]:

@@ -68,8 +68,7 @@ class JobReplica:
         except ValueError as exc:  # the engine names its own request id, not the line's
             reason = str(exc).removeprefix(f"request 'line-{line_no}': ")
             return "", f"request {req_id!r}: {reason}"
-        row = output_row(req_id, final, tools)
-        return json.dumps(row), ""
+        return json.dumps(output_row(req_id, final, tools)), ""
 
     def _tokenize(self, item: dict, tools: ChatTools | None) -> list[int]:
         tokenizer = self.engine.tokenizer

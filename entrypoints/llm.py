@@ -15,6 +15,7 @@ import torch
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
+from dsv4ray.entrypoints.openai.protocol import chat_messages
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
 from dsv4ray.text.chat_encoding import prefix_state
@@ -74,7 +75,7 @@ class LLM:
         tools, tool_choice, parallel_tool_calls: OpenAI's (entrypoints/tool_calls.py); with
         tools, each output's ``content`` and ``tool_calls`` hold the answer and its calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        conversations = [_checked_messages(c) for c in conversations]
+        conversations = [chat_messages(list(c)) for c in conversations]  # checked as the API
         chat_tools = ChatTools.from_request(tools, tool_choice, parallel_tool_calls)
         functions = chat_tools.prompt_functions() if chat_tools is not None else None
         tokenizer = self.core.tokenizer
@@ -142,15 +143,3 @@ def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:
     if len(params) != n or not all(isinstance(p, SamplingParams) for p in params):
         raise ValueError(f"sampling_params: give one SamplingParams or a list of {n}")
     return params
-
-
-def _checked_messages(messages) -> list[dict]:
-    """One conversation checked as the chat API checks it, in the chat format's shape;
-    ValueError naming the field."""
-    from dsv4ray.entrypoints.openai.errors import APIError
-    from dsv4ray.entrypoints.openai.protocol import chat_messages
-
-    try:
-        return chat_messages(list(messages))
-    except APIError as exc:
-        raise ValueError(exc.message) from None

@@ -64,8 +64,7 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from dsv4ray.cluster.channel_files import sweep_dead_graphs, sweep_dead_raylets
-from dsv4ray.cluster.placement import bundle_device, ensure_ray
+from dsv4ray.cluster.placement import bundle_device, ensure_ray, stop_local_ray
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -79,7 +78,7 @@ from dsv4ray.entrypoints.serve_config import (
     ingress_options,
     resolve_api_key,
 )
-from dsv4ray.entrypoints.stop_signals import signals_ignored, stop_asked
+from dsv4ray.entrypoints.stop_signals import signals_held, stop_asked
 from dsv4ray.sources import fetch_model, is_remote
 
 log = logging.getLogger("dsv4ray.serve")
@@ -248,7 +247,7 @@ def run_server(
         if not stop_asked(exc):
             raise
     finally:
-        with signals_ignored():  # the shutdown runs to its end (seconds)
+        with signals_held():  # the shutdown runs to its end (seconds)
             print("dsv4ray serve: stopping", flush=True)
             if joined and ray.is_initialized():  # other applications keep running
                 _delete_app()
@@ -256,9 +255,7 @@ def run_server(
                 # Serve's shutdown would start a Ray if a signal cut ray.init short
                 if ray.is_initialized():
                     _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "Serve's shutdown")
-                ray.shutdown()  # the local Ray this command started, then its leftover files
-                sweep_dead_raylets()
-                sweep_dead_graphs()  # and the lists of graphs whose files went with it
+                stop_local_ray()
     return 0
 
 

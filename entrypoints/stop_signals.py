@@ -9,20 +9,30 @@ import signal
 import threading
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM arrived: the command stops as on SIGINT. A KeyboardInterrupt because Ray turns one
+    that lands inside its blocking calls back into a KeyboardInterrupt (any other exception
+    raised there comes out as a logged SystemError); ``TERMINATED`` tells the two apart."""
+
+
+TERMINATED = threading.Event()  # set by SIGTERM (a command clears it when it starts)
+
+
 def _on_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
+def _on_sigterm(signum, frame) -> None:
+    TERMINATED.set()
+    raise Terminated
 
 
 def sigterm_interrupts():
-    """SIGTERM raises KeyboardInterrupt from now on; returns the handler it replaced (None off
-    the main thread). Called again after ``ray.init``, which installs a handler of its own."""
+    """SIGTERM raises Terminated from now on; returns the handler it replaced (None off the
+    main thread). Called again after ``ray.init``, which installs a handler of its own."""
     if not _on_main_thread():
         return None
-    return signal.signal(signal.SIGTERM, _interrupt)
+    return signal.signal(signal.SIGTERM, _on_sigterm)
 
 
 def restore_sigterm(previous) -> None:
@@ -38,16 +48,24 @@ def stop_asked(exc: BaseException) -> bool:
     return isinstance(exc, SystemExit) and exc.code == signal.SIGTERM
 
 
+def by_sigterm(exc: BaseException) -> bool:
+    """Whether a requested stop (``stop_asked``) came from SIGTERM rather than Ctrl-C."""
+    return isinstance(exc, SystemExit) or TERMINATED.is_set()
+
+
 @contextlib.contextmanager
-def signals_ignored():
-    """SIGINT and SIGTERM do nothing while a command shuts down: a second Ctrl-C would cut the
-    shutdown short and leave Serve, Ray or their files behind."""
+def signals_held():
+    """While a command shuts down, SIGINT and SIGTERM are only noted (the list yielded): a
+    second Ctrl-C would cut the shutdown short and leave Serve, Ray or their files behind. The
+    handlers are back afterwards."""
+    noted: list[int] = []
     if not _on_main_thread():
-        yield
+        yield noted
         return
-    handlers = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    handlers = {sig: signal.signal(sig, lambda signum, frame: noted.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}  # fmt: skip
     try:
-        yield
+        yield noted
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -349,14 +349,16 @@ _MESSAGES = TypeAdapter(list[ChatMessage])
 
 def chat_messages(raw) -> list[dict]:
     """OpenAI chat messages (decoded JSON) -> the chat format's messages, checked as a chat
-    completion checks them (batch job lines); an APIError naming the field."""
+    completion checks them (``LLM.chat``, batch job lines); a ValueError naming the field."""
     if not isinstance(raw, list) or not raw:
-        raise bad_request("messages must be a non-empty list", "messages")
+        raise ValueError("messages must be a non-empty list")
     try:
         messages = _MESSAGES.validate_python(raw)
+        _check_conversation(messages)
     except ValidationError as exc:
-        raise _validation_error(exc, prefix=["messages"]) from None
-    _check_conversation(messages)
+        raise ValueError(_validation_error(exc, prefix=("messages",)).message) from None
+    except APIError as exc:
+        raise ValueError(exc.message) from None
     return [m.template() for m in messages]
 
 
@@ -544,7 +546,7 @@ def _without_neutral_fields(data: dict) -> dict:
     return kept
 
 
-def _validation_error(exc: ValidationError, prefix: list[str] = ()) -> APIError:
+def _validation_error(exc: ValidationError, prefix: tuple[str, ...] = ()) -> APIError:
     # union members add their type to the location ("content.str"); users know only fields.
     # A value that fits no member fails in each: the deepest failure is in the member whose
     # shape the value has (a list of parts with an unknown key, not "content is no string")
@@ -556,7 +558,6 @@ def _validation_error(exc: ValidationError, prefix: list[str] = ()) -> APIError:
         msg = "a required field is missing"
     elif err["type"] == "extra_forbidden":
         msg = "dsv4ray does not implement this field (unknown fields are refused, not ignored)"
-        return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc))  # the field, however deep
     return bad_request(f"{'.'.join(loc)}: {msg}", ".".join(loc) or None)  # the field's path
 
 

@@ -305,7 +305,7 @@ def test_a_sigterm_while_ray_starts_ends_the_job_as_stopped(tmp_path, monkeypatc
         raise SystemExit(signal.SIGTERM)
 
     monkeypatch.setattr(job, "ensure_ray", ray_init_cut_short)
-    monkeypatch.setattr(job, "_stop_local_ray", lambda: None)  # no Ray came up
+    monkeypatch.setattr(job, "stop_local_ray", lambda: None)  # no Ray came up
     ckpt = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
     assert job.run_job(ckpt, str(src), str(dst)) == job.EXIT_TERMINATED
     assert "dsv4ray job: stopped by SIGTERM, 1 input lines not reached" in capsys.readouterr().err

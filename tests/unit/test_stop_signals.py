@@ -11,12 +11,12 @@ import time
 import pytest
 
 from dsv4ray.entrypoints import serve
-from dsv4ray.entrypoints.stop_signals import signals_ignored
+from dsv4ray.entrypoints.stop_signals import signals_held
 
 
 def test_signals_during_the_shutdown_are_ignored_then_the_handlers_come_back():
     before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    with signals_ignored():
+    with signals_held():
         os.kill(os.getpid(), signal.SIGINT)  # no KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGTERM)  # and no exit
         time.sleep(0.05)
