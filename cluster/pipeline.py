@@ -30,6 +30,7 @@ from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
+from dsv4ray.cluster.bind_preload import stage_runtime_envs
 from dsv4ray.cluster.placement import ensure_ray, stage_bundle, wait_for_placement
 from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
@@ -90,6 +91,12 @@ class RayPipeline:
         self.key = uuid.uuid4().hex[:12]
         self.kv_transfer = kv_transfer
         self.kv_endpoints: tuple[StageEndpoint, ...] = ()
+        # transfer engines bound to the node's address: the bind library preloaded per bundle
+        self.runtime_envs = (
+            stage_runtime_envs(self.pg, len(self.ranges), config.startup_timeout_s)
+            if kv_transfer
+            else [None] * len(self.ranges)
+        )
         self._build()
 
     def _build(self) -> None:
@@ -205,7 +212,10 @@ class RayPipeline:
             resources = (
                 {"num_gpus": 0.9 * gpus, "num_cpus": 1} if self.use_gpu else {"num_cpus": 0.25}
             )
-        return StageActor.options(scheduling_strategy=strategy, **resources).remote(
+        env = self.runtime_envs[idx]  # None: the job's own
+        return StageActor.options(
+            scheduling_strategy=strategy, runtime_env=env, **resources
+        ).remote(
             StageSpec.of(ec, start, end, model=ec.model_source),
             1 if not self.use_gpu else 2,
             logging.getLevelName(log.getEffectiveLevel()),

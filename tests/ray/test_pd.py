@@ -11,7 +11,7 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.worker.pd.listen_filter import listening_sockets
+from dsv4ray.worker.pd.listen_filter import admit_only, listening_sockets
 
 # around the window (128) and page (256) edges, as one batch of mixed lengths
 LENGTHS = [1, 127, 128, 129, 255, 256, 257, 300]
@@ -118,30 +118,57 @@ def _listening(pid: int) -> set[tuple[str, int]]:
     return set(listening_sockets(pid).values())
 
 
-def test_a_pd_stage_listens_only_on_its_ray_port_and_its_transfer_engines(pd_engine):
-    """What a decode stage actor exposes (docs/operations.md, Ports): Ray's worker port and
-    the Mooncake engine's two listeners, of which the handshake port is the session the stage
-    advertises on the node's Ray address. Mooncake binds both to every interface whatever
-    address it is given; their socket filters answer only connections to the node's address:
-    through loopback a connection gets no answer. Anything else listening fails this test."""
+def _stage_actors() -> list[dict]:
+    """This driver's live stage actors (the decode pipeline's and the prefill engine's): pid,
+    Ray's worker port (from the GCS's actor table)."""
+    job = ray.get_runtime_context().get_job_id()
+    return [
+        {"pid": a["Pid"], "ray_port": a["Address"]["Port"]}
+        for a in ray._private.state.actors().values()
+        if a["ActorClassName"] == "StageActor" and a["State"] == "ALIVE" and a["JobID"] == job
+    ]
+
+
+def test_every_pd_stage_binds_its_transfer_engine_to_the_node_address(pd_engine):
+    """What a stage actor of either pipeline exposes (docs/operations.md, Ports): Ray's worker
+    port and the Mooncake engine's two listeners, bound to the node's Ray address (the IPv6 one
+    as its v4-mapped form), never to every interface: through loopback nothing answers, through
+    the node's address both do. Anything else listening fails this test."""
     llm = pd_engine(1, 1)
-    pipe = llm.core.pipeline
     node = ray.util.get_node_ip_address()
     other = "127.0.0.1" if node != "127.0.0.1" else None
-    for actor, info, endpoint in zip(pipe.actors, pipe.infos, pipe.kv_endpoints, strict=True):
-        host, port = endpoint.session.rsplit(":", 1)
-        assert host == node
-        ray_port = ray._private.state.actors(actor._actor_id.hex())["Address"]["Port"]
-        listening = _listening(info["pid"])
-        ports = {p for _, p in listening}
-        assert ray_port in ports and int(port) in ports
-        assert len(listening) == 3, listening  # Ray's, Mooncake's handshake and data ports
-        everywhere = {"0.0.0.0", "::"}
-        assert {a for a, p in listening if p != ray_port} <= everywhere, listening
-        for mooncake_port in ports - {ray_port}:
-            assert _answers(node, mooncake_port)
+    sessions = {e.session for e in llm.core.pipeline.kv_endpoints}
+    stages = _stage_actors()
+    assert len(stages) == 2, stages  # one decode stage, one prefill stage
+    for stage in stages:
+        ray_port = stage["ray_port"]
+        listening = _listening(stage["pid"])
+        mooncake = {(a.removeprefix("::ffff:"), p) for a, p in listening if p != ray_port}
+        assert len(listening) == 3 and len(mooncake) == 2, listening  # Ray's, handshake, data
+        assert {a for a, _ in mooncake} == {node}, listening
+        for _, port in mooncake:
+            assert _answers(node, port)
             if other is not None:  # a machine whose Ray address is loopback has no other
-                assert not _answers(other, mooncake_port)
+                assert not _answers(other, port)
+    # the decode stage's advertised session is one of its bound listeners
+    decode = [s for s in stages if any(f"{node}:{p}" in sessions for _, p in _listening(s["pid"]))]
+    assert len(decode) == 1
+
+
+def test_a_wildcard_listener_behind_the_filter_answers_only_on_its_address():
+    """Where the bind library cannot be built, a stage filters the engine's wildcard listeners:
+    a connection through any other address of the machine gets no answer."""
+    node = ray.util.get_node_ip_address()  # the address Ray would pick, started or not
+    if node == "127.0.0.1":
+        pytest.skip("this machine has no address but loopback to tell apart")
+    with socket.socket(socket.AF_INET) as listener:
+        listener.bind(("0.0.0.0", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        inode = next(i for i, (_, p) in listening_sockets().items() if p == port)
+        assert _answers("127.0.0.1", port)
+        assert admit_only(node, {inode}) == 1
+        assert _answers(node, port) and not _answers("127.0.0.1", port)
 
 
 def _answers(address: str, port: int) -> bool:

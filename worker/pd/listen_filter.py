@@ -1,7 +1,8 @@
 """Listening sockets that answer only on one address: a classic BPF socket filter per socket.
 
 The Mooncake transfer engine binds its handshake and data listeners to every interface, whatever
-address it is initialised with. ``admit_only(host, inodes)`` attaches to each of this process's
+address it is initialised with, unless its process preloads worker/pd/bind_only.c; where it
+could not (no C compiler), ``admit_only(host, inodes)`` attaches to each of this process's
 listening sockets in ``inodes`` a filter (SO_ATTACH_FILTER: no privilege needed) that drops every
 packet whose IPv4 destination is not ``host``, and every IPv6 packet: a connection to the engine
 through any other address of the machine (loopback, another interface, IPv6) gets no answer.
@@ -21,6 +22,7 @@ import os
 import socket
 import struct
 
+WILDCARDS = frozenset({"0.0.0.0", "::"})  # every interface
 SO_ATTACH_FILTER = 26  # <asm-generic/socket.h>
 SKF_NET_OFF = -0x100000  # loads relative to the network header
 # opcodes (<linux/filter.h>)
@@ -47,11 +49,6 @@ def program(host: str) -> list[tuple[int, int, int, int]]:
         (RET_K, 0, 0, ACCEPT),
         (RET_K, 0, 0, DROP),
     ]
-
-
-def listening_inodes(pid: int | str = "self") -> set[str]:
-    """Socket inodes of the TCP sockets (IPv4 and IPv6) that a process has listening."""
-    return set(listening_sockets(pid))
 
 
 def listening_sockets(pid: int | str = "self") -> dict[str, tuple[str, int]]:

@@ -6,9 +6,11 @@ Protocols: "tcp" works without RDMA (CPU machines with the `mooncake-transfer-en
 wheel; GPUs with the `mooncake-transfer-engine-cuda13` wheel, whose TCP path reads and writes
 device memory); "rdma" where the machines have RDMA NICs. A session id is "ip:rpc_port".
 
-The engine's listeners are bound to every interface whatever host it is given; each one gets a
-socket filter that admits only packets addressed to host (worker/pd/listen_filter.py), so a
-peer reaches it only through the address the session names.
+The engine binds its listeners to every interface whatever host it is given. In a stage actor
+started with worker/pd/bind_only.py's library preloaded, they are bound to host instead; any
+listener still on a wildcard address gets a socket filter that admits only packets addressed to
+host (worker/pd/listen_filter.py). Either way a peer reaches the engine only through the address
+the session names.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import logging
 import torch
 
 from dsv4ray.engine.handoff import PD_PROTOCOLS
-from dsv4ray.worker.pd.listen_filter import admit_only, listening_inodes
+from dsv4ray.worker.pd.bind_only import narrowed
+from dsv4ray.worker.pd.listen_filter import WILDCARDS, admit_only, listening_sockets
 
 log = logging.getLogger("dsv4ray.transfer")
 
@@ -49,16 +52,20 @@ class MooncakeTransport:
 
         self._module = mooncake.engine
         self.engine = mooncake.engine.TransferEngine()
-        before = listening_inodes()
-        status = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
+        before = set(listening_sockets())
+        with narrowed(host):
+            status = self.engine.initialize(host, "P2PHANDSHAKE", protocol, "")
         if status != 0:
             raise TransferError(f"Mooncake initialize({host!r}, {protocol!r}) returned {status}")
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        self.filtered = _admit_only(host, listening_inodes() - before)
+        opened = {i: s for i, s in listening_sockets().items() if i not in before}
+        wide = {i for i, (address, _) in opened.items() if address in WILDCARDS}
+        self.filtered = _admit_only(host, wide) if wide else 0
         self.protocol = protocol
         self._registered: list[int] = []
-        log.info("transfer engine %s (%s), %d listeners admitting only %s", self.session,
-                 protocol, self.filtered, host)  # fmt: skip
+        log.info("transfer engine %s (%s): listeners %s, %d of them on every interface behind a "
+                 "filter admitting only %s", self.session, protocol,
+                 sorted(f"{a}:{p}" for a, p in opened.values()), self.filtered, host)  # fmt: skip
 
     def register(self, tensor: torch.Tensor) -> None:
         """Registers the tensor's memory (contiguous); it must outlive this transport."""
