@@ -75,30 +75,38 @@ def _sweep_indexer(s, timer, device, rows):
 
 
 def _sweep_compress(s, timer, device, rows):
-    default = compress._config
+    default, default_split = compress._config, compress._split
     per_req = s.prefill_tokens // s.prefill_requests
     pos = torch.arange(per_req, device=device).repeat(s.prefill_requests)
     slots = torch.arange(s.prefill_requests, device=device).repeat_interleave(per_req)
-    for ratio, configs in ((128, ((8, 8), (16, 8), (8, 4))), (4, ((8, 8), (8, 4)))):
+    c128 = [(r, w, k) for k in (1, 2, 4, 8, 16) for r, w in ((8, 8), (8, 4), (16, 8))]
+    for ratio, configs in ((128, c128), (4, ((8, 8, 1), (8, 4, 1), (8, 2, 1)))):
         args = _compress_case(ratio, pos, torch.zeros_like(pos), slots, s.prefill_requests, device)
         row = 2 * (2 if ratio == 4 else 1) * 512 * 4
         moved = pos.numel() * row + pos.numel() // ratio * ENTRY_BYTES
         moved += s.prefill_requests * (8 if ratio == 4 else 128) * row
-        for config in configs:
-            compress._config = lambda r, d, config=config: config
+        for rows_, warps, split in configs:
+            compress._config = lambda r, d, config=(rows_, warps): config
+            compress._split = lambda r, split=split: split
             ms = timer.ms(lambda args=args: compress.compress_norm_rope_store(*args))
-            rows.append((f"compress c{ratio} prefill", f"rows,warps={config}", ms, gbps(moved, ms)))
-    compress._config = default
+            variant = f"rows,warps,split={(rows_, warps, split)}"
+            rows.append((f"compress c{ratio} prefill", variant, ms, gbps(moved, ms)))
+    compress._config, compress._split = default, default_split
+
+
+SWEEPS = {"sparse": _sweep_sparse, "indexer": _sweep_indexer, "compress": _sweep_compress}
 
 
 def main(argv=None) -> None:
     parser = bench_parser(__doc__, results=False)
     parser.add_argument("--out-dir", type=Path, default=None, help="write sweep.json here")
+    parser.add_argument("--only", choices=sorted(SWEEPS), action="append",
+                        help="sweep only these kernels (repeatable; default: all)")  # fmt: skip
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes = FULL if device.type == "cuda" else DRY
     timer, rows = Timer(device, sizes), []
-    for sweep in (_sweep_sparse, _sweep_indexer, _sweep_compress):
+    for sweep in (SWEEPS[name] for name in args.only or SWEEPS):
         try:
             sweep(sizes, timer, device, rows)
         except Exception as err:  # report and go on: one failing variant must not hide the rest

@@ -27,6 +27,70 @@ RING_MIN = {4: 8, 128: 128}
 
 
 @triton.jit
+def _pool_part(
+    kv_ptr,
+    score_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    t,
+    p,
+    seq_start,
+    ring_base,
+    ring,
+    first,
+    RATIO: tl.constexpr,
+    NSLOT: tl.constexpr,
+    NROWS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CD: tl.constexpr,
+    D: tl.constexpr,
+):
+    """Online softmax over slots first .. first + NROWS - 1 of token t's block, per channel:
+    (running max, denominator, weighted sum), each [D] fp32."""
+    cols = tl.arange(0, D)
+    m = tl.full((D,), float("-inf"), tl.float32)
+    den = tl.zeros((D,), tl.float32)
+    acc = tl.zeros((D,), tl.float32)
+    # every slot of the range in this batch (a prefill's usual case): plain loads, no ring
+    first_q = p - (NSLOT - 1) + first
+    batch_only = (first_q >= 0) & (first_q >= seq_start)
+    for r0 in range(0, NROWS, BLOCK_R):
+        j = first + r0 + tl.arange(0, BLOCK_R)
+        q = p - (NSLOT - 1) + j  # [BLOCK_R] positions of the slots
+        offs = ((j // RATIO) * D)[:, None] + cols[None, :]  # ratio 4: slots 4..7 read [d:]
+        batch_offs = (t - (p - q))[:, None] * CD + offs
+        ape_offs = (q % RATIO)[:, None] * CD + offs
+        if batch_only:
+            kv = tl.load(kv_ptr + batch_offs)
+            score = tl.load(score_ptr + batch_offs) + tl.load(ape_ptr + ape_offs)
+        else:
+            from_batch = ((q >= 0) & (q >= seq_start))[:, None]
+            from_ring = ((q >= 0) & (q < seq_start))[:, None]
+            ring_offs = (ring_base + q % ring)[:, None] * CD + offs
+            kv = tl.where(
+                from_batch,
+                tl.load(kv_ptr + batch_offs, mask=from_batch, other=0.0),
+                tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0),
+            )
+            score = tl.load(score_ptr + batch_offs, mask=from_batch, other=0.0) + tl.load(
+                ape_ptr + ape_offs, mask=from_batch, other=0.0
+            )
+            score = tl.where(
+                from_batch,
+                score,
+                tl.load(state_score_ptr + ring_offs, mask=from_ring, other=float("-inf")),
+            )
+        m_new = tl.maximum(m, tl.max(score, axis=0))
+        alpha = tl.exp(m - m_new)
+        e = tl.exp(score - m_new[None, :])
+        den = den * alpha + tl.sum(e, axis=0)
+        acc = acc * alpha + tl.sum(e * kv, axis=0)
+        m = m_new
+    return m, den, acc
+
+
+@triton.jit
 def _pool_rows(
     kv_ptr,
     score_ptr,
@@ -45,38 +109,10 @@ def _pool_rows(
     D: tl.constexpr,
 ):
     """Per-channel softmax-weighted sum over the NSLOT rows of token t's block -> [D] fp32."""
-    cols = tl.arange(0, D)
-    m = tl.full((D,), float("-inf"), tl.float32)
-    den = tl.zeros((D,), tl.float32)
-    acc = tl.zeros((D,), tl.float32)
-    for r0 in range(0, NSLOT, BLOCK_R):
-        j = r0 + tl.arange(0, BLOCK_R)
-        q = p - (NSLOT - 1) + j  # [BLOCK_R] positions of the slots
-        offs = ((j // RATIO) * D)[:, None] + cols[None, :]  # ratio 4: slots 4..7 read [d:]
-        from_batch = ((q >= 0) & (q >= seq_start))[:, None]
-        from_ring = ((q >= 0) & (q < seq_start))[:, None]
-        batch_offs = (t - (p - q))[:, None] * CD + offs
-        ring_offs = (ring_base + q % ring)[:, None] * CD + offs
-        ape_offs = (q % RATIO)[:, None] * CD + offs
-        kv = tl.where(
-            from_batch,
-            tl.load(kv_ptr + batch_offs, mask=from_batch, other=0.0),
-            tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0),
-        )
-        score = tl.load(score_ptr + batch_offs, mask=from_batch, other=0.0) + tl.load(
-            ape_ptr + ape_offs, mask=from_batch, other=0.0
-        )
-        score = tl.where(
-            from_batch,
-            score,
-            tl.load(state_score_ptr + ring_offs, mask=from_ring, other=float("-inf")),
-        )
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(score - m_new[None, :])
-        den = den * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e * kv, axis=0)
-        m = m_new
+    _, den, acc = _pool_part(
+        kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p, seq_start, ring_base,
+        ring, 0, RATIO, NSLOT, NSLOT, BLOCK_R, CD, D,
+    )  # fmt: skip
     return acc / den
 
 
@@ -190,6 +226,95 @@ def _compress_kernel(
             )
 
 
+@triton.jit
+def _partial_kernel(
+    kv_ptr,
+    score_ptr,
+    pos_ptr,
+    state_slot_ptr,
+    seq_start_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    list_ptr,
+    count_ptr,
+    part_ptr,
+    ring,
+    RATIO: tl.constexpr,
+    NSLOT: tl.constexpr,
+    SPLIT: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    CD: tl.constexpr,
+    D: tl.constexpr,
+):
+    # programs walk (entry, part) pairs: part s of list[e] pools slots s * NSLOT / SPLIT onwards
+    # into part[e, s] = [max | denominator | weighted sum], [3, D] fp32
+    cols = tl.arange(0, D)
+    for i in range(tl.program_id(0), tl.load(count_ptr) * SPLIT, tl.num_programs(0)):
+        e = i // SPLIT
+        t = tl.load(list_ptr + e).to(tl.int64)
+        m, den, acc = _pool_part(
+            kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, tl.load(pos_ptr + t),
+            tl.load(seq_start_ptr + t), tl.load(state_slot_ptr + t) * ring, ring,
+            (i % SPLIT) * (NSLOT // SPLIT), RATIO, NSLOT, NSLOT // SPLIT, BLOCK_R, CD, D,
+        )  # fmt: skip
+        base = part_ptr + tl.cast(i, tl.int64) * 3 * D + cols
+        tl.store(base, m)
+        tl.store(base + D, den)
+        tl.store(base + 2 * D, acc)
+
+
+@triton.jit
+def _combine_kernel(
+    pos_ptr,
+    norm_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_loc_ptr,
+    pages_ptr,
+    list_ptr,
+    count_ptr,
+    part_ptr,
+    eps,
+    RATIO: tl.constexpr,
+    SPLIT: tl.constexpr,
+    FMT: tl.constexpr,
+    D: tl.constexpr,
+    EPP: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+    VALUE_BYTES: tl.constexpr,
+    SCALE_OFF: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    INDEXER: tl.constexpr,
+):
+    # program = entries list[e]: merges its SPLIT parts (parts whose slots were all empty carry
+    # max -inf and weigh nothing), then RMSNorm, RoPE and the store
+    offs = tl.arange(0, SPLIT)[:, None] * 3 * D + tl.arange(0, D)[None, :]  # [SPLIT, D]
+    for e in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+        t = tl.load(list_ptr + e).to(tl.int64)
+        base = part_ptr + tl.cast(e, tl.int64) * SPLIT * 3 * D + offs
+        m_part = tl.load(base)
+        m = tl.max(m_part, axis=0)
+        w = tl.where(m_part == float("-inf"), 0.0, tl.exp(m_part - m[None, :]))
+        den = tl.sum(tl.load(base + D) * w, axis=0)
+        acc = tl.sum(tl.load(base + 2 * D) * w, axis=0)
+        p = tl.load(pos_ptr + t)
+        x = _norm_rope(acc / den, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
+        store_entry(
+            pages_ptr,
+            tl.load(out_loc_ptr + t),
+            x,
+            FMT,
+            D,
+            EPP,
+            PAGE_BYTES,
+            VALUE_BYTES,
+            SCALE_OFF,
+            SCALE_BYTES,
+            INDEXER,
+        )
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _state_write_kernel(
     kv_ptr,
@@ -206,27 +331,37 @@ def _state_write_kernel(
     BLOCK_T: tl.constexpr,
 ):
     # program = BLOCK_T tokens; token t writes its ring row unless token t + ring (same request,
-    # position p + ring) does
+    # position p + ring) does. In a prefill most programs hold no writer: they stop after the
+    # slot loads instead of issuing masked row loads
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     state_slot = tl.load(state_slot_ptr + t, mask=t < num_tokens, other=-1)
     later = t + ring
     later_slot = tl.load(state_slot_ptr + later, mask=later < num_tokens, other=-1)
-    write = ((t < num_tokens) & (later_slot != state_slot))[:, None]
-    p = tl.load(pos_ptr + t, mask=t < num_tokens, other=0)
-    cols = tl.arange(0, CD)[None, :]
-    row = ((state_slot * ring + p % ring) * CD)[:, None]
-    score = tl.load(score_ptr + t[:, None] * CD + cols, mask=write, other=0.0) + tl.load(
-        ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=write, other=0.0
-    )
-    tl.store(
-        state_kv_ptr + row + cols, tl.load(kv_ptr + t[:, None] * CD + cols, mask=write), mask=write
-    )
-    tl.store(state_score_ptr + row + cols, score, mask=write)
+    writes = (t < num_tokens) & (later_slot != state_slot)
+    if tl.max(writes.to(tl.int32), axis=0) > 0:
+        write = writes[:, None]
+        p = tl.load(pos_ptr + t, mask=t < num_tokens, other=0)
+        cols = tl.arange(0, CD)[None, :]
+        row = ((state_slot * ring + p % ring) * CD)[:, None]
+        score = tl.load(score_ptr + t[:, None] * CD + cols, mask=write, other=0.0) + tl.load(
+            ape_ptr + (p % RATIO)[:, None] * CD + cols, mask=write, other=0.0
+        )
+        kv = tl.load(kv_ptr + t[:, None] * CD + cols, mask=write)
+        tl.store(state_kv_ptr + row + cols, kv, mask=write)
+        tl.store(state_score_ptr + row + cols, score, mask=write)
 
 
 def _config(ratio: int, dim: int) -> tuple:
-    """(BLOCK_R rows a step, num_warps)."""
-    return 8, 8 if dim == 512 else 4
+    """(BLOCK_R rows a step, num_warps). Four warps lay a [8, 512] tile's rows inside each
+    thread, so the pooling's reductions over slots never cross warps."""
+    return 8, 4
+
+
+def _split(ratio: int) -> int:
+    """Programs that share one listed entry's slots (a power of two dividing its slot count):
+    a c128 prefill lists one entry per 128 tokens, too few programs to keep the copy engines
+    busy; c4's 8 slots stay in one program."""
+    return 4 if ratio == 128 else 1
 
 
 def _check_args(
@@ -354,33 +489,38 @@ def compress_norm_rope_store(
         _completions_kernel[(triton.cdiv(num_tokens, 1024),)](
             positions, out_loc, entries, count, num_tokens, RATIO=ratio, BLOCK=1024, num_warps=4
         )
-    _compress_kernel[(min(bound, num_tokens),)](
-        kv,
-        score,
-        positions,
-        state_slots,
-        seq_start,
-        state_kv,
-        state_score,
-        ape,
-        norm_weight,
-        cos,
-        sin,
-        out_loc,
-        pages,
-        entries,
-        count,
-        eps,
-        ring,
-        num_tokens,
-        COMPACT=compact,
-        RATIO=ratio,
-        NSLOT=nslot,
-        BLOCK_R=block_r,
-        CD=kv.shape[1],
-        num_warps=num_warps,
-        **layout_args(layout),
-    )
+    split = _split(ratio) if compact else 1
+    if split > 1:
+        pool_args = (*args[:9], eps, *args[9:15])
+        _split_pool(pool_args, entries, count, bound, split, block_r, num_warps)
+    else:
+        _compress_kernel[(min(bound, num_tokens),)](
+            kv,
+            score,
+            positions,
+            state_slots,
+            seq_start,
+            state_kv,
+            state_score,
+            ape,
+            norm_weight,
+            cos,
+            sin,
+            out_loc,
+            pages,
+            entries,
+            count,
+            eps,
+            ring,
+            num_tokens,
+            COMPACT=compact,
+            RATIO=ratio,
+            NSLOT=nslot,
+            BLOCK_R=block_r,
+            CD=kv.shape[1],
+            num_warps=num_warps,
+            **layout_args(layout),
+        )
     block_t = max(1, 4096 // kv.shape[1])
     _state_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         kv,
@@ -396,6 +536,53 @@ def compress_norm_rope_store(
         CD=kv.shape[1],
         BLOCK_T=block_t,
         num_warps=4,
+    )
+
+
+def _split_pool(args: tuple, entries, count, bound: int, split: int, block_r: int,
+                num_warps: int) -> None:  # fmt: skip
+    """The listed entries pooled by ``split`` programs each, then merged and stored."""
+    (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, eps,
+     cos, sin, out_loc, pages, layout, ratio) = args  # fmt: skip
+    nslot, d = (2 * ratio if ratio == 4 else ratio), layout.dim
+    block_r = min(block_r, nslot // split)  # a program's rows never reach the next part's
+    parts = torch.empty(bound * split, 3, d, dtype=torch.float32, device=kv.device)
+    _partial_kernel[(bound * split,)](
+        kv,
+        score,
+        positions,
+        state_slots,
+        seq_start,
+        state_kv,
+        state_score,
+        ape,
+        entries,
+        count,
+        parts,
+        state_kv.shape[1],
+        RATIO=ratio,
+        NSLOT=nslot,
+        SPLIT=split,
+        BLOCK_R=block_r,
+        CD=kv.shape[1],
+        D=d,
+        num_warps=num_warps,
+    )
+    _combine_kernel[(bound,)](
+        positions,
+        norm_weight,
+        cos,
+        sin,
+        out_loc,
+        pages,
+        entries,
+        count,
+        parts,
+        eps,
+        RATIO=ratio,
+        SPLIT=split,
+        num_warps=num_warps,
+        **layout_args(layout),
     )
 
 
