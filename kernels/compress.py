@@ -11,9 +11,10 @@ t - (p - position)), otherwise from the request's ring: state[state_slot, positi
 holds [kv | score + ape]. Then RMSNorm(d) with weight, interleaved RoPE on the last 64 dims at
 position w * ratio, and the entry is quantised into `pages` at out_loc (skipped when out_loc < 0).
 Launches: when fewer tokens can complete a block than the batch holds (prefill), a first one lists
-the completing tokens, so that the pooling launch starts programs only for them; a last one writes
-every token's [kv | score + ape] row into its ring, so the pooling reads the rings as they were
-before the batch.
+the completing tokens, so that the pooling launch starts programs only for them (a c128 entry's
+128 slots split over two programs, merged by a combine launch that also stores); a last one
+writes every token's [kv | score + ape] row into its ring, so the pooling reads the rings as they
+were before the batch (programs whose tokens write nothing stop after reading the slots).
 """
 
 import torch
@@ -24,6 +25,15 @@ from dsv4ray.cache.layout import PageLayout, check_pages, write_entries
 from dsv4ray.kernels.entries import layout_args, store_entry
 
 RING_MIN = {4: 8, 128: 128}
+
+
+@triton.jit
+def _online(m, den, acc, score, kv):
+    """One [rows, D] tile folded into a per-channel online softmax (max, denominator, sum)."""
+    m_new = tl.maximum(m, tl.max(score, axis=0))
+    alpha = tl.exp(m - m_new)
+    e = tl.exp(score - m_new[None, :])
+    return m_new, den * alpha + tl.sum(e, axis=0), acc * alpha + tl.sum(e * kv, axis=0)
 
 
 @triton.jit
@@ -52,21 +62,27 @@ def _pool_part(
     m = tl.full((D,), float("-inf"), tl.float32)
     den = tl.zeros((D,), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    # every slot of the range in this batch (a prefill's usual case): plain loads, no ring
     first_q = p - (NSLOT - 1) + first
-    batch_only = (first_q >= 0) & (first_q >= seq_start)
-    for r0 in range(0, NROWS, BLOCK_R):
-        j = first + r0 + tl.arange(0, BLOCK_R)
-        q = p - (NSLOT - 1) + j  # [BLOCK_R] positions of the slots
-        offs = ((j // RATIO) * D)[:, None] + cols[None, :]  # ratio 4: slots 4..7 read [d:]
-        batch_offs = (t - (p - q))[:, None] * CD + offs
-        ape_offs = (q % RATIO)[:, None] * CD + offs
-        if batch_only:
+    if (first_q >= 0) & (first_q >= seq_start):
+        # every slot of the range in this batch (a prefill's usual case): a plain streaming
+        # loop, no ring, which the compiler can pipeline
+        for r0 in range(0, NROWS, BLOCK_R):
+            j = first + r0 + tl.arange(0, BLOCK_R)
+            offs = ((j // RATIO) * D)[:, None] + cols[None, :]  # ratio 4: slots 4..7 read [d:]
+            batch_offs = (t - (NSLOT - 1) + j)[:, None] * CD + offs
             kv = tl.load(kv_ptr + batch_offs)
-            score = tl.load(score_ptr + batch_offs) + tl.load(ape_ptr + ape_offs)
-        else:
+            score = tl.load(score_ptr + batch_offs) + tl.load(
+                ape_ptr + ((first_q + r0 + tl.arange(0, BLOCK_R)) % RATIO)[:, None] * CD + offs
+            )
+            m, den, acc = _online(m, den, acc, score, kv)
+    else:
+        for r0 in range(0, NROWS, BLOCK_R):
+            j = first + r0 + tl.arange(0, BLOCK_R)
+            q = p - (NSLOT - 1) + j  # [BLOCK_R] positions of the slots
+            offs = ((j // RATIO) * D)[:, None] + cols[None, :]
             from_batch = ((q >= 0) & (q >= seq_start))[:, None]
             from_ring = ((q >= 0) & (q < seq_start))[:, None]
+            batch_offs = (t - (p - q))[:, None] * CD + offs
             ring_offs = (ring_base + q % ring)[:, None] * CD + offs
             kv = tl.where(
                 from_batch,
@@ -74,19 +90,14 @@ def _pool_part(
                 tl.load(state_kv_ptr + ring_offs, mask=from_ring, other=0.0),
             )
             score = tl.load(score_ptr + batch_offs, mask=from_batch, other=0.0) + tl.load(
-                ape_ptr + ape_offs, mask=from_batch, other=0.0
+                ape_ptr + (q % RATIO)[:, None] * CD + offs, mask=from_batch, other=0.0
             )
             score = tl.where(
                 from_batch,
                 score,
                 tl.load(state_score_ptr + ring_offs, mask=from_ring, other=float("-inf")),
             )
-        m_new = tl.maximum(m, tl.max(score, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(score - m_new[None, :])
-        den = den * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e * kv, axis=0)
-        m = m_new
+            m, den, acc = _online(m, den, acc, score, kv)
     return m, den, acc
 
 
@@ -357,11 +368,17 @@ def _config(ratio: int, dim: int) -> tuple:
     return 8, 4
 
 
+def _ring_block(cd: int) -> int:
+    """Tokens per program of the ring writes ([BLOCK_T, cd] fp32 tiles)."""
+    return max(1, 4096 // cd)
+
+
 def _split(ratio: int) -> int:
     """Programs that share one listed entry's slots (a power of two dividing its slot count):
-    a c128 prefill lists one entry per 128 tokens, too few programs to keep the copy engines
-    busy; c4's 8 slots stay in one program."""
-    return 4 if ratio == 128 else 1
+    a c128 prefill lists one entry per 128 tokens, few programs for the device's memory
+    bandwidth (an H200, 16 x 1024 tokens: 46 us in one program an entry, 40-41 us in two, 42 us
+    in four); c4's 8 slots stay in one program."""
+    return 2 if ratio == 128 else 1
 
 
 def _check_args(
@@ -521,7 +538,7 @@ def compress_norm_rope_store(
             num_warps=num_warps,
             **layout_args(layout),
         )
-    block_t = max(1, 4096 // kv.shape[1])
+    block_t = _ring_block(kv.shape[1])
     _state_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         kv,
         score,
