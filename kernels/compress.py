@@ -363,8 +363,8 @@ def _state_write_kernel(
 
 
 def _config(ratio: int, dim: int) -> tuple:
-    """(BLOCK_R rows a step, num_warps). Four warps lay a [8, 512] tile's rows inside each
-    thread, so the pooling's reductions over slots never cross warps."""
+    """(BLOCK_R rows a step, num_warps): four warps measured fastest on an H200 at prefill and
+    decode (c4 prefill's pooling 77 us against 103 us with eight)."""
     return 8, 4
 
 
