@@ -12,9 +12,10 @@ holds [kv | score + ape]. Then RMSNorm(d) with weight, interleaved RoPE on the l
 position w * ratio, and the entry is quantised into `pages` at out_loc (skipped when out_loc < 0).
 Launches: when fewer tokens can complete a block than the batch holds (prefill), a first one lists
 the completing tokens, so that the pooling launch starts programs only for them (a c128 entry's
-128 slots split over two programs, merged by a combine launch that also stores); a last one
-writes every token's [kv | score + ape] row into its ring, so the pooling reads the rings as they
-were before the batch (programs whose tokens write nothing stop after reading the slots).
+128 slots split over two programs, merged by a combine launch that also stores the entries); a
+last one writes every token's [kv | score + ape] row into its ring (for a split c128, the
+combine launch does), so the pooling reads the rings as they were before the batch (programs
+whose tokens write nothing stop after reading the slots).
 """
 
 import torch
@@ -275,9 +276,15 @@ def _partial_kernel(
         tl.store(base + 2 * D, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _combine_kernel(
+    kv_ptr,
+    score_ptr,
     pos_ptr,
+    state_slot_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
     norm_w_ptr,
     cos_ptr,
     sin_ptr,
@@ -287,8 +294,12 @@ def _combine_kernel(
     count_ptr,
     part_ptr,
     eps,
+    num_tokens,
+    ring,
     RATIO: tl.constexpr,
     SPLIT: tl.constexpr,
+    CD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
     FMT: tl.constexpr,
     D: tl.constexpr,
     EPP: tl.constexpr,
@@ -298,8 +309,9 @@ def _combine_kernel(
     SCALE_BYTES: tl.constexpr,
     INDEXER: tl.constexpr,
 ):
-    # program = entries list[e]: merges its SPLIT parts (parts whose slots were all empty carry
-    # max -inf and weigh nothing), then RMSNorm, RoPE and the store
+    # programs walk the listed entries: each merges its SPLIT parts (parts whose slots were all
+    # empty carry max -inf and weigh nothing), then RMSNorm, RoPE and the store; then the token
+    # blocks' ring rows (the pooling, a launch before, has read the rings)
     offs = tl.arange(0, SPLIT)[:, None] * 3 * D + tl.arange(0, D)[None, :]  # [SPLIT, D]
     for e in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
         t = tl.load(list_ptr + e).to(tl.int64)
@@ -324,10 +336,15 @@ def _combine_kernel(
             SCALE_BYTES,
             INDEXER,
         )
+    for block in range(tl.program_id(0), tl.cdiv(num_tokens, BLOCK_T), tl.num_programs(0)):
+        _write_ring_block(
+            kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr, ape_ptr,
+            block, num_tokens, ring, RATIO, CD, BLOCK_T,
+        )  # fmt: skip
 
 
-@triton.jit(do_not_specialize=["num_tokens"])
-def _state_write_kernel(
+@triton.jit
+def _write_ring_block(
     kv_ptr,
     score_ptr,
     pos_ptr,
@@ -335,16 +352,17 @@ def _state_write_kernel(
     state_kv_ptr,
     state_score_ptr,
     ape_ptr,
+    block,
     num_tokens,
     ring,
     RATIO: tl.constexpr,
     CD: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
-    # program = BLOCK_T tokens; token t writes its ring row unless token t + ring (same request,
-    # position p + ring) does. In a prefill most programs hold no writer: they stop after the
-    # slot loads instead of issuing masked row loads
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    """Tokens block * BLOCK_T onwards: token t writes its ring row unless token t + ring (same
+    request, position p + ring) does. In a prefill most blocks hold no writer: they stop after
+    the slot loads instead of issuing masked row loads."""
+    t = tl.cast(block, tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     state_slot = tl.load(state_slot_ptr + t, mask=t < num_tokens, other=-1)
     later = t + ring
     later_slot = tl.load(state_slot_ptr + later, mask=later < num_tokens, other=-1)
@@ -362,6 +380,28 @@ def _state_write_kernel(
         tl.store(state_score_ptr + row + cols, score, mask=write)
 
 
+@triton.jit(do_not_specialize=["num_tokens"])
+def _state_write_kernel(
+    kv_ptr,
+    score_ptr,
+    pos_ptr,
+    state_slot_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    ape_ptr,
+    num_tokens,
+    ring,
+    RATIO: tl.constexpr,
+    CD: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    # program = BLOCK_T tokens' ring rows
+    _write_ring_block(
+        kv_ptr, score_ptr, pos_ptr, state_slot_ptr, state_kv_ptr, state_score_ptr, ape_ptr,
+        tl.program_id(0), num_tokens, ring, RATIO, CD, BLOCK_T,
+    )  # fmt: skip
+
+
 def _config(ratio: int, dim: int) -> tuple:
     """(BLOCK_R rows a step, num_warps): four warps measured fastest on an H200 at prefill and
     decode (c4 prefill's pooling 77 us against 103 us with eight)."""
@@ -376,8 +416,8 @@ def _ring_block(cd: int) -> int:
 def _split(ratio: int) -> int:
     """Programs that share one listed entry's slots (a power of two dividing its slot count):
     a c128 prefill lists one entry per 128 tokens, few programs for the device's memory
-    bandwidth (an H200, 16 x 1024 tokens: 46 us in one program an entry, 40-41 us in two, 42 us
-    in four); c4's 8 slots stay in one program."""
+    bandwidth (an H200, 16 x 1024 tokens: 46 us in one program an entry, 38.5 us in two, 39.5 us
+    in four, the ring writes in the combine launch); c4's 8 slots stay in one program."""
     return 2 if ratio == 128 else 1
 
 
@@ -538,6 +578,8 @@ def compress_norm_rope_store(
             num_warps=num_warps,
             **layout_args(layout),
         )
+    if split > 1:  # the combine launch wrote the rings
+        return
     block_t = _ring_block(kv.shape[1])
     _state_write_kernel[(triton.cdiv(num_tokens, block_t),)](
         kv,
@@ -558,7 +600,8 @@ def compress_norm_rope_store(
 
 def _split_pool(args: tuple, entries, count, bound: int, split: int, block_r: int,
                 num_warps: int) -> None:  # fmt: skip
-    """The listed entries pooled by ``split`` programs each, then merged and stored."""
+    """The listed entries pooled by ``split`` programs each, then merged and stored, and every
+    token's ring row written, in the merging launch."""
     (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, eps,
      cos, sin, out_loc, pages, layout, ratio) = args  # fmt: skip
     nslot, d = (2 * ratio if ratio == 4 else ratio), layout.dim
@@ -585,8 +628,15 @@ def _split_pool(args: tuple, entries, count, bound: int, split: int, block_r: in
         D=d,
         num_warps=num_warps,
     )
-    _combine_kernel[(bound,)](
+    num_tokens, block_t = kv.shape[0], _ring_block(kv.shape[1])
+    _combine_kernel[(max(bound, triton.cdiv(num_tokens, block_t)),)](
+        kv,
+        score,
         positions,
+        state_slots,
+        state_kv,
+        state_score,
+        ape,
         norm_weight,
         cos,
         sin,
@@ -596,8 +646,12 @@ def _split_pool(args: tuple, entries, count, bound: int, split: int, block_r: in
         count,
         parts,
         eps,
+        num_tokens,
+        state_kv.shape[1],
         RATIO=ratio,
         SPLIT=split,
+        CD=kv.shape[1],
+        BLOCK_T=block_t,
         num_warps=num_warps,
         **layout_args(layout),
     )
