@@ -37,7 +37,12 @@ def stage_runtime_envs(pg, count: int, timeout_s: float) -> list[dict | None]:
         ).remote()
         for node in others
     ]
-    paths.update(zip(others, ray.get(refs, timeout=timeout_s)))
+    for node, ref in zip(others, refs):
+        try:
+            paths[node] = ray.get(ref, timeout=timeout_s)
+        except Exception as exc:  # the node went away, or its worker could not start
+            log.warning("node %s: no bind library (%s)", node[:8], exc)
+            paths[node] = None
     missing = sorted(node[:8] for node, path in paths.items() if path is None)
     if missing:
         log.warning("nodes %s cannot build the bind library: their transfer engines listen on "

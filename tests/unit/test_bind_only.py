@@ -59,3 +59,13 @@ def test_the_library_is_built_once_per_source(tmp_path, monkeypatch):
     built = os.stat(first).st_mtime_ns
     assert library() == first and os.stat(first).st_mtime_ns == built
     assert [p.name for p in (tmp_path / "dsv4ray").iterdir()] == [os.path.basename(first)]
+
+
+def test_a_cache_that_cannot_be_written_leaves_the_filters_with_a_warning(tmp_path, monkeypatch,
+                                                                         caplog):  # fmt: skip
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with caplog.at_level("WARNING", logger="dsv4ray.transfer"):
+        assert library() is None
+    assert "behind socket filters" in caplog.text and "not-a-directory" in caplog.text

@@ -46,6 +46,16 @@ def library() -> str | None:
         log.warning("no C compiler (cc, gcc or $CC): transfer engine listeners stay bound to "
                     "every interface, behind socket filters")  # fmt: skip
         return None
+    try:
+        return _build(compiler, target)
+    except (OSError, subprocess.SubprocessError) as exc:  # a read-only cache, a hung compiler
+        log.warning("building %s into %s failed (%s): transfer engine listeners stay bound to "
+                    "every interface, behind socket filters", SOURCE.name, target.parent,
+                    exc)  # fmt: skip
+        return None
+
+
+def _build(compiler: str, target: Path) -> str | None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, suffix=".so.partial")
     os.close(fd)
