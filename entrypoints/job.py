@@ -155,7 +155,8 @@ def run_job(
 def _job_bundles(job: JobOptions, config: EngineConfig, device: str) -> list[dict]:
     """What the job holds at once: the read task, each replica and its stages' bundles."""
     stages = config.pp_size + config.prefill_pp_size
-    replica = [{"CPU": REPLICA_CPUS}] + [stage_bundle(device == "cuda")] * stages
+    stage = stage_bundle(device == "cuda", num_gpus=config.num_gpus_per_stage)
+    replica = [{"CPU": REPLICA_CPUS}] + [stage] * stages
     return [{"CPU": READ_CPUS}] + replica * job.replicas
 
 

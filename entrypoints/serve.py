@@ -12,7 +12,8 @@
                          device from the bundles it was given
     stage_resources      custom resources every stage's bundle also asks for (pins stages to a
                          node type, e.g. {"accelerator_type:H100": 0.001})
-    api_key              when set, /v1/* requires "Authorization: Bearer <key>"; without one,
+    api_key              when set, every route but /health and /metrics requires
+                         "Authorization: Bearer <key>"; without one,
                          only loopback Host and Origin headers are answered (default:
                          $DSV4RAY_API_KEY as the process building the app sees it, else none)
     api_key_file         a file holding the key (stripped), instead of api_key (default:
@@ -78,12 +79,12 @@ from dsv4ray.entrypoints.serve_config import (
     ingress_options,
     resolve_api_key,
 )
+from dsv4ray.entrypoints.serve_file import APP_NAME
 from dsv4ray.entrypoints.stop_signals import signals_held, stop_asked
 from dsv4ray.sources import fetch_model, is_remote
 
 log = logging.getLogger("dsv4ray.serve")
 
-APP_NAME = "dsv4ray"
 __all__ = [
     "APP_NAME",
     "OpenAIDeployment",

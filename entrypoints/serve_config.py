@@ -119,8 +119,10 @@ class ServeSettings:
         return self.accelerator == "gpu"
 
     def bundles(self) -> list[dict]:
-        """Bundle 0 hosts stage 0 and the replica; bundle i > 0 hosts stage i."""
-        stage = stage_bundle(self.use_gpu, self.stage_resources)
+        """Bundle 0 hosts stage 0 and the replica; bundle i > 0 hosts stage i (each stage's GPU
+        share: stages below one GPU share a device)."""
+        gpus = self.engine_options.get("num_gpus_per_stage", EngineConfig.num_gpus_per_stage)
+        stage = stage_bundle(self.use_gpu, self.stage_resources, num_gpus=gpus)
         first = dict(stage)
         if not self.use_gpu:
             first["CPU"] = stage["CPU"] + REPLICA_CPUS[False]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 IMPORT_PATH = "dsv4ray.entrypoints.serve:build_app"
+APP_NAME = "dsv4ray"  # the Serve application dsv4ray serve runs
 _SERVE_START_KEYS = ("proxy_location", "http_options", "logging_config")
 _APP_KEYS = ("name", "route_prefix", "import_path", "args", "deployments")
 
@@ -42,6 +43,11 @@ def read_serve_file(path: str) -> ServeFile:
     _refuse(path, set(app) - set(_APP_KEYS), "applications.0.")
     if app.get("import_path") != IMPORT_PATH:
         raise ValueError(f"{path}: applications.0.import_path must be {IMPORT_PATH!r}")
+    if app.get("name", APP_NAME) != APP_NAME:
+        raise ValueError(
+            f"{path}: applications.0.name: dsv4ray serve runs its app as {APP_NAME!r}, not "
+            f"{app['name']!r}"
+        )
     if app.get("route_prefix", "/") != "/":
         raise ValueError(f"{path}: applications.0.route_prefix: dsv4ray serve serves at '/'")
     deployment: dict = {}

@@ -33,6 +33,11 @@ def test_placement_bundles_give_each_stage_a_bundle_and_the_replica_bundle_0(tin
     assert gpu.deployment_options()["ray_actor_options"] == {"num_cpus": 1.0}
     assert cpu.served_model_name == os.path.basename(tiny_ckpt)
     assert cpu.engine_options["use_ray"] is True
+    shared = ServeSettings.from_config(
+        {"model": tiny_ckpt, "pp_size": 2, "device": "cuda", "num_gpus_per_stage": 0.5}
+    )  # both stages on one GPU, as the pipeline's own actors ask
+    bundles = shared.deployment_options()["placement_group_bundles"]
+    assert bundles == [{"GPU": 0.5, "CPU": 2}, {"GPU": 0.5, "CPU": 2}]
 
 
 def test_bad_serve_config_names_the_key(tiny_ckpt):

@@ -111,8 +111,9 @@ def test_serve_config_file_is_read_with_serves_schema(tmp_path):
     assert shipped.deployment["autoscaling_config"]["max_replicas"] == 2
     assert shipped.serve_options["http_options"] == {"host": "127.0.0.1", "port": 8000}
     bad = tmp_path / "bad.yaml"
-    app = {"name": "x", "import_path": "dsv4ray.entrypoints.serve:build_app"}
+    app = {"name": "dsv4ray", "import_path": "dsv4ray.entrypoints.serve:build_app"}
     for extra, message in (
+        ({"name": "chat"}, "applications.0.name: dsv4ray serve runs its app as 'dsv4ray'"),
         ({"runtime_env": {"pip": ["x"]}}, "applications.0.runtime_env"),
         ({"import_path": "other:app"}, "import_path"),
         ({"deployments": [{"name": "Other", "num_replicas": 2}]}, "deployments.0.name"),

@@ -240,6 +240,21 @@ def test_a_job_larger_than_its_cluster_is_refused_by_what_it_lacks(
         assert problem in got and "2 replicas" in got and "use fewer --replicas" in got, got
 
 
+def test_stages_that_share_a_gpu_fit_a_one_gpu_cluster(monkeypatch):
+    """pp 2 at half a GPU a stage asks for one GPU in all: a one-GPU node holds the job."""
+    from dsv4ray.engine.config import EngineConfig
+    from dsv4ray.entrypoints import job
+
+    node = {"CPU": 16.0, "GPU": 1.0}
+    monkeypatch.setattr(job.ray, "nodes", lambda: [{"Alive": True, "Resources": node}])
+    monkeypatch.setattr(job, "declared_node_types", lambda: {})
+    shared = EngineConfig.build("unused", check_model=False, use_ray=True, pp_size=2,
+                                num_gpus_per_stage=0.5)  # fmt: skip
+    assert job._shortfall(job.JobOptions(replicas=1), shared, "cuda") is None
+    whole = EngineConfig.build("unused", check_model=False, use_ray=True, pp_size=2)
+    assert "they need {'GPU': 2.0} in all" in job._shortfall(job.JobOptions(1), whole, "cuda")
+
+
 @pytest.mark.parametrize(
     "messages,problem",
     [
