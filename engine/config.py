@@ -341,7 +341,10 @@ def _positive(cfg, name: str) -> None:
         raise ValueError(f"{name} must be a number > 0, got {value!r}")
 
 
+MAX_COUNT = 2**40  # token and request counts past this overflow the size arithmetic of pools
+
+
 def _int_at_least(cfg, name: str, low: int) -> None:
     value = getattr(cfg, name)
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+    if not is_int(value) or not low <= value <= MAX_COUNT:
+        raise ValueError(f"{name} must be an int in [{low}, 2**40], got {value!r}")

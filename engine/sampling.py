@@ -16,6 +16,9 @@ MAX_LOGPROBS = 20
 INT64 = 2**63  # seeds and ids travel in msgpack-encoded plans as signed 64-bit integers
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (dividing by them overflows fp32)
 MAX_PENALTY = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+# a repetition penalty lies in [0.01, 100]: dividing a logit by a smaller one can leave fp32's
+# range, and the row then has nothing finite to draw
+MAX_REPETITION = 100.0
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range)
 MAX_LOGIT_BIAS_TOKENS = 1024
 
@@ -78,11 +81,12 @@ class SamplingParams:
     ignore_eos      keep generating past the model's eos token
     presence_penalty    [-2, 2]: subtracted from the logit of every token generated so far
     frequency_penalty   [-2, 2]: subtracted once per time a token was generated so far
-    repetition_penalty  > 0 (1 = off): logits of tokens in the prompt or generated so far are
-                        divided by it where positive, multiplied where negative
+    repetition_penalty  [0.01, 100] (1 = off): logits of tokens in the prompt or generated so
+                        far are divided by it where positive, multiplied where negative
     min_p           [0, 1]: tokens less likely than min_p times the likeliest are dropped (after
                     temperature; greedy ignores it)
-    min_tokens      the eos and stop_token_ids cannot be drawn before this many tokens
+    min_tokens      the eos and stop_token_ids cannot be drawn before this many tokens (unless
+                    nothing else can: a structured_output answer already complete ends)
     logit_bias      {token id: bias in [-100, 100]} added to the logits (up to 1024 ids; kept
                     as sorted (id, bias) pairs)
     structured_output   None, or what the output must match, one of {"json": a JSON schema
@@ -126,8 +130,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", self._normalise_ids(self.stop_token_ids))
 
     def _check_lengths(self) -> None:
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 1 <= self.max_tokens < INT64:
+            raise ValueError(
+                f"max_tokens must be an int in [1, 2**63 - 1], got {self.max_tokens!r}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
@@ -155,8 +161,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], "
                                  f"got {value!r}")  # fmt: skip
         rep = self.repetition_penalty
-        if not _is_number(rep) or not math.isfinite(rep) or rep <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rep!r}")
+        if not _is_number(rep) or not 1 / MAX_REPETITION <= rep <= MAX_REPETITION:
+            raise ValueError(
+                f"repetition_penalty must be in [{1 / MAX_REPETITION}, {MAX_REPETITION}], got "
+                f"{rep!r}"
+            )
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

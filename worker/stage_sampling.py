@@ -62,10 +62,12 @@ class StageSampling:
 
     def process(self, logits: torch.Tensor, req_ids: list[str], positions: list[int],
                 drafts: dict[str, list[int]] | None = None):  # fmt: skip
-        """Rows' logits [R, V] through their controls and grammars (each row draws the token
-        at its position; a request's rows after its drafts, req_id -> drafts)."""
-        controlled = self.controls.apply(logits, req_ids, positions)
-        return self.grammars.mask(controlled, req_ids, drafts)
+        """Rows' logits [R, V] through their grammars and controls (each row draws the token
+        at its position; a request's rows after its drafts, req_id -> drafts). Masks first:
+        the controls see what a grammar leaves, so min_tokens never rules out a row's last
+        allowed tokens (an answer the grammar has closed still ends)."""
+        masked = self.grammars.mask(logits, req_ids, drafts)
+        return self.controls.apply(masked, req_ids, positions)
 
     def drawn(self, req_ids: list[str], pending, drafts: dict[str, list[int]] | None = None):
         """A draw of these rows (``PendingSample``): the penalties count it, the grammars

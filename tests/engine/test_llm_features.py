@@ -173,6 +173,7 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
             max_tokens=20,
             temperature=1.0,
             seed=3,
+            min_tokens=15,  # longer than either answer: the closed grammar still ends it
             structured_output={"choice": ["alpha", "beta gamma"]},
         ),  # fmt: skip
     ]
@@ -195,6 +196,7 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
     jsonschema.validate(json.loads(outs[0].text), SCHEMA)
     assert outs[0].finish_reason == "stop"  # the grammar's end allows only eos
     assert outs[1].text in ("alpha", "beta gamma")
+    assert outs[1].finish_reason == "stop" and outs[1].error is None
     assert outs[2].token_ids == reference_greedy(tiny_model, prompts[2], 6)
     jsonschema.validate(json.loads(chatted.text), SCHEMA)
     assert called.token_ids[0] == think_end and called.content is None

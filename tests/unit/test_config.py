@@ -206,7 +206,8 @@ def test_bad_timeouts_name_the_option(tiny_ckpt, name, value):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("dtype", "float16"), ("enable_prefix_caching", "false"), ("enable_hicache", "false"),
-     ("draft_rings", 1), ("cuda_graphs", "no")],
+     ("draft_rings", 1), ("cuda_graphs", "no"),
+     ("max_num_batched_tokens", 2**63), ("max_total_tokens", 2**41)],  # pool sizes overflow
 )  # fmt: skip
 def test_options_the_engine_cannot_honour_name_the_option(tiny_ckpt, name, value):
     """A string "false" would be truthy, and float16 has no attention kernel: refused by name

@@ -83,6 +83,19 @@ def test_min_tokens_holds_the_stop_ids_back_until_enough_tokens_came():
     assert torch.isinf(out[:2, [0, 11]]).all() and torch.isfinite(out[2]).all()
 
 
+def test_min_tokens_never_leaves_a_row_nothing_to_draw():
+    """A row whose only finite logits are its stop ids (a grammar that has closed the answer)
+    keeps them; a row with anything else to draw still has them held back."""
+    procs = _processors()
+    prompt = len(CASES["min"][1])
+    logits = torch.full((2, V), float("-inf"))
+    logits[:, [0, 11]] = 1.0  # row 0: only the stop ids are allowed
+    logits[1, 5] = 2.0  # row 1: one other token too
+    out = procs.apply(logits, ["min", "min"], [prompt, prompt])
+    assert torch.equal(out[0, [0, 11]], torch.tensor([1.0, 1.0]))
+    assert torch.isinf(out[1, [0, 11]]).all() and out[1, 5] == 2.0
+
+
 def test_drawn_tokens_are_counted_on_the_device_for_the_next_step():
     procs = _processors()
     tokens = {r: c[1] + c[2] for r, c in CASES.items()}

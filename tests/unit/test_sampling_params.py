@@ -53,6 +53,12 @@ def test_params_are_frozen():
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "12"}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
+        # past these the penalised logits or the msgpack-encoded plans overflow
+        ({"repetition_penalty": 1e-38}, "repetition_penalty"),
+        ({"repetition_penalty": 0.0099}, "repetition_penalty"),
+        ({"repetition_penalty": 101.0}, "repetition_penalty"),
+        ({"max_tokens": 2**64}, "max_tokens"),
+        ({"max_tokens": 2**63}, "max_tokens"),
     ],
 )
 def test_invalid_values_name_the_field(kwargs, field):

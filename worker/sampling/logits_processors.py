@@ -124,17 +124,24 @@ class LogitsProcessors:
             logits.index_put_((idx[:, 0], idx[:, 1]), values, accumulate=True)
 
     def _hold_back(self, logits: torch.Tensor, rows, positions: list[int]) -> None:
-        """Stop ids at -inf for rows whose drawn token comes before min_tokens."""
-        cells = [
-            (i, t)
+        """Stop ids at -inf for rows whose drawn token comes before min_tokens, unless that
+        leaves a row nothing to draw (a grammar that allows only the end, a bias): such a
+        row may still stop."""
+        held = [
+            (i, [t for t in c.stop_ids if 0 <= t < logits.shape[1]])
             for i, c in rows
             if c.min_tokens and positions[i] - c.prompt_len < c.min_tokens
-            for t in c.stop_ids
-            if 0 <= t < logits.shape[1]
         ]
-        if cells:
-            idx = to_device(cells, torch.long, logits.device)
-            logits[idx[:, 0], idx[:, 1]] = float("-inf")
+        cells = [(k, t) for k, (_, ids) in enumerate(held) for t in ids]
+        if not cells:
+            return
+        idx = to_device([i for i, _ in held], torch.long, logits.device)
+        cell = to_device(cells, torch.long, logits.device)
+        before = logits.index_select(0, idx)  # [H, V]
+        after = before.clone()
+        after[cell[:, 0], cell[:, 1]] = float("-inf")
+        keeps = torch.isfinite(after).any(-1, keepdim=True)  # something else to draw
+        logits.index_copy_(0, idx, torch.where(keeps, after, before))
 
     def _penalize(self, logits: torch.Tensor, rows) -> None:
         columns = [(i, c.state_slot, c.repetition, c.frequency, c.presence) for i, c in rows]
