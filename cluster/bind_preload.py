@@ -2,8 +2,9 @@
 
 A preloaded library must exist on the node whose worker loads it, so every node that holds a
 bundle of the pipeline gets its own copy: built here for this process's node, by a zero-CPU
-task pinned to each other node. A node that cannot build it (no C compiler) gets None, and its
-stages fall back to socket filters over wildcard listeners.
+task pinned to each other node. A node that cannot build it (no C compiler; the build says
+why in that node's log) gets None, and its stages fall back to socket filters over wildcard
+listeners.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def stage_runtime_envs(pg, count: int, timeout_s: float) -> list[dict | None]:
     """Per bundle of pg (count of them), the runtime_env that preloads the library on the
     bundle's node, or None where that node has none."""
     nodes = ray.util.placement_group_table(pg)["bundles_to_node_id"]
-    placed = [nodes.get(i, nodes.get(str(i))) for i in range(count)]
+    placed = [nodes[i] for i in range(count)]  # bundle index -> node id (hex)
     here = ray.get_runtime_context().get_node_id()
     paths = {here: library()} if here in placed else {}
     others = sorted({node for node in placed if node not in paths})
@@ -43,8 +44,4 @@ def stage_runtime_envs(pg, count: int, timeout_s: float) -> list[dict | None]:
         except Exception as exc:  # the node went away, or its worker could not start
             log.warning("node %s: no bind library (%s)", node[:8], exc)
             paths[node] = None
-    missing = sorted(node[:8] for node, path in paths.items() if path is None)
-    if missing:
-        log.warning("nodes %s cannot build the bind library: their transfer engines listen on "
-                    "every interface behind socket filters", missing)  # fmt: skip
     return [{"env_vars": preload_env(paths[node])} if paths.get(node) else None for node in placed]

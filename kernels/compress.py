@@ -103,32 +103,6 @@ def _pool_part(
 
 
 @triton.jit
-def _pool_rows(
-    kv_ptr,
-    score_ptr,
-    state_kv_ptr,
-    state_score_ptr,
-    ape_ptr,
-    t,
-    p,
-    seq_start,
-    ring_base,
-    ring,
-    RATIO: tl.constexpr,
-    NSLOT: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    CD: tl.constexpr,
-    D: tl.constexpr,
-):
-    """Per-channel softmax-weighted sum over the NSLOT rows of token t's block -> [D] fp32."""
-    _, den, acc = _pool_part(
-        kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p, seq_start, ring_base,
-        ring, 0, RATIO, NSLOT, NSLOT, BLOCK_R, CD, D,
-    )  # fmt: skip
-    return acc / den
-
-
-@triton.jit
 def _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, rope_pos, eps, D: tl.constexpr):
     """RMSNorm(D) with weight, then interleaved RoPE of pairs (2i, 2i+1) in the last 64 dims."""
     cols = tl.arange(0, D)
@@ -205,24 +179,12 @@ def _compress_kernel(
         p = tl.load(pos_ptr + t)
         out_loc = tl.load(out_loc_ptr + t)
         if ((p + 1) % RATIO == 0) & (out_loc >= 0):
-            x = _pool_rows(
-                kv_ptr,
-                score_ptr,
-                state_kv_ptr,
-                state_score_ptr,
-                ape_ptr,
-                t,
-                p,
-                tl.load(seq_start_ptr + t),
-                tl.load(state_slot_ptr + t) * ring,
-                ring,
-                RATIO,
-                NSLOT,
-                BLOCK_R,
-                CD,
-                D,
-            )
-            x = _norm_rope(x, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
+            _, den, acc = _pool_part(
+                kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, ape_ptr, t, p,
+                tl.load(seq_start_ptr + t), tl.load(state_slot_ptr + t) * ring, ring, 0, RATIO,
+                NSLOT, NSLOT, BLOCK_R, CD, D,
+            )  # fmt: skip
+            x = _norm_rope(acc / den, norm_w_ptr, cos_ptr, sin_ptr, p + 1 - RATIO, eps, D)
             store_entry(
                 pages_ptr,
                 out_loc,
@@ -548,8 +510,7 @@ def compress_norm_rope_store(
         )
     split = _split(ratio) if compact else 1
     if split > 1:
-        pool_args = (*args[:9], eps, *args[9:15])
-        _split_pool(pool_args, entries, count, bound, split, block_r, num_warps)
+        _split_pool(args, eps, entries, count, bound, split, block_r, num_warps)
     else:
         _compress_kernel[(min(bound, num_tokens),)](
             kv,
@@ -598,12 +559,13 @@ def compress_norm_rope_store(
     )
 
 
-def _split_pool(args: tuple, entries, count, bound: int, split: int, block_r: int,
+def _split_pool(args: tuple, eps: float, entries, count, bound: int, split: int, block_r: int,
                 num_warps: int) -> None:  # fmt: skip
     """The listed entries pooled by ``split`` programs each, then merged and stored, and every
-    token's ring row written, in the merging launch."""
-    (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight, eps,
-     cos, sin, out_loc, pages, layout, ratio) = args  # fmt: skip
+    token's ring row written, in the merging launch. args: compress_norm_rope_store's checked
+    arguments (eps apart)."""
+    (kv, score, positions, state_slots, seq_start, state_kv, state_score, ape, norm_weight,
+     cos, sin, out_loc, pages, layout, ratio, _) = args  # fmt: skip
     nslot, d = (2 * ratio if ratio == 4 else ratio), layout.dim
     block_r = min(block_r, nslot // split)  # a program's rows never reach the next part's
     parts = torch.empty(bound * split, 3, d, dtype=torch.float32, device=kv.device)

@@ -21,7 +21,6 @@ typedef int (*bind_fn)(int, const struct sockaddr *, socklen_t);
 
 static struct in_addr only_addr; /* network order; valid while active */
 static int active;               /* read and written atomically */
-static long rewritten;           /* binds moved to only_addr since the library loaded */
 
 /* Rewrites wildcard binds to host (dotted IPv4) from now on; NULL stops. 0, or -1 for a host
  * that is not an IPv4 address. */
@@ -36,8 +35,6 @@ int dsv4ray_bind_only(const char *host) {
     __atomic_store_n(&active, 1, __ATOMIC_RELEASE);
     return 0;
 }
-
-long dsv4ray_bind_rewritten(void) { return __atomic_load_n(&rewritten, __ATOMIC_ACQUIRE); }
 
 static int is_stream(int fd) {
     int type = 0;
@@ -78,10 +75,7 @@ int bind(int fd, const struct sockaddr *addr, socklen_t len) {
         socklen_t moved_len = narrowed(addr, len, &moved);
         if (moved_len != 0) {
             int saved = errno;
-            if (real(fd, (struct sockaddr *)&moved, moved_len) == 0) {
-                __atomic_add_fetch(&rewritten, 1, __ATOMIC_ACQ_REL);
-                return 0;
-            }
+            if (real(fd, (struct sockaddr *)&moved, moved_len) == 0) return 0;
             errno = saved; /* refused (a v6-only socket): bind as asked */
         }
     }
