@@ -5,20 +5,25 @@ Scores arrive as order-preserving int32 (`ordered_int32`: integer order == float
 MASKED_SCORE (below every real score, -inf included) marks positions that must never be picked.
 
 The Triton kernel runs one program per row. A radix select finds the exact k-th largest score u*
-(RADIX_BITS bits a pass over the row, a histogram of the candidates' next digit each pass); one
-compaction pass then keeps every score > u* and the first (in position order) of the scores == u*,
-which is exactly the tie rule, and a sort of those k keys (score << 32 | ~position) orders them.
-Each pass reads the row (4 bytes an entry) from L2; only k keys are sorted. Given each row's
-visible length (the indexer's bound: the entries past it are masked padding up to the page
-table's width, which under CUDA graphs is the context bucket's), the passes read the visible
-entries alone, and a row of at most k of them skips the select: every entry is kept.
+(RADIX_BITS bits a pass, a histogram of the candidates' next digit each pass); a last pass keeps
+every score > u* and the first (in position order) of the scores == u*, which is exactly the
+tie rule, and a sort of those k keys (score << 32 | ~position) orders them. A pass over the row
+reads it (4 bytes an entry) from L2, so the passes over the row stop once at most NARROW entries
+match the digits fixed so far (scores cluster in their top bits: about three passes of eight):
+one more pass picks every entry above those digits (all in the top k) and copies the matching
+ones, in position order, into a scratch row of their own, and the remaining digits and the last
+pass read that alone. Given each row's visible length (the indexer's bound: the entries past it
+are masked padding up to the page table's width, which under CUDA graphs is the context
+bucket's), the passes read the visible entries alone, and a row of at most k of them skips the
+select: every entry is kept.
 
 A long row with few rows beside it (a 1M-token decode: 262,144 entries a row on one SM) is cut
 into segments: the same kernel first selects each segment's top k candidates with the same rule,
-kept in position order, then selects the row's top k among the candidates. The row's top k is
-among its segments' (the order score, then lower position, is total), and the candidates of
-equal score stay in position order, so the tie rule holds. Both passes are one compiled kernel:
-the mode is a runtime argument, so a context that first needs segments compiles nothing.
+equal scores kept in position order, then selects the row's top k among the candidates. The
+row's top k is among its segments' (the order score, then lower position, is total), and the
+candidates of equal score stay in position order, so the tie rule holds. Both passes are one
+compiled kernel: the mode is a runtime argument, so a context that first needs segments compiles
+nothing.
 """
 
 import torch
@@ -54,48 +59,40 @@ def _load_unsigned(row_ptr, idx, ok):
 
 
 @triton.jit
-def _radix_pass(
-    row_ptr,
-    num_cols,
-    prefix,
-    need,
-    SHIFT: tl.constexpr,
-    CHUNK: tl.constexpr,
-    RADIX_BITS: tl.constexpr,
-):
-    """Fix the digit at bit SHIFT of the need-th largest entry among those matching prefix above
-    it -> (prefix with that digit, need among the entries that also match the new digit)."""
+def _hi_mask(bits):
+    """uint32 mask of the top `bits` bits (0 <= bits <= 32)."""
+    return ((tl.full((), LOW32, tl.int64) << (32 - bits).to(tl.int64)) & LOW32).to(tl.uint32)
+
+
+@triton.jit
+def _radix_pass(src_ptr, num, prefix, need, bits, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
+    """Among the num entries at src_ptr that match prefix on their top `bits` bits, fix the next
+    digit of the need-th largest -> (prefix with that digit, need among the entries that also
+    match it, how many entries match it)."""
     NUM_BINS: tl.constexpr = 1 << RADIX_BITS
-    HI_MASK: tl.constexpr = (0xFFFFFFFF << (SHIFT + RADIX_BITS)) & 0xFFFFFFFF
+    shift = (32 - RADIX_BITS - bits).to(tl.uint32)
+    hi_mask = _hi_mask(bits)
     bins = tl.arange(0, NUM_BINS)
     hist = tl.zeros((NUM_BINS,), tl.int32)
-    for c0 in range(0, num_cols, CHUNK):
+    for c0 in range(0, num, CHUNK):
         idx = c0 + tl.arange(0, CHUNK)
-        u = _load_unsigned(row_ptr, idx, idx < num_cols)
-        match = (idx < num_cols) & ((u & HI_MASK) == prefix)  # agrees on the digits so far
-        digit = tl.where(match, (u >> SHIFT) & (NUM_BINS - 1), 0).to(tl.int32)
+        u = _load_unsigned(src_ptr, idx, idx < num)
+        match = (idx < num) & ((u & hi_mask) == prefix)  # agrees on the digits so far
+        digit = tl.where(match, (u >> shift) & (NUM_BINS - 1), 0).to(tl.int32)
         misses = tl.sum((~match).to(tl.int32), axis=0)  # counted in bin 0 by the histogram
         hist += tl.histogram(digit, NUM_BINS) - tl.where(bins == 0, misses, 0)
     at_or_above = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist  # [bins]
     digit = tl.max(tl.where(at_or_above >= need, bins, -1), axis=0)
     need -= tl.sum(tl.where(bins > digit, hist, 0), axis=0)
-    return prefix | (digit.to(tl.uint32) << SHIFT), need
-
-
-@triton.jit
-def _radix_select(row_ptr, num_cols, need, CHUNK: tl.constexpr, RADIX_BITS: tl.constexpr):
-    """(u*, n): u* = the need-th largest entry of the row as uint32 order bits, n = how many entries
-    equal to u* belong to the top `need` (1 <= need <= num_cols)."""
-    prefix = tl.zeros((), tl.uint32)
-    for i in tl.static_range(32 // RADIX_BITS):
-        prefix, need = _radix_pass(
-            row_ptr, num_cols, prefix, need, 32 - RADIX_BITS * (i + 1), CHUNK, RADIX_BITS
-        )
-    return prefix, need
+    matched = tl.sum(tl.where(bins == digit, hist, 0), axis=0)
+    return prefix | (digit.to(tl.uint32) << shift), need, matched
 
 
 MODE_ROW, MODE_SEGMENT, MODE_CANDIDATES = 0, 1, 2  # the kernel's `mode` argument
 SEGMENT_C, CANDIDATES_C = tl.constexpr(MODE_SEGMENT), tl.constexpr(MODE_CANDIDATES)
+# a row's entries that still match the select's digits once at most this many do are copied
+# into a scratch row of their own, and the remaining passes read that alone
+NARROW = 2048
 
 
 @triton.jit
@@ -103,6 +100,69 @@ def _keys(u, pos):
     """Sort keys score << 32 | ~position: descending key order is the selection order."""
     score = (u.to(tl.int32, bitcast=True) ^ SIGN).to(tl.int64)
     return (score << 32) | ((pos.to(tl.int64) & LOW32) ^ LOW32)
+
+
+@triton.jit
+def _emit(keep, u, pos, count, buf_row, cand_ptr, cand_pos_ptr, cand_row, mode):
+    """Entries of one tile marked keep, in tile order, to the program's picks from slot count on
+    (keys in buf_row, or with MODE_SEGMENT score and position at cand_row) -> the new count."""
+    slot = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
+    if mode == SEGMENT_C:
+        tl.store(cand_ptr + cand_row + slot, u.to(tl.int32, bitcast=True) ^ SIGN, mask=keep)
+        tl.store(cand_pos_ptr + cand_row + slot, pos.to(tl.int32), mask=keep)
+    else:
+        tl.store(buf_row + slot, _keys(u, pos), mask=keep)
+    return count + tl.sum(keep.to(tl.int32), axis=0)
+
+
+@triton.jit
+def _positions(pos_ptr, idx, ok, stored, base):
+    """Positions of the entries idx: read at pos_ptr where `stored`, else base + idx."""
+    from_pos = (idx * 0 + stored) != 0  # [CHUNK]: a block under the interpreter too
+    got = tl.load(pos_ptr + idx, mask=ok & from_pos, other=0)
+    return tl.where(from_pos, got, base + idx)
+
+
+@triton.jit
+def _keep_pass(src_ptr, pos_ptr, num, stored, base, threshold, need_eq, count, buf_row, cand_ptr,
+               cand_pos_ptr, cand_row, mode, CHUNK: tl.constexpr):  # fmt: skip
+    """Every entry above threshold and the first need_eq (in order) equal to it -> the picks."""
+    taken_eq = tl.zeros((), tl.int32)
+    for c0 in range(0, num, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ok = idx < num
+        u = _load_unsigned(src_ptr, idx, ok)
+        eq = ok & (u == threshold)
+        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
+        keep = (ok & (u > threshold)) | (eq & (eq_rank < need_eq))
+        pos = _positions(pos_ptr, idx, ok, stored, base)
+        count = _emit(keep, u, pos, count, buf_row, cand_ptr, cand_pos_ptr, cand_row, mode)
+        taken_eq += tl.sum(eq.to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _narrow(row_ptr, pos_ptr, num, stored, base, prefix, bits, scratch_u, scratch_pos, count,
+            buf_row, cand_ptr, cand_pos_ptr, cand_row, mode, CHUNK: tl.constexpr):  # fmt: skip
+    """One pass over the row: entries above prefix on their top `bits` bits are picks (all of
+    them belong to the top k), those equal to it go to the scratch row in order (score bits and
+    position) -> the new count of picks."""
+    hi_mask = _hi_mask(bits)
+    taken = tl.zeros((), tl.int32)
+    for c0 in range(0, num, CHUNK):
+        idx = c0 + tl.arange(0, CHUNK)
+        ok = idx < num
+        u = _load_unsigned(row_ptr, idx, ok)
+        top = u & hi_mask
+        pos = _positions(pos_ptr, idx, ok, stored, base)
+        count = _emit(ok & (top > prefix), u, pos, count, buf_row, cand_ptr, cand_pos_ptr,
+                      cand_row, mode)  # fmt: skip
+        same = ok & (top == prefix)
+        slot = taken + tl.cumsum(same.to(tl.int32), axis=0) - 1
+        tl.store(scratch_u + slot, u.to(tl.int32, bitcast=True) ^ SIGN, mask=same)
+        tl.store(scratch_pos + slot, pos.to(tl.int32), mask=same)
+        taken += tl.sum(same.to(tl.int32), axis=0)
+    return count
 
 
 @triton.jit(
@@ -116,6 +176,7 @@ def _topk_rows_kernel(
     cand_ptr,
     cand_pos_ptr,
     buf_ptr,
+    scratch_ptr,
     num_cols,
     topk,
     row_stride,
@@ -125,14 +186,16 @@ def _topk_rows_kernel(
     K_POW2: tl.constexpr,
     CHUNK: tl.constexpr,
     RADIX_BITS: tl.constexpr,
+    NARROW: tl.constexpr,
 ):
     # program (row t, segment g) over entries [g * seg_len, + seg_len) of row t (num_cols in all).
     # mode MODE_ROW: one segment; out [rows, topk] int64 <- positions = entry indexes.
     # MODE_SEGMENT: cand / cand_pos [rows, segments * topk] int32 <- the segment's top-k scores
-    #   and positions in position order, MASKED_SCORE past them.
+    #   and positions in position order within each score, MASKED_SCORE past them.
     # MODE_CANDIDATES: the row is those candidates, positions read from pos_ptr; out as MODE_ROW.
-    # buf [rows, K_POW2] int64 scratch for the selected keys. use_len: entries from len[t] on
-    # count as MASKED_SCORE and are never read (len [rows] int64, at most num_cols).
+    # buf [rows, K_POW2] int64 scratch for the selected keys; scratch [programs, 2, NARROW] int32
+    # for the entries a long range narrows to (scores, positions). use_len: entries from len[t]
+    # on count as MASKED_SCORE and are never read (len [rows] int64, at most num_cols).
     t = tl.program_id(0).to(tl.int64)
     base = tl.program_id(1).to(tl.int64) * seg_len
     row_ptr = scores_ptr + t * row_stride + base
@@ -141,33 +204,41 @@ def _topk_rows_kernel(
         row_len = tl.minimum(tl.load(len_ptr + t), num_cols).to(tl.int32)
     n = tl.maximum(tl.minimum(row_len - base, seg_len), 0).to(tl.int32)
     need = tl.minimum(topk, n)
-    if need < n:
-        threshold, need_eq = _radix_select(row_ptr, n, need, CHUNK, RADIX_BITS)
-    else:  # the whole range is picked: u >= 0 keeps every entry, no select pass
-        threshold = tl.zeros((), tl.uint32)
-        need_eq = n
     buf_row = buf_ptr + t * K_POW2
     cand_row = (t * tl.cdiv(num_cols, seg_len) + tl.program_id(1)) * topk  # MODE_SEGMENT's slots
+    program = t * tl.num_programs(1) + tl.program_id(1)
+    scratch_u = scratch_ptr + program * 2 * NARROW
+    # the entries still in play: src (num of them, positions at src_pos where `stored`)
+    src, src_pos, num = row_ptr, pos_ptr + t * row_stride + base, n
+    stored = (mode == CANDIDATES_C).to(tl.int32)
     count = tl.zeros((), tl.int32)
-    taken_eq = tl.zeros((), tl.int32)
-    for c0 in range(0, n, CHUNK):
-        idx = c0 + tl.arange(0, CHUNK)
-        ok = idx < n
-        u = _load_unsigned(row_ptr, idx, ok)
-        eq = ok & (u == threshold)
-        eq_rank = taken_eq + tl.cumsum(eq.to(tl.int32), axis=0) - 1
-        keep = (ok & (u > threshold)) | (eq & (eq_rank < need_eq))
-        slot = count + tl.cumsum(keep.to(tl.int32), axis=0) - 1
-        from_pos = (idx * 0 + mode) == CANDIDATES_C  # [CHUNK]: a block under the interpreter too
-        stored = tl.load(pos_ptr + t * row_stride + base + idx, mask=ok & from_pos, other=0)
-        pos = tl.where(from_pos, stored, base + idx)
-        if mode == SEGMENT_C:
-            tl.store(cand_ptr + cand_row + slot, u.to(tl.int32, bitcast=True) ^ SIGN, mask=keep)
-            tl.store(cand_pos_ptr + cand_row + slot, pos.to(tl.int32), mask=keep)
-        else:
-            tl.store(buf_row + slot, _keys(u, pos), mask=keep)
-        taken_eq += tl.sum(eq.to(tl.int32), axis=0)
-        count += tl.sum(keep.to(tl.int32), axis=0)
+    prefix = tl.zeros((), tl.uint32)
+    bits = tl.zeros((), tl.int32)
+    if need < n:
+        # radix passes over the whole range while more than NARROW entries match the digits
+        # fixed so far, then one pass that picks the entries above them and copies those equal
+        # into the scratch row, where the remaining passes run
+        matched = n
+        while (matched > NARROW) & (bits < 32):
+            prefix, need, matched = _radix_pass(src, num, prefix, need, bits, CHUNK, RADIX_BITS)
+            bits += RADIX_BITS
+        if (n > NARROW) & (matched <= NARROW):
+            count = _narrow(src, src_pos, num, stored, base, prefix, bits, scratch_u,
+                            scratch_u + NARROW, count, buf_row, cand_ptr, cand_pos_ptr, cand_row,
+                            mode, CHUNK)  # fmt: skip
+            tl.debug_barrier()  # the scratch row comes from every thread of the program
+            src, src_pos, num, stored = scratch_u, scratch_u + NARROW, matched, stored * 0 + 1
+        while bits < 32:  # src: at most NARROW entries
+            prefix, need, matched = _radix_pass(src, num, prefix, need, bits, NARROW, RADIX_BITS)
+            bits += RADIX_BITS
+    else:  # the whole range is picked: u >= 0 keeps every entry, no select pass
+        need = n
+    if num <= NARROW:  # a short range or the scratch row: small tiles
+        count = _keep_pass(src, src_pos, num, stored, base, prefix, need, count, buf_row,
+                           cand_ptr, cand_pos_ptr, cand_row, mode, NARROW)  # fmt: skip
+    else:
+        count = _keep_pass(src, src_pos, num, stored, base, prefix, need, count, buf_row,
+                           cand_ptr, cand_pos_ptr, cand_row, mode, CHUNK)  # fmt: skip
     k = tl.arange(0, K_POW2)
     if mode == SEGMENT_C:  # a short last segment: the rest of its k slots pick nothing
         pad = (k >= count) & (k < topk)
@@ -209,11 +280,14 @@ def topk_rows(
         segments = num_segments(num_rows, num_cols, topk, scores.device)
     seg_len = triton.cdiv(num_cols, max(1, segments))
     segments = triton.cdiv(num_cols, seg_len)  # none empty
-    consts = dict(K_POW2=k_pow2, CHUNK=chunk, RADIX_BITS=RADIX_BITS, num_warps=num_warps)
+    consts = dict(
+        K_POW2=k_pow2, CHUNK=chunk, RADIX_BITS=RADIX_BITS, NARROW=NARROW, num_warps=num_warps
+    )
     lens, use_len = (lengths, 1) if lengths is not None else (out, 0)
     if segments == 1:
-        _topk_rows_kernel[(num_rows, 1)](scores, scores, lens, out, scores, scores, buf, num_cols,
-                                         topk, num_cols, num_cols, MODE_ROW, use_len,
+        _topk_rows_kernel[(num_rows, 1)](scores, scores, lens, out, scores, scores, buf,
+                                         _scratch(scores, num_rows, num_cols), num_cols, topk,
+                                         num_cols, num_cols, MODE_ROW, use_len,
                                          **consts)  # fmt: skip
         return out
     cand = torch.empty(num_rows, segments * topk, dtype=torch.int32, device=scores.device)
@@ -226,6 +300,7 @@ def topk_rows(
         cand,
         cand_pos,
         buf,
+        _scratch(scores, num_rows * segments, seg_len),
         num_cols,
         topk,
         num_cols,
@@ -235,9 +310,18 @@ def topk_rows(
         **consts,
     )
     width = segments * topk
-    _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, out, cand, cand_pos, buf, width, topk,
-                                     width, width, MODE_CANDIDATES, 0, **consts)  # fmt: skip
+    _topk_rows_kernel[(num_rows, 1)](cand, cand_pos, out, out, cand, cand_pos, buf,
+                                     _scratch(scores, num_rows, width), width, topk, width, width,
+                                     MODE_CANDIDATES, 0, **consts)  # fmt: skip
     return out
+
+
+def _scratch(scores: torch.Tensor, programs: int, length: int) -> torch.Tensor:
+    """The narrowed entries' rows [programs, 2, NARROW] int32 of programs over ranges of `length`
+    entries (none needed when a range is no longer than NARROW)."""
+    if length <= NARROW:
+        return scores  # never read or written
+    return torch.empty(programs, 2, NARROW, dtype=torch.int32, device=scores.device)
 
 
 def num_segments(num_rows: int, num_cols: int, topk: int, device) -> int:

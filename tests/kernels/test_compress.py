@@ -182,6 +182,31 @@ def test_kernel_matches_reference(ratio, kind, dtype, device):
             assert_entries_close(name, seqs.pages, ref.pages, seqs.entry_slots[r], seqs.layout)
 
 
+LONG = {  # batches of more than 1,024 tokens: the completion list spans several blocks
+    4: ([700, 500], [[(0, 0, 13), (1, 0, 3)], [(0, 13, 687), (1, 3, 497)]]),
+    128: (
+        [900, 700, 300],
+        [[(0, 0, 500), (1, 0, 100)], [(0, 500, 400), (1, 100, 600), (2, 0, 300)]],
+    ),
+}
+
+
+@pytest.mark.parametrize("ratio,kind", [(4, "c4"), (128, "c128")])
+def test_batches_over_several_list_blocks_match_reference(ratio, kind, device):
+    """Entries listed by several blocks of tokens, a request's chunk that reads its ring among
+    them, come out as the reference's."""
+    lengths, steps = LONG[ratio]
+    seqs = Sequences(ratio, layout_for(kind, "fp8"), lengths, device)
+    ref = copy.deepcopy(seqs)
+    for i, step in enumerate(steps):
+        seqs.run(compress_norm_rope_store, step)
+        ref.run(compress_norm_rope_store_ref, step)
+        assert torch.equal(seqs.state_kv, ref.state_kv), f"step {i}: ring kv"
+        for r in range(len(lengths)):
+            name = f"{kind} step {i} request {r}"
+            assert_entries_close(name, seqs.pages, ref.pages, seqs.entry_slots[r], seqs.layout)
+
+
 @pytest.mark.parametrize("ratio,kind", [(4, "c4"), (128, "c128")])
 def test_kernel_with_speculative_ring_matches_dense(ratio, kind, device):
     lengths = [140] if ratio == 128 else [13, 6]

@@ -59,9 +59,10 @@ def test_fp4_expert_kernels_build_for_hopper(down, tiles):
 
 def test_topk_kernel_builds_for_hopper():
     args = dict(scores_ptr="*i32", pos_ptr="*i32", len_ptr="*i64", out_ptr="*i64",
-                cand_ptr="*i32", cand_pos_ptr="*i32", buf_ptr="*i64", num_cols=1024, topk=512,
-                row_stride=1024, seg_len=1024, mode=topk.MODE_ROW, use_len=1)  # fmt: skip
+                cand_ptr="*i32", cand_pos_ptr="*i32", buf_ptr="*i64", scratch_ptr="*i32",
+                num_cols=1024, topk=512, row_stride=1024, seg_len=1024, mode=topk.MODE_ROW,
+                use_len=1)  # fmt: skip
     chunk, warps = topk._config()
-    flags = dict(K_POW2=512, CHUNK=chunk, RADIX_BITS=topk.RADIX_BITS)
+    flags = dict(K_POW2=512, CHUNK=chunk, RADIX_BITS=topk.RADIX_BITS, NARROW=topk.NARROW)
     # raises with ptxas's message where the branch does not compile
     build_for_hopper("dsv4ray.kernels.topk:_topk_rows_kernel", args, flags, warps, 3)

@@ -8,6 +8,7 @@ import torch
 
 from dsv4ray.kernels.topk import (
     MASKED_SCORE,
+    NARROW,
     num_segments,
     ordered_int32_ref,
     topk_rows,
@@ -66,6 +67,40 @@ def test_rows_with_lengths_read_only_their_visible_entries(num_cols, topk, segme
     got = topk_rows(garbage.to(device), topk, segments, lengths.to(device)).cpu()
     assert torch.equal(got, ref), (got != ref).nonzero()[:5].tolist()
     assert (got[0] == -1).all() and got[1, 0] == 0 and (got[1, 1:] == -1).all()
+
+
+def _narrowing_row(group: int, num_cols: int, gen) -> torch.Tensor:
+    """A row whose k-th largest lies among `group` entries sharing their top 12 bits: 20 entries
+    above them, the rest below; ties inside the group (low bits drawn from 64 values)."""
+    high = 0x3A5 << 20  # the group's top 12 bits, as signed int32 score bits
+    row = torch.randint(0, 0x100 << 20, (num_cols,), generator=gen, dtype=torch.int64)
+    where = torch.randperm(num_cols, generator=gen)
+    row[where[:group]] = high | torch.randint(0, 64, (group,), generator=gen) << 8
+    row[where[group : group + 20]] = (0x3A6 << 20) + torch.arange(20)
+    return row.to(torch.int32)
+
+
+@pytest.mark.parametrize("group", [NARROW, NARROW + 1, 2 * NARROW])
+def test_rows_narrowed_to_their_candidates_match_the_reference(group, device):
+    """A range longer than NARROW narrows to the entries matching the select's digits once at
+    most NARROW do, and finishes on those alone: the picks are the reference's whether the
+    matching entries fit (group <= NARROW) or not, for a whole row, segments, lengths and
+    second-pass candidate rows longer than NARROW."""
+    gen = torch.Generator().manual_seed(group)
+    num_cols = 3 * NARROW + 7
+    scores = torch.stack([_narrowing_row(group, num_cols, gen) for _ in range(3)])
+    scores[2, -NARROW:] = MASKED_SCORE  # masked padding inside a long row
+    scores = scores.to(device)
+    for topk in (64, 700):  # 700 x 4 segments: a candidate row of 2,800 entries
+        ref = topk_rows_ref(scores.cpu(), topk)
+        for segments in (1, 4):
+            got = topk_rows(scores, topk, segments=segments).cpu()
+            assert torch.equal(got, ref), (topk, segments, (got != ref).nonzero()[:5].tolist())
+    lengths = torch.tensor([num_cols, 2 * NARROW + 1, NARROW + 3], dtype=torch.int64)
+    masked = scores.cpu().clone()
+    masked[torch.arange(num_cols)[None, :] >= lengths[:, None]] = MASKED_SCORE
+    got = topk_rows(scores, 64, lengths=lengths.to(device)).cpu()
+    assert torch.equal(got, topk_rows_ref(masked, 64))
 
 
 def test_long_rows_of_a_small_batch_take_segments(device):
