@@ -67,11 +67,12 @@ def check_text(name: str, text: str) -> None:
 class SamplingParams:
     """Per-request sampling and stopping.
 
-    max_tokens      tokens to generate (>= 1)
+    max_tokens      tokens to generate (>= 1; None: up to the context, stored as 2**63 - 1)
     temperature     0 = greedy (so is anything below 1e-5; it is stored as 0.0)
     top_p           nucleus mass in (0, 1]; however small, the most likely token stays
-    top_k           -1 = off, else >= 1
-    seed            per-request generator seed (None = the engine picks one)
+    top_k           -1 = off (so is 0, as vLLM takes it; stored as -1), else >= 1
+    seed            per-request generator seed (None = the engine picks one; so does -1, as
+                    vLLM takes it; stored as None)
     stop            strings that end the output (normalised to a tuple; valid UTF-8 text)
     stop_token_ids  token ids that end the output (normalised to a tuple)
     logprobs        None, or top logprobs per token (0..20; 0 = only the sampled token's)
@@ -116,6 +117,12 @@ class SamplingParams:
     structured_output: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
 
     def __post_init__(self) -> None:
+        if self.max_tokens is None:
+            object.__setattr__(self, "max_tokens", INT64 - 1)
+        if _is_int(self.top_k) and self.top_k == 0:
+            object.__setattr__(self, "top_k", -1)
+        if _is_int(self.seed) and self.seed == -1:
+            object.__setattr__(self, "seed", None)
         self._check_lengths()
         self._check_sampling()
         self._check_controls()
@@ -150,7 +157,7 @@ class SamplingParams:
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or (self.top_k != -1 and not 1 <= self.top_k < INT64):
-            raise ValueError(f"top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+            raise ValueError(f"top_k must be -1 or 0 (off) or an int >= 1, got {self.top_k!r}")
         if self.seed is not None and (not _is_int(self.seed) or not -INT64 <= self.seed < INT64):
             raise ValueError(f"seed must be None or a 64-bit signed int, got {self.seed!r}")
 

@@ -97,6 +97,11 @@ class LLM:
     def score(self, prompts: Sequence[Sequence[int]]) -> list:
         """Teacher-forced log-probabilities [len(prompt), V] (fp32) of every prompt position,
         computed through the paged pipeline (chunked prefill, the configured page format)."""
+        if isinstance(prompts, (str, bytes)) or any(
+            isinstance(p, (str, bytes)) or not isinstance(p, Sequence) for p in prompts
+        ):
+            raise ValueError("score takes a list of prompts, each a list of token ids (one "
+                             "prompt is [ids])")  # fmt: skip
         ids = [self.core.prompt_ids(list(p)) for p in prompts]
         req_ids = self._add(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
         self._run(req_ids)

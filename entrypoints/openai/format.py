@@ -343,13 +343,16 @@ class ChatFormat(_Format):
         return [self._envelope(self.chunk_object_name, [choice])]
 
     def chunk(self, text: str, token_ids: list[int], output: RequestOutput | None,
-              logprobs: list | None = None) -> dict:  # fmt: skip
+              logprobs: list | None = None) -> dict | None:  # fmt: skip
         delta = self._delta(text, last=output is not None)
+        extras = self._choice_extras(output, token_ids, logprobs)
+        if not delta and output is None and not any(extras.values()):
+            return None  # text held back (a tool-call block or a thinking tag may start)
         choice = {
             "index": self.index,
             "delta": delta,
             "finish_reason": finish(output.finish_reason, self.num_calls) if output else None,
-            **self._choice_extras(output, token_ids, logprobs),
+            **extras,
         }
         return self._envelope(self.chunk_object_name, [choice])
 

@@ -11,13 +11,17 @@ fields (``user``, ``metadata``, ``store``, ...) do not change what is generated 
 ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are entrypoints/tool_calls.py's; an
 assistant message's ``tool_calls`` and a tool message's ``tool_call_id`` go to the chat format.
 Inside a message, ``function_call``, ``audio`` and a ``name`` (the chat format renders none) are
-refused; ``refusal`` and ``annotations`` (a client echoing an earlier answer
-back) are accepted and not part of the prompt. ``reasoning_effort`` ("none", "minimal": no
-thinking; "low", "medium", "high": thinking) and ``chat_template_kwargs.enable_thinking`` set the
-chat format's thinking mode, as ``chat_template_kwargs.thinking`` does (values that disagree are
-a 400). DeepSeek's prefix completion: the last message may be an assistant message with
-``prefix: true``, whose text (and reasoning) the answer continues. ``stream_options`` takes
-``include_usage`` and ``continuous_usage_stats`` (every chunk carries the usage so far).
+refused; ``refusal``, ``annotations`` and ``parsed``, and a tool call's ``index`` and
+``function.parsed_arguments`` (a client echoing an earlier answer back, as the openai client keeps
+a streamed or parsed one) are accepted and not part of the prompt. A null asks for an optional
+field's default (the openai client sends unset options as null). ``reasoning_effort`` ("none",
+"minimal": no thinking; "low", "medium", "high", "xhigh": thinking) and
+``chat_template_kwargs.enable_thinking`` set the chat format's thinking mode, as
+``chat_template_kwargs.thinking`` does (values that disagree are a 400). DeepSeek's prefix
+completion: the last message may be an assistant message with ``prefix: true``, whose text
+(and reasoning) the answer continues. ``stream_options`` takes ``include_usage``,
+``continuous_usage_stats`` (every chunk carries the usage so far) and ``include_obfuscation``
+(chunks never carry obfuscation padding).
 ``n`` choices per prompt, several prompts per completions request and ``best_of`` are one
 engine request each (entrypoints/openai/server.py); ``echo`` and ``prompt_logprobs`` (vLLM's)
 give the prompt's tokens and logprobs back.
@@ -33,7 +37,15 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    TypeAdapter,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dsv4ray.engine.sampling import MAX_LOGPROBS, SamplingParams
 from dsv4ray.engine.structured import grammar
@@ -55,6 +67,7 @@ NOT_IMPLEMENTED = {  # OpenAI request fields this server does not implement -> w
     "prediction": "predicted outputs are not supported",
     "verbosity": "it is not supported",
     "web_search_options": "web search is not supported",
+    "moderation": "moderation is not supported",
 }
 # the values of NOT_IMPLEMENTED fields that ask for nothing (None asks for nothing everywhere)
 NEUTRAL_VALUES = {
@@ -63,7 +76,8 @@ NEUTRAL_VALUES = {
     "modalities": [["text"]],
 }
 # fields that do not change what is generated (labels, storage and billing hints): accepted
-INFORMATIONAL = ("metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier")
+INFORMATIONAL = ("metadata", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+                 "prompt_cache_retention", "safety_identifier")  # fmt: skip
 MESSAGE_NOT_IMPLEMENTED = {
     "function_call": _FUNCTIONS,
     "audio": "audio messages are not supported",
@@ -74,6 +88,16 @@ class _Request(BaseModel):
     # strict: "5" is not an int and true is not a number; JSON types must match the API's.
     # A field this server does not know, at any depth, is refused by name, never ignored
     model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_asks_for_the_default(cls, data: Any) -> Any:
+        """An explicit null of an optional field is its default, as OpenAI takes it (its SDK
+        sends an unset option as null); a required field's null stays a type error."""
+        if not isinstance(data, dict):
+            return data
+        optional = {f.alias or name for name, f in cls.model_fields.items() if not f.is_required()}
+        return {k: v for k, v in data.items() if v is not None or k not in optional}
 
 
 class JsonSchemaFormat(_Request):
@@ -142,6 +166,7 @@ def closed_objects(schema):
 class StreamOptions(_Request):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # every chunk carries the usage so far
+    include_obfuscation: bool = True  # chunks never carry obfuscation padding: nothing to do
 
 
 class _GenerationRequest(_Request):
@@ -305,12 +330,14 @@ class TextPart(_Request):
 class FunctionCall(_Request):
     name: str
     arguments: str  # JSON text of an object
+    parsed_arguments: Any = None  # the client's parse of arguments (openai's parse helpers)
 
 
 class MessageToolCall(_Request):
     id: str
     type: Literal["function"]
     function: FunctionCall
+    index: int | None = None  # a streamed call's position, kept by clients that join deltas
 
 
 class ChatMessage(_Request):
@@ -326,6 +353,7 @@ class ChatMessage(_Request):
     # what an answer that a client echoes back may carry: not part of the prompt
     refusal: str | None = None
     annotations: list | None = None
+    parsed: Any = None  # the client's parse of the content (openai's parse and stream helpers)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -338,7 +366,8 @@ class ChatMessage(_Request):
         if self.prefix:
             extra["prefix"] = True
         if self.tool_calls:
-            extra["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+            echoed = {"index": True, "function": {"parsed_arguments"}}  # client-side fields
+            extra["tool_calls"] = [c.model_dump(exclude=echoed) for c in self.tool_calls]
         if self.tool_call_id is not None:
             extra["tool_call_id"] = self.tool_call_id
         return {"role": self.role, "content": self.text(), **extra}
@@ -475,7 +504,8 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 # reasoning_effort -> thinking mode (OpenAI's values; the chat format has one depth of thinking)
-REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True}
+REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
+                     "xhigh": True}  # fmt: skip
 
 
 def _check_conversation(messages: list[ChatMessage]) -> None:

@@ -294,6 +294,8 @@ class OpenAIServer:
         runs = [Run(fmt, prompt_ids, params)]
         for j in range(1, req.num_runs):
             seed = None if params.seed is None else (params.seed + j + 2**63) % 2**64 - 2**63
+            if seed == -1:  # a seed of -1 asks for none: this choice takes the other end
+                seed = -(2**63)
             follower = dataclasses.replace(params, seed=seed, prompt_logprobs=None)
             runs.append(Run(fmt.sibling(fmt.index + j), prompt_ids, follower, leader=False))
         return runs

@@ -215,7 +215,8 @@ async def _run_chunks(run: Run, usage: StreamUsage):
         carries = fmt.return_token_ids or fmt.num_top is not None
         if text or output is not None or (carries and update.token_ids):
             chunk = fmt.chunk(text, update.token_ids, output, update.logprobs)
-            yield sse(_with_usage(chunk, usage))
+            if chunk is not None:  # None: the format holds all of it back for now
+                yield sse(_with_usage(chunk, usage))
         if output is not None:
             usage.outputs.append(output)
             if run.leader:

@@ -33,6 +33,9 @@ def test_fp32_pages_score_equals_reference(tiny_ckpt, tiny_model):
     prompt = torch.randint(2, 258, (300,), generator=torch.Generator().manual_seed(8)).tolist()
     llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", max_num_batched_tokens=256)
     try:
+        for wrong in (prompt, "text", [prompt, "text"]):  # prompts are lists of token ids
+            with pytest.raises(ValueError, match="list of prompts"):
+                llm.score(wrong)
         logp = llm.score([prompt])[0]
     finally:
         llm.shutdown()

@@ -165,6 +165,7 @@ REQUESTED = {  # a value of each field that asks for something this server does 
     "prediction": {"type": "content", "content": "x"},
     "verbosity": "low",
     "web_search_options": {},
+    "moderation": {"input": {"mode": "block"}},
 }
 
 
@@ -212,7 +213,8 @@ def test_unknown_keys_of_a_content_part_are_a_400_naming_them(key):
 
 def test_informational_fields_are_accepted():
     values = {"metadata": {"team": "a"}, "store": True, "service_tier": "auto",
-              "prompt_cache_key": "k", "safety_identifier": "u1"}  # fmt: skip
+              "prompt_cache_key": "k", "prompt_cache_options": {"ttl": "1h"},
+              "prompt_cache_retention": "24h", "safety_identifier": "u1"}  # fmt: skip
     assert set(values) == set(INFORMATIONAL)
     assert parse_request(ChatCompletionRequest, chat_body(**values, user="u")).user == "u"
 
@@ -237,6 +239,75 @@ def test_a_message_echoed_back_from_an_answer_keeps_its_reasoning_for_the_templa
         ChatCompletionRequest, chat_body(chat_template_kwargs={"thinking": True})
     )
     assert thinking.thinking
+
+
+def test_an_answer_from_the_openai_client_sent_back_as_history_is_accepted():
+    """A streamed answer joined by the client keeps each call's index, a parsed one carries
+    parsed and parsed_arguments: accepted, none of them reaches the prompt."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "index": 0,
+        "function": {"name": "ping", "arguments": '{"a": 1}', "parsed_arguments": {"a": 1}},
+    }
+    answer = {"role": "assistant", "content": None, "tool_calls": [call], "parsed": None,
+              "refusal": None}  # fmt: skip
+    messages = [CHAT["messages"][0], answer,
+                {"role": "tool", "tool_call_id": "call_1", "content": "pong"}]  # fmt: skip
+    request = parse_request(ChatCompletionRequest, chat_body(messages=messages))
+    plain = {"id": "call_1", "type": "function",
+             "function": {"name": "ping", "arguments": '{"a": 1}'}}  # fmt: skip
+    assert request.template_messages()[1] == {"role": "assistant", "content": "",
+                                              "tool_calls": [plain]}  # fmt: skip
+    bad = dict(call, index="0")
+    err = rejected(chat_body(messages=[CHAT["messages"][0], dict(answer, tool_calls=[bad])]),
+                   ChatCompletionRequest)  # fmt: skip
+    assert err.param == "messages.1.tool_calls.0.index"
+
+
+NULLABLE_DEFAULTS = {  # request field -> the parsed request's value for null and for omitted
+    "n": 1, "stream": False, "frequency_penalty": 0.0, "presence_penalty": 0.0, "top_k": -1,
+    "min_p": 0.0, "min_tokens": 0, "repetition_penalty": 1.0, "ignore_eos": False,
+    "return_token_ids": False, "logprobs": False,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("field", sorted(NULLABLE_DEFAULTS))
+def test_null_asks_for_the_default(field):
+    """OpenAI's client sends an unset option as null: the field's default, never a 400."""
+    request = parse_request(ChatCompletionRequest, chat_body(**{field: None}))
+    assert getattr(request, field) == NULLABLE_DEFAULTS[field]
+    assert request.sampling_params(8, None) == parse_request(
+        ChatCompletionRequest, chat_body()
+    ).sampling_params(8, None)
+
+
+def test_null_in_completions_and_stream_options_and_a_required_null():
+    body = json.loads(GOOD + b"}")
+    request = parse_request(CompletionRequest, json.dumps({**body, "echo": None, "n": None,
+                                                           "best_of": None}).encode())  # fmt: skip
+    assert (request.echo, request.n) == (False, 1)
+    options = {"include_usage": None, "continuous_usage_stats": True}
+    request = parse_request(ChatCompletionRequest, chat_body(stream=True, stream_options=options))
+    assert not request.include_usage and request.continuous_usage
+    assert rejected(chat_body(model=None), ChatCompletionRequest).param == "model"
+    assert rejected(chat_body(messages=None), ChatCompletionRequest).param == "messages"
+    message = {"role": None, "content": "hi"}
+    assert rejected(chat_body(messages=[message]), ChatCompletionRequest).param == "messages.0.role"
+
+
+def test_vllm_spellings_of_off_reach_the_sampling_parameters():
+    params = parse_request(ChatCompletionRequest, chat_body(top_k=0, seed=-1)).sampling_params(
+        8, None
+    )
+    assert (params.top_k, params.seed) == (-1, None)
+
+
+def test_stream_options_take_include_obfuscation():
+    for value in (True, False):
+        options = {"include_usage": True, "include_obfuscation": value}
+        body = chat_body(stream=True, stream_options=options)
+        assert parse_request(ChatCompletionRequest, body).include_usage
 
 
 @pytest.mark.parametrize(
@@ -311,6 +382,7 @@ def test_stream_options_accept_continuous_usage_and_refuse_unknown_keys():
     "fields,thinking",
     [
         ({"reasoning_effort": "high"}, True),
+        ({"reasoning_effort": "xhigh"}, True),
         ({"reasoning_effort": "none"}, False),
         ({"chat_template_kwargs": {"enable_thinking": True}}, True),
         ({"chat_template_kwargs": {"enable_thinking": False, "thinking": False}}, False),

@@ -39,7 +39,6 @@ def test_params_are_frozen():
         ({"temperature": math.nan}, "temperature"),
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
-        ({"top_k": 0}, "top_k"),
         ({"top_k": -2}, "top_k"),
         ({"seed": 1.5}, "seed"),
         ({"logprobs": -1}, "logprobs"),
@@ -77,6 +76,15 @@ def test_valid_edges_are_accepted():
     params = SamplingParams(temperature=2, top_p=1e-6, top_k=1, logprobs=20, seed=-5)
     assert params.temperature == 2.0 and isinstance(params.temperature, float)
     assert SamplingParams(logprobs=0).logprobs == 0
+
+
+def test_vllm_spellings_of_off_and_unbounded():
+    """As vLLM takes them: top_k 0 is off, seed -1 is no seed, max_tokens None runs to the
+    context's end; each stored as this engine's own spelling."""
+    params = SamplingParams(top_k=0, seed=-1, max_tokens=None)
+    assert (params.top_k, params.seed, params.max_tokens) == (-1, None, 2**63 - 1)
+    assert params == SamplingParams(top_k=-1, seed=None, max_tokens=2**63 - 1)
+    assert SamplingParams.from_dict(params.to_dict()) == params
 
 
 def test_dict_round_trip_through_msgpack():
