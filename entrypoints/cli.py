@@ -23,8 +23,13 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if args.preset in STREAMED and torch.cuda.is_available()
                              else "cpu")  # fmt: skip
-    over = {"num_hidden_layers": args.layers} if args.layers else {}
-    path = make_tiny(args.out, args.preset, args.seed, device, args.quantize, **over)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"dsv4ray make-tiny: --device {device}: this machine has no CUDA GPU")
+    over = {"num_hidden_layers": args.layers} if args.layers is not None else {}
+    try:
+        path = make_tiny(args.out, args.preset, args.seed, device, args.quantize, **over)
+    except (OSError, RuntimeError) as exc:  # the output path; a device torch does not know
+        raise SystemExit(f"dsv4ray make-tiny: {exc}") from None
     layout = f", {args.quantize} release layout" if args.quantize else ""
     print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}{layout}) to {path}")
     return 0
@@ -70,9 +75,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for name in ("accelerator", "served_model_name", "api_key", "api_key_file"):
         if getattr(args, name) is not None:
             config[name] = getattr(args, name)
+    if args.api_key is not None or args.api_key_file is not None:  # the flag replaces the file's
+        config.pop("api_key_file" if args.api_key is not None else "api_key", None)
     http = dict(file.serve_options.get("http_options") or {})
-    host = args.host or http.get("host", "127.0.0.1")
-    port = args.port or http.get("port", 8000)
+    host = args.host if args.host is not None else http.get("host", "127.0.0.1")
+    port = args.port if args.port is not None else http.get("port", 8000)
     return run_server(config, host, port, file.deployment, file.serve_options)
 
 
@@ -192,9 +199,9 @@ def _add_serve(sub) -> None:
         help="a Serve config file (the schema of deploy/serve.yaml)",
     )
     srv.add_argument(
-        "--host", default=None, help="other than loopback needs an API key [127.0.0.1]"
+        "--host", type=_host, default=None, help="other than loopback needs an API key [127.0.0.1]"
     )
-    srv.add_argument("--port", type=int, default=None, help="[8000]")
+    srv.add_argument("--port", type=_port, default=None, help="1-65535 [8000]")
     srv.add_argument(
         "--accelerator",
         choices=ACCELERATORS,
@@ -227,7 +234,7 @@ def _add_make_tiny(sub) -> None:
     )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
-        "--layers", type=int, default=None, help="num_hidden_layers (default: preset's)"
+        "--layers", type=_positive, default=None, help="num_hidden_layers (default: preset's)"
     )
     tiny.add_argument(
         "--device",
@@ -253,6 +260,27 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_generate, _add_job, _add_serve, _add_make_tiny):
         add(sub)
     return parser
+
+
+def _port(text: str) -> int:
+    """A TCP port to listen on (argparse type)."""
+    port = int(text)
+    if not 1 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is in 1-65535, got {port}")
+    return port
+
+
+def _host(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+    return text
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from ray.data.block import BlockMetadata
 from ray.data.datasource import Datasource, ReadTask
 
-from dsv4ray.engine.sampling import SamplingParams
+from dsv4ray.engine.sampling import SamplingParams, check_text
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
 
 PARAM_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))  # a line's sampling
@@ -208,6 +208,8 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
         item = json.loads(line.removeprefix("\ufeff"))  # a file's byte order mark
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON ({exc.msg})") from None
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
     if not isinstance(item, dict):
         raise ValueError("a line must be a JSON object")
     req_id = item.get("id")
@@ -224,10 +226,13 @@ def parse_line(line: str, default_max_tokens: int) -> tuple[str, dict]:
         raise ValueError("give exactly one of 'prompt' and 'messages'")
     if "prompt" in item and not isinstance(item["prompt"], str):
         raise ValueError("'prompt' must be a string")
+    if "prompt" in item:
+        check_text("'prompt'", item["prompt"])
     if "messages" in item:
         item["messages"] = checked_messages(item["messages"])
     params = {k: item[k] for k in PARAM_KEYS if k in item}
-    params.setdefault("max_tokens", default_max_tokens)
+    if params.get("max_tokens") is None:  # absent or null: the job's --max-tokens
+        params["max_tokens"] = default_max_tokens
     if "response_format" in item:  # OpenAI's shape, as the chat API takes it
         if "structured_output" in item:
             raise ValueError("give at most one of 'structured_output' and 'response_format'")
@@ -327,14 +332,31 @@ def usage_problem(model: str, input_path: str, output_path: str, joined: bool) -
     if not exists:
         return f"no input file {input_path!r}"
     folder = os.path.dirname(os.path.abspath(output_path))
-    if is_uri(output_path) or os.path.isdir(output_path) or not os.path.isdir(folder):
+    if (is_uri(output_path) or not output_path or output_path.endswith(os.sep)
+            or os.path.isdir(output_path) or not os.path.isdir(folder)):  # fmt: skip
         return (
             f"cannot write the output {output_path!r} (a folder, its folder is missing, or not "
             "a local path: the output is appended to as requests finish)"
         )
+    problem = _unwritable(output_path)
+    if problem:
+        return f"cannot write the output {output_path!r}: {problem}"
     local_input = local_path(input_path)
     if local_input is not None and _same_file(local_input, output_path):
         return f"--output {output_path!r} is the input file (results would be appended to it)"
+    return None
+
+
+def _unwritable(path: str) -> str | None:
+    """Why the output cannot be opened for appending, or None (a file this check creates is
+    removed again; permission bits alone do not say, e.g. for root or an immutable file)."""
+    existed = os.path.exists(path)
+    try:
+        open(path, "a").close()
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    if not existed:
+        os.remove(path)
     return None
 
 

@@ -277,7 +277,11 @@ def _start(app, serve_options, host: str, port: int) -> dict:
     """Runs the application -> its engine's info."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
-    serve.start(http_options=http, **options)
+    try:
+        serve.start(http_options=http, **options)
+    except Exception as exc:  # the proxy's bind: a port in use, a host not of this machine
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        raise SystemExit(f"dsv4ray serve: cannot serve HTTP on {host}:{port}: {first}") from None
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)

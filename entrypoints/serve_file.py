@@ -35,6 +35,7 @@ def read_serve_file(path: str) -> ServeFile:
         given = ServeDeploySchema.model_validate(raw).model_dump(exclude_unset=True)
     except (OSError, yaml.YAMLError, ValidationError) as exc:
         raise ValueError(f"{path}: not a Serve config: {exc}") from None
+    _unknown_keys(path, raw)
     _refuse(path, set(given) - {*_SERVE_START_KEYS, "applications"}, "")
     apps = given.get("applications") or []
     if len(apps) != 1:
@@ -60,6 +61,32 @@ def read_serve_file(path: str) -> ServeFile:
         deployment.update({k: v for k, v in entry.items() if k != "name"})
     serve_options = {k: given[k] for k in _SERVE_START_KEYS if k in given}
     return ServeFile(dict(app.get("args") or {}), deployment, serve_options)
+
+
+def _unknown_keys(path: str, raw: dict) -> None:
+    """Keys that Serve's schema does not define (which its validation drops), at the top, in
+    http_options, in the application and in its deployments: a ValueError naming the first."""
+    from ray.serve.schema import (
+        DeploymentSchema,
+        HTTPOptionsSchema,
+        ServeApplicationSchema,
+        ServeDeploySchema,
+    )
+
+    def check(value, schema, where: str) -> None:
+        if not isinstance(value, dict):
+            return
+        known = {f.alias or name for name, f in schema.model_fields.items()}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{path}: {where}{unknown[0]} is not a key of a Serve config")
+
+    check(raw, ServeDeploySchema, "")
+    check(raw.get("http_options"), HTTPOptionsSchema, "http_options.")
+    for i, app in enumerate(raw.get("applications") or []):
+        check(app, ServeApplicationSchema, f"applications.{i}.")
+        for j, entry in enumerate((app.get("deployments") or []) if isinstance(app, dict) else []):
+            check(entry, DeploymentSchema, f"applications.{i}.deployments.{j}.")
 
 
 def _refuse(path: str, keys: set, prefix: str) -> None:

@@ -121,6 +121,21 @@ def test_serve_config_file_is_read_with_serves_schema(tmp_path):
         bad.write_text(json.dumps({"applications": [{**app, **extra}]}))
         with pytest.raises(ValueError, match=message):
             read_serve_file(str(bad))
+    # keys Serve's schema does not define are named, not dropped (a misspelt args served the
+    # demo checkpoint)
+    for config, where in (
+        ({"applications": [{**app, "argz": {"model": "/m"}}]}, "applications.0.argz"),
+        ({"proxy_locaton": "HeadOnly", "applications": [app]}, "proxy_locaton"),
+        ({"http_options": {"prot": 1}, "applications": [app]}, "http_options.prot"),
+        (
+            {"applications": [{**app, "deployments": [{"name": "OpenAIDeployment",
+                                                        "num_replicaz": 2}]}]},
+            "applications.0.deployments.0.num_replicaz",
+        ),
+    ):  # fmt: skip
+        bad.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"{where} is not a key of a Serve config"):
+            read_serve_file(str(bad))
 
 
 def test_no_model_means_the_demo_checkpoint_said_loudly(tiny_ckpt, tmp_path, monkeypatch, caplog):
@@ -146,3 +161,52 @@ def test_make_tiny_layers_cycle_the_presets_attention_pattern(tmp_path):
     index = checkpoint_index(str(tmp_path / "m"))
     stored = {name.split(".")[1] for name in index if name.startswith("layers.")}
     assert stored == {str(i) for i in range(8)}
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["serve", "--port", "99999"],
+        ["serve", "--port", "0"],
+        ["serve", "--host", ""],
+        ["make-tiny", "--out", "x", "--layers", "0"],
+        ["make-tiny", "--out", "x", "--layers", "-1"],
+    ],
+)
+def test_values_no_command_can_use_are_usage_errors(argv, capsys):
+    from dsv4ray.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2 and "error: argument" in capsys.readouterr().err
+
+
+def test_serve_flags_override_the_config_file(tiny_ckpt, tmp_path, monkeypatch):
+    """--api-key replaces the file's api_key_file (both set was an error), --port the file's
+    port; without flags the file's values hold."""
+    import dsv4ray.entrypoints.serve as serve_module
+
+    seen = {}
+    monkeypatch.setattr(serve_module, "run_server",
+                        lambda config, host, port, *rest: seen.update(config=config, host=host,
+                                                                      port=port) or 0)  # fmt: skip
+    key = tmp_path / "key"
+    key.write_text("k1\n")
+    app = {"name": "dsv4ray", "import_path": "dsv4ray.entrypoints.serve:build_app",
+           "args": {"model": tiny_ckpt, "api_key_file": str(key)}}  # fmt: skip
+    path = tmp_path / "serve.yaml"
+    path.write_text(json.dumps({"http_options": {"port": 8123}, "applications": [app]}))
+    assert main(["serve", "--config", str(path)]) == 0
+    assert seen["config"]["api_key_file"] == str(key) and seen["port"] == 8123
+    assert main(["serve", "--config", str(path), "--api-key", "other", "--port", "8124"]) == 0
+    assert seen["config"]["api_key"] == "other" and "api_key_file" not in seen["config"]
+    assert seen["port"] == 8124
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_make_tiny_on_a_missing_device_or_an_unwritable_path_is_one_line(tmp_path):
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        main(["make-tiny", "--out", str(tmp_path / "m"), "--device", "cuda"])
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match="dsv4ray make-tiny: "):
+        main(["make-tiny", "--out", str(tmp_path / "file" / "m")])

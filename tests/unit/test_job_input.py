@@ -324,3 +324,38 @@ def test_a_sigterm_while_ray_starts_ends_the_job_as_stopped(tmp_path, monkeypatc
     ckpt = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
     assert job.run_job(ckpt, str(src), str(dst)) == job.EXIT_TERMINATED
     assert "dsv4ray job: stopped by SIGTERM, 1 input lines not reached" in capsys.readouterr().err
+
+
+def test_outputs_that_cannot_be_appended_to_are_usage_problems(tmp_path):
+    """An empty name, a folder's name (with or without its slash), a folder that does not
+    exist and a file that cannot be opened are named before any work starts (exit 2), and the
+    check leaves no file behind."""
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    for out in ("", str(tmp_path / "newdir") + "/", str(tmp_path), str(tmp_path / "no" / "o")):
+        assert usage_problem(model, str(src), out, False).startswith("cannot write the output")
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    blocked.chmod(0o500)
+    if not os.access(blocked, os.W_OK):  # root writes anyway: nothing to refuse there
+        assert "cannot write" in usage_problem(model, str(src), str(blocked / "o"), False)
+    out = tmp_path / "fresh.jsonl"
+    assert usage_problem(model, str(src), str(out), False) is None and not out.exists()
+
+
+def test_a_deeply_nested_line_or_a_lone_surrogate_prompt_is_a_bad_line(tmp_path):
+    src = tmp_path / "in.jsonl"
+    deep = "[" * 100_000 + "]" * 100_000
+    src.write_text("\n".join([json.dumps({"id": "a", "prompt": "x"}), deep,
+                              '{"id": "b", "prompt": "\\ud800"}']) + "\n")  # fmt: skip
+    rows = list(job_rows(str(src), {}, 16))
+    assert [(r["id"], r["kind"]) for r in rows] == [("a", "new"), ("", "bad"), ("", "bad")]
+    assert rows[1]["problem"] == "JSON nested too deeply"
+    assert rows[2]["problem"].startswith("'prompt' is not valid text")
+    assert scan_input(str(src), {}, 16) == (3, True)
+
+
+def test_a_null_max_tokens_takes_the_jobs_default():
+    _, item = parse_line(json.dumps({"id": 1, "prompt": "hi", "max_tokens": None}), 7)
+    assert item["params"]["max_tokens"] == 7
