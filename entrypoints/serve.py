@@ -282,11 +282,32 @@ def _start(app, serve_options, host: str, port: int) -> dict:
     except Exception as exc:  # the proxy's bind: a port in use, a host not of this machine
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise SystemExit(f"dsv4ray serve: cannot serve HTTP on {host}:{port}: {first}") from None
+    running = _running_http(host, port)
+    if running is not None:
+        raise SystemExit(
+            f"dsv4ray serve: the cluster's Serve already listens on {running[0]}:{running[1]} "
+            f"(a Serve instance keeps the HTTP options it started with), not {host}:{port}; "
+            f"pass --host {running[0]} --port {running[1]}, or stop it first (serve shutdown)"
+        )
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
     return info
+
+
+def _running_http(host: str, port: int) -> tuple[str, int] | None:
+    """(host, port) of the Serve instance running on the cluster when they are not the ones
+    asked for (serve.start joins a running instance and keeps its options), else None."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        config = _get_global_client().http_config
+        running = (config.host, config.port)
+    except Exception as exc:  # the check is best effort: Serve's client is not public API
+        log.debug("could not read the running Serve's HTTP options: %s", exc)
+        return None
+    return None if running == (host, port) else running
 
 
 def _delete_app() -> None:

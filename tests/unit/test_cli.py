@@ -210,3 +210,24 @@ def test_make_tiny_on_a_missing_device_or_an_unwritable_path_is_one_line(tmp_pat
     (tmp_path / "file").write_text("x")
     with pytest.raises(SystemExit, match="dsv4ray make-tiny: "):
         main(["make-tiny", "--out", str(tmp_path / "file" / "m")])
+
+
+def test_a_running_serve_on_another_port_is_named(monkeypatch):
+    """serve.start joins a Serve instance already on the cluster and keeps its HTTP options:
+    the command names where it listens instead of announcing a port nothing answers."""
+    from types import SimpleNamespace
+
+    import ray.serve.context
+
+    from dsv4ray.entrypoints.serve import _running_http
+
+    running = SimpleNamespace(http_config=SimpleNamespace(host="127.0.0.1", port=8123))
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", lambda: running)
+    assert _running_http("127.0.0.1", 8123) is None
+    assert _running_http("127.0.0.1", 8124) == ("127.0.0.1", 8123)
+
+    def no_client():
+        raise RuntimeError("no Serve")
+
+    monkeypatch.setattr(ray.serve.context, "_get_global_client", no_client)
+    assert _running_http("127.0.0.1", 8124) is None
