@@ -221,8 +221,11 @@ class Scheduler:
         verify = end > req.num_tokens
         req.num_computed_tokens = req.num_tokens + len(accepted)
         req.rejected = spec.rejected_span(req, end)
-        self.kv.settle_snapshot(req)  # before any release: a snapshot past the end is dropped
         appended, reason = spec.append_verified(req, [*accepted, token], self._stop_reason)
+        # a stop inside the accepted drafts keeps fewer tokens than the step computed: a
+        # snapshot past them holds state for tokens the request does not have
+        req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)
+        self.kv.settle_snapshot(req)  # before any release: a snapshot past the end is dropped
         outcome.tokens[req.req_id] = appended[-1]
         if verify:
             outcome.extra_tokens[req.req_id] = appended[:-1]

@@ -157,6 +157,37 @@ def test_requests_that_stop_mid_draft_end_where_plain_decoding_ends(trained_llm,
     assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
 
 
+def test_a_stop_inside_accepted_drafts_at_a_page_boundary_keeps_the_pool_whole(
+    trained_llm, trained_ref
+):
+    """A verification step that ends on a page boundary (its prefix snapshot there) and stops
+    on an accepted draft before its last: the request ends where plain decoding ends, and no
+    snapshot of tokens it does not have reaches the prefix cache (the release raised, the
+    call's outputs were lost and the request held its page for good)."""
+    import collections
+    import inspect
+    import json as json_module
+
+    tok, page = trained_llm.tokenizer, trained_llm.core.scheduler.kv.page_size
+    text = inspect.getsource(json_module) + inspect.getsource(collections)
+    prompts, params, want = [], [], []
+    for start in (2100, 2600, 3100):  # code the drafts guess well
+        # the first verify step writes the sampled token and 3 drafts up to the boundary
+        prompt = tok.encode(text[start : start + 400])[: page - 4]
+        ref = reference_greedy(trained_ref, prompt, 6)
+        for j in (1, 2):
+            prompts.append(prompt)
+            params.append(SamplingParams(max_tokens=6, ignore_eos=True, stop_token_ids=[ref[j]]))
+            want.append(ref[: ref.index(ref[j]) + 1])
+    outs = trained_llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == want
+    assert sum(o.metrics.num_accepted_draft_tokens for o in outs) > 0
+    stats = trained_llm.core.stats()
+    assert stats["num_running"] == 0
+    assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
+    trained_llm.core.check_integrity()
+
+
 def test_a_draft_pass_that_raises_costs_proposals_never_tokens(trained_llm, trained_ref):
     """A draft pass that fails (device OOM, a kernel error) is counted and logged; its step's
     tokens stand, later steps draft again, and the engine keeps serving."""
