@@ -237,7 +237,7 @@ def run_server(
         # before the line that says so goes out, so a signal right after it only sets ``stop``
         stop = _stop_on_signals(stop)
         stop.serving = True
-        print(startup_line(info, host, port), flush=True)
+        print(startup_line(info, *info["http"]), flush=True)
         # short waits: a signal the OS hands to one of Ray's threads runs its Python handler
         # only when this (main) thread next runs, so it must never sleep long
         while not stop.wait(0.2):
@@ -274,7 +274,8 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
 
 
 def _start(app, serve_options, host: str, port: int) -> dict:
-    """Runs the application -> its engine's info."""
+    """Runs the application -> its engine's info, and under "http" the (host, port) it is
+    served at."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
     try:
@@ -283,17 +284,18 @@ def _start(app, serve_options, host: str, port: int) -> dict:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         raise SystemExit(f"dsv4ray serve: cannot serve HTTP on {host}:{port}: {first}") from None
     running = _running_http(host, port)
-    if running is not None:
-        raise SystemExit(
-            f"dsv4ray serve: the cluster's Serve already listens on {running[0]}:{running[1]} "
-            f"(a Serve instance keeps the HTTP options it started with), not {host}:{port}; "
-            f"pass --host {running[0]} --port {running[1]}, or stop it first (serve shutdown)"
+    if running is not None:  # as serve run does, the app goes where Serve listens: say where
+        print(
+            f"dsv4ray serve: WARNING: the cluster's Serve already listens on {running[0]}:"
+            f"{running[1]} (a Serve instance keeps the HTTP options it started with), not "
+            f"{host}:{port}; serving there (serve shutdown first to move it)",
+            file=sys.stderr,
         )
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    return info
+    return {**info, "http": running or (host, port)}
 
 
 def _running_http(host: str, port: int) -> tuple[str, int] | None:

@@ -214,7 +214,7 @@ def test_make_tiny_on_a_missing_device_or_an_unwritable_path_is_one_line(tmp_pat
 
 def test_a_running_serve_on_another_port_is_named(monkeypatch):
     """serve.start joins a Serve instance already on the cluster and keeps its HTTP options:
-    the command names where it listens instead of announcing a port nothing answers."""
+    the command finds where it listens, to announce that instead of a port nothing answers."""
     from types import SimpleNamespace
 
     import ray.serve.context
