@@ -266,7 +266,7 @@ class KVCacheManager:
         """Give back every id the request holds. Its tokens up to the newest committed snapshot
         go into the radix index, which keeps the new pages and the snapshot if it adopts it."""
         free_pages, snap = req.page_ids, req.snapshot
-        if snap is not None and self.prefix_caching and snap.boundary <= len(req.token_ids):
+        if snap is not None and self.prefix_caching:
             num_pages = snap.boundary // self.page_size
             result = self.radix.insert(
                 req.token_ids[: snap.boundary],

@@ -234,7 +234,7 @@ def _add_make_tiny(sub) -> None:
     )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
-        "--layers", type=_positive, default=None, help="num_hidden_layers (default: preset's)"
+        "--layers", type=_positive_int, default=None, help="num_hidden_layers (default: preset's)"
     )
     tiny.add_argument(
         "--device",
@@ -274,13 +274,6 @@ def _host(text: str) -> str:
     if not text.strip():
         raise argparse.ArgumentTypeError("an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
     return text
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"at least 1, got {value}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

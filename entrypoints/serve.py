@@ -232,12 +232,12 @@ def run_server(
             app = application(config, deployment)
         except ValueError as exc:
             raise SystemExit(f"dsv4ray serve: {exc}") from None
-        info = _start(app, serve_options, host, port)
+        info, (host, port) = _start(app, serve_options, host, port)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
         stop = _stop_on_signals(stop)
         stop.serving = True
-        print(startup_line(info, *info["http"]), flush=True)
+        print(startup_line(info, host, port), flush=True)
         # short waits: a signal the OS hands to one of Ray's threads runs its Python handler
         # only when this (main) thread next runs, so it must never sleep long
         while not stop.wait(0.2):
@@ -273,9 +273,8 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         log.warning("%s did not finish in %.0f s; stopping without it", what, timeout_s)
 
 
-def _start(app, serve_options, host: str, port: int) -> dict:
-    """Runs the application -> its engine's info, and under "http" the (host, port) it is
-    served at."""
+def _start(app, serve_options, host: str, port: int) -> tuple[dict, tuple[str, int]]:
+    """Runs the application -> (its engine's info, the (host, port) it is served at)."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
     try:
@@ -295,7 +294,7 @@ def _start(app, serve_options, host: str, port: int) -> dict:
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    return {**info, "http": running or (host, port)}
+    return info, running or (host, port)
 
 
 def _running_http(host: str, port: int) -> tuple[str, int] | None:
