@@ -110,6 +110,11 @@ class StagePools:
             kv.index_fill_(0, idx, 0.0)  # a scalar argument: `kv[idx] = 0.0` copies it over
             score.index_fill_(0, idx, float("-inf"))  # with a blocking copy
 
+    def reset_hot_rows(self, slots: list[int]) -> None:
+        """With HiSparse, empties the hot rows of `slots` (their rings left as they are)."""
+        if self.hisparse is not None and slots:
+            self.hisparse.reset_slots(slots)
+
     def reset_c128_rows(self, resets: list[tuple[int, range]]) -> None:
         """Empties the C128 ring rows of positions that rejected draft tokens wrote: resets
         [(state slot, positions)], in every C128 layer with one fill of each tensor."""

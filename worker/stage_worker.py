@@ -465,7 +465,9 @@ class StageWorker:
 
     def _add(self, new: NewRequest) -> None:
         self.tables[new.req_id] = ReqTable(new.state_slot, new.page_ids, new.window_page_ids)
-        if new.state_copy_from != STATE_TRANSFERRED:  # else a handoff wrote the rings
+        if new.state_copy_from == STATE_TRANSFERRED:  # a handoff wrote the rings, not the
+            self.pools.reset_hot_rows([new.state_slot])  # hot rows the slot's last user left
+        else:
             self.pools.reset_rings([new.state_slot])  # C128 ring: empty at a page boundary
         if new.state_copy_from >= 0:
             self.pools.copy_c4_rings([self.pools.cached_row(new.state_copy_from)], [new.state_slot])

@@ -17,6 +17,7 @@ from dsv4ray.worker.pd.listen_filter import admit_only, listening_sockets
 LENGTHS = [1, 127, 128, 129, 255, 256, 257, 300]
 GREEDY = SamplingParams(max_tokens=4, ignore_eos=True)
 WITH_LOGPROBS = SamplingParams(max_tokens=2, ignore_eos=True, logprobs=2)
+SEQUENTIAL = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=1)
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +83,20 @@ def test_a_hisparse_decode_side_takes_handoffs_token_exact(ray_session, tiny_ckp
         assert stats["pd_remote_prefills"] == len(prompts) and stats["pd_local_prefills"] == 0
         assert stats["hisparse_misses"] > 0
         assert_nothing_held(llm)
+        # one at a time, each handed into a state slot an earlier request left: its hot rows
+        # start empty (rows kept from that request point at its C4 entries, and decoding would
+        # read them: logprobs off by 1e-2)
+        got = [llm.generate([p], SEQUENTIAL)[0] for p in prompts[-3:]]
+        assert_nothing_held(llm)
     finally:
         llm.shutdown()
+    ref = LLM(tiny_ckpt, kv_cache_dtype="fp32")
+    try:
+        want = ref.generate(prompts[-3:], SEQUENTIAL)
+    finally:
+        ref.shutdown()
+    for out, ref_out in zip(got, want):
+        assert_logprobs_equal(out, ref_out)
 
 
 # prefill pp 2 and decode pp 2: tests/ray/test_combinations.py (with drafts and the host tier)
@@ -107,10 +120,16 @@ def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefi
     # the first token's logprobs travel with the handoff
     got = llm.generate(prompts[-2:], WITH_LOGPROBS)
     for out, ref in zip(got, colocated[1]):
-        assert out.token_ids == ref.token_ids
-        for step, ref_step in zip(out.logprobs, ref.logprobs):
-            assert step.keys() == ref_step.keys()
-            assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step)
+        assert_logprobs_equal(out, ref)
+
+
+def assert_logprobs_equal(out, ref) -> None:
+    """Same tokens and, at every step, the same top logprobs (fp32 pages: within 1e-4)."""
+    assert out.token_ids == ref.token_ids
+    assert len(out.logprobs) == len(ref.logprobs) == len(ref.token_ids)
+    for step, ref_step in zip(out.logprobs, ref.logprobs):
+        assert step.keys() == ref_step.keys()
+        assert all(abs(step[t] - ref_step[t]) < 1e-4 for t in step), (step, ref_step)
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:
