@@ -23,10 +23,14 @@ from collections import deque
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from dsv4ray.actors.draft import DraftActor
 from dsv4ray.actors.host_tier import host_tier_for_node
+from dsv4ray.actors.processes import end_processes
 from dsv4ray.actors.stage import StageActor
 from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
@@ -59,6 +63,7 @@ class RayPipeline:
         ensure_ray()
         self.config, self.cfg = config, cfg
         self.use_gpu = config.device == "cuda"
+        self.processes: list[tuple[str, int]] = []  # (node id, pid) of GPU actors
         # results one step late: the last stage launches a step and returns the one before
         # (overlap scheduling, or micro-batches beyond one per stage)
         self.lag = config.lags_last_stage
@@ -108,6 +113,8 @@ class RayPipeline:
         self.draft = self._draft_actor() if ec.speculative_num_steps else None
         infos = self.infos = self._get([a.ready.remote() for a in self.actors])
         draft_info = [self._get(self.draft.ready.remote())] if self.draft is not None else []
+        if self.use_gpu:  # their device memory is free again only once these have exited
+            self.processes = [(info["node"], info["pid"]) for info in infos + draft_info]
         devices = [info["gpu"] for info in infos]
         self._link_stages(devices)  # before sizing: the rings take device memory
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
@@ -365,7 +372,7 @@ class RayPipeline:
         if self.dag is not None:  # before a stuck survivor is killed below
             self.dag.record_grown_channels()
         _stop_actors(self._all_actors)
-        self._teardown()
+        self._teardown()  # returns once the old actors' processes let go of their GPU memory
         self._build()
 
     def _teardown(self) -> None:
@@ -376,6 +383,8 @@ class RayPipeline:
             self.dag = None
         _stop_actors(self._all_actors)
         self.actors, self.draft = [], None
+        _await_exits(self.processes)
+        self.processes = []
 
     def shutdown(self) -> None:
         self._teardown()
@@ -403,6 +412,39 @@ def _stop_actors(actors: list) -> None:
         if ref not in done:
             log.warning("stage actor did not exit in %.0f s; killing it", EXIT_TIMEOUT_S)
             ray.kill(actor, no_restart=True)
+
+
+@ray.remote(num_cpus=0)
+def _end_processes_task(pids: list[int], timeout_s: float) -> list[int]:
+    return end_processes(pids, timeout_s)
+
+
+def _await_exits(processes: list[tuple[str, int]]) -> None:
+    """Returns once the stopped actors' worker processes ((node id, pid) each) are gone. Ray
+    reports an actor dead before its process has let go of what it holds: a GPU stage's device
+    memory stays taken for seconds while CUDA tears down, and a pipeline sizing its pools on that
+    GPU meanwhile (the next engine of this process, a rebuild) would count it as used. A process
+    still running EXIT_TIMEOUT_S after its actor exited is killed."""
+    by_node: dict[str, list[int]] = {}
+    for node, pid in processes:
+        by_node.setdefault(node, []).append(pid)
+    here = ray.get_runtime_context().get_node_id()
+    refs = {
+        node: _end_processes_task.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+        ).remote(pids, EXIT_TIMEOUT_S)
+        for node, pids in by_node.items()
+        if node != here
+    }
+    left = {here: end_processes(by_node[here], EXIT_TIMEOUT_S)} if here in by_node else {}
+    for node, ref in refs.items():
+        try:
+            left[node] = ray.get(ref, timeout=EXIT_TIMEOUT_S + 60)
+        except Exception as exc:  # the node itself is gone, and its processes with it
+            log.info("stage processes on node %s not checked: %s", node[:12], describe(exc))
+    for node, pids in left.items():
+        if pids:
+            log.warning("stage actor processes %s on node %s outlived a SIGKILL", pids, node[:12])
 
 
 def _unlink(path: str) -> None:

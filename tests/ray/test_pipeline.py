@@ -315,3 +315,34 @@ def test_stages_killed_while_idle_are_replaced_before_the_next_request(
         out = asyncio.run(_answer(engine, prompt))
         assert out.finish_reason == "length" and out.error is None
         assert out.token_ids == reference_greedy(tiny_model, prompt, 5)
+
+
+@ray.remote(num_cpus=0)
+class _TorchActor:
+    """Exits as slowly as a stage actor does: torch's teardown runs after Ray reports it dead."""
+
+    def where(self) -> tuple:
+        torch.ones(2).sum()
+        return ray.get_runtime_context().get_node_id(), os.getpid()
+
+
+def test_stopped_gpu_stage_processes_are_gone_before_the_next_pools_are_sized(ray_session):
+    # a GPU stage's memory is free again only when its process has exited, which happens up to
+    # seconds after Ray reports the actor dead: the teardown waits for the processes, so that the
+    # next engine (or a rebuild) sizes its pools from memory that is really free
+    from dsv4ray.actors.processes import process_running
+    from dsv4ray.cluster.pipeline import _await_exits, _end_processes_task, _stop_actors
+
+    actors = [_TorchActor.remote() for _ in range(2)]
+    processes = ray.get([a.where.remote() for a in actors])
+    _stop_actors(actors)
+    _await_exits(processes)
+    assert not any(process_running(pid) for _, pid in processes), processes
+    # on another node the wait runs in a task pinned there (here: this node, by hand)
+    actor = _TorchActor.remote()
+    node, pid = ray.get(actor.where.remote())
+    _stop_actors([actor])
+    strategy = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(node, soft=False)
+    task = _end_processes_task.options(scheduling_strategy=strategy)
+    assert ray.get(task.remote([pid], 10.0), timeout=60) == []
+    assert not process_running(pid)
