@@ -32,10 +32,15 @@ def test_index_share_checkpoints_equal_reference(tmp_path, overrides):
     llm = LLM(path, kv_cache_dtype="fp32")
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True))
+        scored = llm.score(prompts)
     finally:
         llm.shutdown()
-    for prompt, out in zip(prompts, outs):
+    for prompt, out, logp in zip(prompts, outs, scored):
         assert out.token_ids == reference_greedy(model, prompt, 5)
+        # every position's distribution, not only five argmaxes: a sharing layer that reused
+        # another layer's top-k kept most greedy tokens and moved logprobs by up to 1.4
+        ref = torch.log_softmax(model(torch.tensor([prompt]))[0], dim=-1)
+        assert (logp - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
 @pytest.fixture(scope="module")

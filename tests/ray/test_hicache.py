@@ -7,6 +7,7 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
+from dsv4ray.cache.host_pool import HostLayout
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import PRESETS, make_tiny
 from tests.oracle import reference_greedy
@@ -119,6 +120,12 @@ def test_a_request_half_from_the_host_tier_beside_preemptions_at_pp2_is_exact(
         prompts = rows + fills[:2]
         outs = llm.generate(prompts, params)
         llm.core.check_integrity()
+        # each stage's host region holds its own layers' pages: together, one model's worth
+        pipe = llm.core.pipeline
+        whole = HostLayout(pipe.cfg, 0, pipe.cfg.num_hidden_layers, "fp32", **pipe.host_args)
+        stages = [HostLayout(pipe.cfg, s, e, "fp32", **pipe.host_args) for s, e in pipe.ranges]
+        assert [r["nbytes"] for r in pipe.regions] == [layout.nbytes for layout in stages]
+        assert sum(r["nbytes"] for r in pipe.regions) == whole.nbytes
     finally:
         llm.shutdown()
     assert outs[-1].metrics.num_host_cached_tokens > 0

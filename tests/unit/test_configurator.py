@@ -2,9 +2,10 @@
 
 import logging
 import math
+from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dsv4ray.cache.configurator import (
@@ -135,18 +136,20 @@ def _stage_bytes(ratios_slice, entry_bytes, max_running, num_cached, tokens):
 
 @settings(max_examples=60, deadline=None)
 @given(available=st.floats(0.2 * GIB, 64 * GIB), max_running=st.integers(1, 256))
+@example(available=260791616.0, max_running=50)  # exactly one page and no rounding to spare
 def test_gpu_sizing_fills_the_budget_up_to_one_page(available, max_running):
+    # the sizing keeps back one window page for rounding the window pool up, needed or not
+    window_page = 128 * FP8["window"] * len(HALF)
     try:
         cap = size_stage(
             0, 0, 8, RATIOS, SKIP, FP8, available_bytes=available, max_running_requests=max_running
         )
     except ValueError:
-        assert _stage_bytes(HALF, FP8, max_running, 4 * max_running, 256) > available
+        assert _stage_bytes(HALF, FP8, max_running, 4 * max_running, 256) + window_page > available
         return
     used = _stage_bytes(HALF, FP8, max_running, 4 * max_running, cap.num_full_tokens)
     assert used <= available
-    # tight up to one page, and the window page the rounding may need
-    window_page = 128 * FP8["window"] * len(HALF)
+    # tight up to one page, and the window page
     more = _stage_bytes(HALF, FP8, max_running, 4 * max_running, cap.num_full_tokens + 256)
     assert more + window_page > available
 
@@ -255,3 +258,29 @@ def test_each_stage_of_an_asymmetric_model_allocates_what_its_sizing_priced(dtyp
         # within a page of full tokens and the window page rounding may leave unused
         slack = 256 * cap.bytes_per_full_token + 128 * entry_bytes["window"] * (end - start)
         assert budget - slack < used <= budget, (stage, used, budget, slack)
+
+
+def test_a_pipeline_on_one_device_splits_it_by_each_stages_own_slice(tiny_ckpt, tmp_path):
+    # stage 0 holds three window-only layers, stage 1 the compressed ones (twice its cost per
+    # token): priced by the whole model, the two shares came out equal and stage 1's half bound
+    # the pipeline to 76% of the memory; by their own slices they fill it
+    import json
+
+    from dsv4ray.cache.layout import KINDS, layout_for
+    from dsv4ray.config import ModelConfig
+    from dsv4ray.engine.config import EngineConfig
+    from dsv4ray.worker.pool_sizing import size_pipeline
+
+    raw = json.loads((Path(tiny_ckpt) / "config.json").read_text())
+    raw.update(num_hidden_layers=8, compress_ratios=[0, 0, 0, 4, 4, 128, 4, 4, 0])
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = ModelConfig.from_hf(str(tmp_path))
+    ec = EngineConfig(str(tmp_path), pp_size=2, kv_cache_dtype="fp8", device="cuda")
+    entry_bytes = {k: layout_for(k, "fp8").bytes_per_entry for k in KINDS}
+    skip = [spec.skip_topk for spec in cfg.layers]
+    weights = [bytes_per_full_token(cfg.layer_ratios[s:e], skip[s:e], entry_bytes)
+               for s, e in split_layers(8, 2)]  # fmt: skip
+    assert weights[1] > 1.5 * weights[0]
+    free = 40 * GIB
+    tokens = size_pipeline(cfg, ec, [free, free], ["gpu-0", "gpu-0"]).num_full_tokens
+    assert 0.95 * free <= tokens * sum(weights) <= free
