@@ -40,7 +40,10 @@ class AsyncEngine:
         self.core = build_engine_core(config or engine_config(model, **options), placement)
         self.config = self.core.config
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # per request id: its caller's loop and stream, or, once the caller left, the event
+        # that the engine thread sets when it has aborted the request
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue | asyncio.Event]]
+        self._streams = {}
         self._ids = itertools.count()
         self._stopped = threading.Event()
         self._next_liveness = time.monotonic() + LIVENESS_S
@@ -69,16 +72,19 @@ class AsyncEngine:
         """
         req_id = request_id or f"req-{next(self._ids)}"
         ids = self.core.prompt_ids(prompt)
+        await self._released(req_id)
         if req_id in self._streams:  # the running request's stream stays its own
             raise ValueError(f"request id {req_id!r} is already in use")
+        loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[req_id] = (asyncio.get_running_loop(), stream)
+        self._streams[req_id] = (loop, stream)
         try:
             await self._call("add", req_id, ids, params or SamplingParams())
         except BaseException as exc:
-            self._streams.pop(req_id, None)
             if isinstance(exc, asyncio.CancelledError):  # the add may have run all the same
-                self._commands.put(("abort", req_id, None))
+                self._close(req_id, loop)
+            else:
+                self._streams.pop(req_id, None)
             raise
         finished = False
         try:
@@ -89,9 +95,22 @@ class AsyncEngine:
                     finished = True
                     return
         finally:
-            self._streams.pop(req_id, None)
-            if not finished:
-                self._commands.put(("abort", req_id, None))
+            if finished:
+                self._streams.pop(req_id, None)
+            else:
+                self._close(req_id, loop)
+
+    def _close(self, req_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        """A stream its caller left: the id stays taken, and updates the engine still makes for
+        it go nowhere, until the engine thread has aborted the request (``_apply``); a request
+        that reuses the id meanwhile waits for that instead of receiving them."""
+        self._streams[req_id] = (loop, asyncio.Event())
+        self._commands.put(("abort", req_id, None))
+
+    async def _released(self, req_id: str) -> None:
+        entry = self._streams.get(req_id)
+        if entry is not None and isinstance(entry[1], asyncio.Event):
+            await entry[1].wait()
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
@@ -174,6 +193,10 @@ class AsyncEngine:
             out = self.core.abort(args[0], "aborted by the caller")
             if out is not None:
                 self._deliver(RequestUpdate(args[0], output=out))
+            target = self._streams.get(args[0])
+            if target is not None and isinstance(target[1], asyncio.Event):  # a closed stream
+                del self._streams[args[0]]
+                target[0].call_soon_threadsafe(target[1].set)
         elif kind == "stats":
             return self.core.stats()
         return None
@@ -182,6 +205,6 @@ class AsyncEngine:
         target = self._streams.get(update.request_id)
         if update.output is not None:
             self.core.pop_output(update.request_id)
-        if target is not None:
+        if target is not None and isinstance(target[1], asyncio.Queue):  # else its caller left
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, update)

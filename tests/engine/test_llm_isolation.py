@@ -219,7 +219,7 @@ def test_a_failed_rebuild_ends_the_waiting_requests_and_the_next_one_is_served(
         engine.shutdown()
 
 
-def test_a_request_id_in_use_is_refused_and_its_running_stream_keeps_its_tokens(
+def test_a_request_id_in_use_is_refused_and_a_left_ones_reuse_gets_only_its_own_tokens(
     tiny_ckpt, tiny_model
 ):
     from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -235,9 +235,28 @@ def test_a_request_id_in_use_is_refused_and_its_running_stream_keeps_its_tokens(
         rest = [u async for u in first]
         return [*opened.token_ids, *(t for u in rest for t in u.token_ids)], rest[-1].output
 
+    async def reuse_after_leaving():
+        # the caller leaves a running stream and at once reuses its id: the old request is
+        # still stepping, and none of its updates (nor its abort) may reach the new stream
+        results = []
+        for _ in range(3):
+            old = engine.generate(PROMPTS[0], long, request_id="again")
+            for _ in range(3):
+                await old.__anext__()
+            await old.aclose()
+            updates = [u async for u in engine.generate(PROMPTS[1], params, request_id="again")]
+            results.append(([t for u in updates for t in u.token_ids], updates[-1].output))
+        return results
+
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
     try:
         tokens, out = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
         assert tokens == out.token_ids == reference_greedy(tiny_model, PROMPTS[0], 12)
+        want = reference_greedy(tiny_model, PROMPTS[1], 12)
+        for tokens, out in asyncio.run(asyncio.wait_for(reuse_after_leaving(), timeout=120)):
+            assert tokens == out.token_ids == want
+            assert out.finish_reason == "length" and out.error is None
+        engine.core.check_integrity()
     finally:
         engine.shutdown()
 
