@@ -339,7 +339,10 @@ class PrefillCore(EngineCore):
     def add_prefill(self, request: PrefillRequest) -> None:
         """ValueError when the prompt cannot run here (too long for these pools, ...)."""
         params = SamplingParams.from_dict(request.sampling)
-        params = dataclasses.replace(params, max_tokens=1, seed=request.seed)
+        # the first token alone: with min_tokens >= 1 it still may not end the request
+        params = dataclasses.replace(
+            params, max_tokens=1, min_tokens=min(params.min_tokens, 1), seed=request.seed
+        )
         self.add_request(request.key, list(request.prompt_ids), params)
         self.requests[request.key] = request
 

@@ -123,6 +123,19 @@ def test_decode_tokens_equal_colocated_ones(pd_engine, prompts, colocated, prefi
         assert_logprobs_equal(out, ref)
 
 
+def test_requests_with_min_tokens_are_prefilled_remotely(pd_engine, prompts, colocated):
+    # the prefill engine samples the first token alone (max_tokens 1): a request's min_tokens
+    # above that must not make it refuse the request (it was prefilled locally, PD skipped)
+    llm = pd_engine(1, 1)
+    before = llm.core.stats()
+    params = SamplingParams(max_tokens=4, ignore_eos=True, min_tokens=3)
+    outs = llm.generate(prompts[:3], params)
+    stats = llm.core.stats()
+    assert stats["pd_remote_prefills"] - before["pd_remote_prefills"] == 3
+    assert stats["pd_local_prefills"] == before["pd_local_prefills"]
+    assert [o.token_ids for o in outs] == colocated[0][:3]
+
+
 def assert_logprobs_equal(out, ref) -> None:
     """Same tokens and, at every step, the same top logprobs (fp32 pages: within 1e-4)."""
     assert out.token_ids == ref.token_ids
