@@ -250,11 +250,15 @@ def build_pd_core(config: EngineConfig, model_config: ModelConfig, placement=Non
     sharing = config.device == "cuda" and config.num_gpus_per_stage < 1
     if sharing:
         client.info = ray.get(client.actor.ready.remote(), timeout=READY_TIMEOUT_S)
+    pipeline = None
     try:
         pipeline = RayPipeline(config, model_config, placement, kv_transfer=True)
         if not sharing:
             client.info = ray.get(client.actor.ready.remote(), timeout=READY_TIMEOUT_S)
+        core = DecodeCore(config, model_config, pipeline, client)
     except BaseException:
+        if pipeline is not None:
+            pipeline.shutdown()
         ray.kill(client.actor, no_restart=True)
         raise
     log.info(
@@ -263,4 +267,4 @@ def build_pd_core(config: EngineConfig, model_config: ModelConfig, placement=Non
         config.pp_size,
         config.pd_protocol,
     )
-    return DecodeCore(config, model_config, pipeline, client)
+    return core

@@ -22,6 +22,7 @@ import uuid
 from collections import deque
 
 import ray
+from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
     NodeAffinitySchedulingStrategy,
@@ -48,6 +49,7 @@ from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 log = logging.getLogger("dsv4ray.pipeline")
 
 EXIT_TIMEOUT_S = 10.0  # a stage actor not gone this long after being asked to exit is killed
+STARTUP_WORK = "starting (actors, weights, pools, graph captures)"
 
 
 class RayPipeline:
@@ -96,13 +98,17 @@ class RayPipeline:
         self.key = uuid.uuid4().hex[:12]
         self.kv_transfer = kv_transfer
         self.kv_endpoints: tuple[StageEndpoint, ...] = ()
-        # transfer engines bound to the node's address: the bind library preloaded per bundle
-        self.runtime_envs = (
-            stage_runtime_envs(self.pg, len(self.ranges), config.startup_timeout_s)
-            if kv_transfer
-            else [None] * len(self.ranges)
-        )
-        self._build()
+        try:
+            # transfer engines bound to the node's address: the bind library preloaded per bundle
+            self.runtime_envs = (
+                stage_runtime_envs(self.pg, len(self.ranges), config.startup_timeout_s)
+                if kv_transfer
+                else [None] * len(self.ranges)
+            )
+            self._build()
+        except BaseException:  # nothing it took stays taken: actors, regions, the group
+            self.shutdown()
+            raise
 
     def _build(self) -> None:
         """Starts the stage actors, sizes and allocates their pools, maps the host tier and
@@ -204,7 +210,16 @@ class RayPipeline:
         """ray.get bounded by the startup timeout (a build's actor starts, weight loads and graph
         captures), or by the step timeout for calls while serving."""
         ec = self.config
-        return ray.get(refs, timeout=ec.startup_timeout_s if startup else ec.execution_timeout_s)
+        timeout_s = ec.startup_timeout_s if startup else ec.execution_timeout_s
+        try:
+            return ray.get(refs, timeout=timeout_s)
+        except GetTimeoutError:
+            what = STARTUP_WORK if startup else "a call while serving"
+            name = "startup_timeout_s" if startup else "execution_timeout_s"
+            raise TimeoutError(
+                f"the pipeline's stage actors did not finish {what} within {name}="
+                f"{timeout_s:g} s; raise it for large checkpoints or slow nodes"
+            ) from None
 
     @property
     def _all_actors(self) -> list:

@@ -157,6 +157,11 @@ class EngineConfig:
     def _check_combinations(self) -> None:
         if self.host_cache_tokens is not None and not self.enable_hicache:
             raise ValueError("host_cache_tokens is set but enable_hicache is False")
+        if self.hicache_write_policy != "write_through" and not self.enable_hicache:
+            raise ValueError(
+                f"hicache_write_policy={self.hicache_write_policy!r} is set but enable_hicache "
+                "is False"
+            )
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(
                 f"hicache_write_policy must be one of {WRITE_POLICIES}, got "

@@ -37,6 +37,10 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
                                      model_source=config.model)  # fmt: skip
     check_checkpoint(config.model)  # a broken file is a ValueError naming it, before any actor
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+    if config.enable_hisparse:  # the model's top-k bounds the hot rows: refused before any actor
+        from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
+
+        resolve_hot_rows(model_config.index_topk, config.hisparse_hot_rows)
     if config.speculative_num_steps:  # a checkpoint that cannot draft fails here, by name
         from dsv4ray.model.loader import missing_draft_tensors
 
@@ -57,4 +61,8 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
             raise ValueError("device='cuda', but this process sees no CUDA GPU "
                              "(torch.cuda.is_available() is False)")  # fmt: skip
         pipeline = LocalPipeline(config, model_config)
-    return EngineCore(config, model_config, pipeline)
+    try:
+        return EngineCore(config, model_config, pipeline)
+    except BaseException:  # its stage actors and their placement group go with it
+        pipeline.shutdown()
+        raise

@@ -221,6 +221,25 @@ def test_a_pipeline_no_node_can_hold_fails_at_once_saying_what_it_asked(ray_sess
         LLM(tiny_ckpt, pp_size=2, device="cuda")
 
 
+def test_a_build_that_fails_says_which_timeout_and_gives_back_what_it_took(ray_session, tiny_ckpt):
+    # stage actors cannot import torch and load weights within a second: the build fails, names
+    # the option to raise, and leaves no placement group behind (each failure kept one, and a
+    # few of them left no CPU for the next engine)
+    def groups() -> int:
+        return sum(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values())
+
+    before = groups()
+    for _ in range(2):
+        with pytest.raises(TimeoutError, match="startup_timeout_s=1 s"):
+            LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, use_ray=True, startup_timeout_s=1.0)
+        assert groups() == before
+    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, use_ray=True)
+    try:
+        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+    finally:
+        llm.shutdown()
+
+
 def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(ray_session):
     # the head node's own resource (1.0, which no other test asks for): a holder takes 0.9, so
     # two stages of 0.1 each can be placed some day, not now

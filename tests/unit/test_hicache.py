@@ -120,3 +120,13 @@ def test_lost_host_tier_drops_host_residency():
     done = _run_rounds(sched, stage, [[4] * 30], params)[0]
     assert done.output_token_ids == reference([4] * 30, params)[0]
     assert done.num_host_cached_tokens == 0
+
+
+def test_host_tier_options_without_the_host_tier_are_refused_by_name(tiny_ckpt):
+    from dsv4ray.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="host_cache_tokens is set but enable_hicache"):
+        EngineConfig(tiny_ckpt, host_cache_tokens=4096)
+    with pytest.raises(ValueError, match="hicache_write_policy='write_back' is set but enable_hi"):
+        EngineConfig(tiny_ckpt, hicache_write_policy="write_back")
+    EngineConfig(tiny_ckpt, hicache_write_policy="write_back", enable_hicache=True)

@@ -195,6 +195,15 @@ def test_options_are_validated_with_their_names(tiny_ckpt):
         EngineConfig(tiny_ckpt, enable_hisparse="yes")
     with pytest.raises(ValueError, match=r"hisparse_hot_rows must be in \[index_topk \+ 1"):
         resolve_hot_rows(16, 16)
+    # against the checkpoint's top-k, before a stage actor (or Ray) starts
+    import sys
+
+    from dsv4ray import LLM
+
+    ray_was_up = "ray" in sys.modules and sys.modules["ray"].is_initialized()
+    with pytest.raises(ValueError, match=r"\[17, 8192\], got 16"):
+        LLM(tiny_ckpt, enable_hisparse=True, hisparse_hot_rows=16, pp_size=2, use_ray=True)
+    assert ray_was_up or "ray" not in sys.modules or not sys.modules["ray"].is_initialized()
 
 
 def test_cli_flags_become_llm_options():
