@@ -1,6 +1,7 @@
 """HiSparse engine (pp 1) against the all-on-device engine: the same greedy tokens with fp32
 pages while hot rows miss, for a batch of different lengths with a preemption and for a request
-that starts from a cached prefix; fp8 pages pass the KL gates; the host store refuses what it
+that starts from a cached prefix, with MTP drafts (verification steps of several tokens a
+request); fp8 pages pass the KL gates; the host store refuses what it
 cannot hold; stats report hits, misses and bytes."""
 
 import pytest
@@ -56,6 +57,24 @@ def test_mixed_lengths_with_a_preemption_equal_all_on_device(engines):
     assert after["hisparse_misses"] - before["hisparse_misses"] > 0
     assert after["hisparse_hits"] - before["hisparse_hits"] > 0
     _check(hisparse)
+
+
+def test_drafts_with_hisparse_in_process_equal_all_on_device(engines, topk4_ckpt):
+    # verification steps of k + 1 tokens a request read their history pages through the host
+    # store too (the pages a step needs counted by its last position, not its first)
+    _, device = engines
+    prompts = _prompts([250, 129, 9], seed=4)
+    options = dict(enable_hisparse=True, hisparse_host_tokens=POOL_TOKENS, use_ray=False)
+    llm = LLM(topk4_ckpt, kv_cache_dtype="fp32", max_num_batched_tokens=512,
+              speculative_num_steps=2, **options)  # fmt: skip
+    try:
+        got = llm.generate(prompts, GREEDY)
+        stats = llm.core.stats()
+        _check(llm)
+    finally:
+        llm.shutdown()
+    assert [o.token_ids for o in got] == [o.token_ids for o in device.generate(prompts, GREEDY)]
+    assert stats["num_draft_tokens"] > 0 and stats["hisparse_misses"] > 0
 
 
 def test_a_cached_prefix_is_read_from_host_history(engines):
