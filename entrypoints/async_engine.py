@@ -108,9 +108,14 @@ class AsyncEngine:
         self._commands.put(("abort", req_id, None))
 
     async def _released(self, req_id: str) -> None:
-        entry = self._streams.get(req_id)
-        if entry is not None and isinstance(entry[1], asyncio.Event):
-            await entry[1].wait()
+        """Returns once req_id is not held by a stream its caller left (``_close``)."""
+        while (entry := self._streams.get(req_id)) is not None and isinstance(
+            entry[1], asyncio.Event
+        ):
+            if entry[0] is asyncio.get_running_loop():
+                await entry[1].wait()
+            else:  # an event of another caller's loop cannot be awaited here
+                await asyncio.sleep(0.01)
 
     async def abort(self, request_id: str) -> None:
         await self._call("abort", request_id)
