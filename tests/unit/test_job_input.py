@@ -344,6 +344,18 @@ def test_outputs_that_cannot_be_appended_to_are_usage_problems(tmp_path):
     assert usage_problem(model, str(src), str(out), False) is None and not out.exists()
 
 
+def test_a_job_asked_to_run_without_ray_is_a_usage_error(tmp_path, capsys):
+    # its replicas are Ray actors whatever the option says: refused rather than ignored
+    from dsv4ray.entrypoints import job
+
+    model = os.path.join(os.path.dirname(__file__), "..", "..", "checkpoints", "stdlib-tiny")
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": 1, "prompt": "Hi"}) + "\n")
+    assert job.run_job(model, str(src), str(tmp_path / "o.jsonl"), use_ray=False) == 2
+    assert "use_ray=False" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+
+
 def test_a_deeply_nested_line_or_a_lone_surrogate_prompt_is_a_bad_line(tmp_path):
     src = tmp_path / "in.jsonl"
     deep = "[" * 100_000 + "]" * 100_000
