@@ -27,8 +27,12 @@
   they answer, by ``tool_call_id``); consecutive ones and a user message after them share the
   turn, joined by blank lines. With tools, thinking mode keeps every turn's reasoning.
 
-Options come as ``chat_template_kwargs``: ``thinking`` (bool, default False) and ``drop_thinking``
-(bool, default True); other keys are refused by name.
+- ``reasoning_effort`` "max" in thinking mode puts the format's maximum-effort instruction
+  (REASONING_EFFORT_MAX) right after the bos token; "high" (or none) adds nothing.
+
+Options come as ``chat_template_kwargs``: ``thinking`` (bool, default False; ``enable_thinking``
+is the same switch under the name other servers use), ``drop_thinking`` (bool, default True) and
+``reasoning_effort`` (None, "high" or "max"); other keys are refused by name.
 """
 
 from __future__ import annotations
@@ -44,6 +48,17 @@ USER = "<｜User｜>"
 ASSISTANT = "<｜Assistant｜>"
 THINK_START, THINK_END = "<think>", "</think>"
 SPECIAL_TOKENS = (BOS, EOS, USER, ASSISTANT, THINK_START, THINK_END)
+# the format's instruction for reasoning_effort "max" (thinking mode): part of what the model saw
+REASONING_EFFORT_MAX = (
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
+    "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
+    "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
+    "edge cases, and adversarial scenarios.\n"
+    "Explicitly write out your entire deliberation process, documenting every intermediate step, "
+    "considered alternative, and rejected hypothesis to ensure absolutely no assumption is left "
+    "unchecked.\n\n"
+)
+REASONING_EFFORTS = (None, "high", "max")
 _ROLES = ("system", "user", "developer", "assistant", "tool")
 _USER_ROLES = ("user", "developer")
 
@@ -52,6 +67,7 @@ _USER_ROLES = ("user", "developer")
 class ChatOptions:
     thinking: bool = False
     drop_thinking: bool = True
+    reasoning_effort: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("thinking", "drop_thinking"):
@@ -60,16 +76,27 @@ class ChatOptions:
                     f"chat_template_kwargs.{name} must be true or false, got "
                     f"{getattr(self, name)!r}"
                 )
+        if self.reasoning_effort not in REASONING_EFFORTS:
+            raise ValueError(
+                f"chat_template_kwargs.reasoning_effort must be one of {list(REASONING_EFFORTS)}"
+                f", got {self.reasoning_effort!r}"
+            )
 
     @classmethod
     def from_kwargs(cls, kwargs: dict | None) -> ChatOptions:
         kwargs = dict(kwargs or {})
-        unknown = sorted(set(kwargs) - {"thinking", "drop_thinking"})
+        unknown = sorted(set(kwargs) - {"thinking", "enable_thinking", "drop_thinking",
+                                        "reasoning_effort"})  # fmt: skip
         if unknown:
             raise ValueError(
                 f"chat_template_kwargs key {unknown[0]!r} is not understood by the DeepSeek-V4 "
-                "chat format (it takes 'thinking' and 'drop_thinking')"
+                "chat format (it takes 'thinking' or 'enable_thinking', 'drop_thinking' and "
+                "'reasoning_effort')"
             )
+        if "enable_thinking" in kwargs:
+            enabled = kwargs.pop("enable_thinking")
+            if kwargs.setdefault("thinking", enabled) != enabled:
+                raise ValueError("chat_template_kwargs.thinking and enable_thinking disagree")
         return cls(**kwargs)
 
 
@@ -92,6 +119,8 @@ def encode_messages(
         messages = _drop_history(messages)
     last_user = max((i for i, m in enumerate(messages) if m["role"] in _USER_ROLES), default=-1)
     parts = [BOS]
+    if options.thinking and options.reasoning_effort == "max":
+        parts.append(REASONING_EFFORT_MAX)
     for i, msg in enumerate(messages):
         with_reasoning = options.thinking and (not drop or i > last_user)
         if msg.get("prefix"):

@@ -131,6 +131,8 @@ class CallParser:
         """The end of the text: what is held back is text (an unfinished block included)."""
         events: list[tuple] = []
         if self._state == "block":
+            if not self._block_raw and not self._held.strip():
+                self._held = ""  # after its last call only the block's line breaks: no text
             self._give_back(events, "the call block is not finished")
         self._emit_text(events, self._take_all())
         return events

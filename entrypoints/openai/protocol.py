@@ -15,7 +15,8 @@ refused; ``refusal``, ``annotations`` and ``parsed``, and a tool call's ``index`
 ``function.parsed_arguments`` (a client echoing an earlier answer back, as the openai client keeps
 a streamed or parsed one) are accepted and not part of the prompt. A null asks for an optional
 field's default (the openai client sends unset options as null). ``reasoning_effort`` ("none",
-"minimal": no thinking; "low", "medium", "high", "xhigh": thinking) and
+"minimal": no thinking; "low", "medium", "high", "xhigh": thinking; "max": thinking after the
+chat format's maximum-effort instruction) and
 ``chat_template_kwargs.enable_thinking`` set the chat format's thinking mode, as
 ``chat_template_kwargs.thinking`` does (values that disagree are a 400). DeepSeek's prefix
 completion: the last message may be an assistant message with ``prefix: true``, whose text
@@ -356,8 +357,8 @@ class ChatMessage(_Request):
     parsed: Any = None  # the client's parse of the content (openai's parse and stream helpers)
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+        if isinstance(self.content, list):  # text parts join as paragraphs, as the format does
+            return "\n\n".join(part.text for part in self.content)
         return self.content or ""
 
     def template(self) -> dict:
@@ -460,6 +461,8 @@ class ChatCompletionRequest(_GenerationRequest):
                                   "(the DeepSeek-V4 chat format thinks or does not)",
                                   "reasoning_effort")  # fmt: skip
             asked["reasoning_effort"] = REASONING_EFFORTS[self.reasoning_effort]
+            if self.reasoning_effort == "max":  # the format's one effort level with a prompt
+                kwargs.setdefault("reasoning_effort", "max")
         if "thinking" in kwargs:
             asked["chat_template_kwargs.thinking"] = kwargs["thinking"]
         for name, value in asked.items():
@@ -503,9 +506,10 @@ def _token_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     return out
 
 
-# reasoning_effort -> thinking mode (OpenAI's values; the chat format has one depth of thinking)
+# reasoning_effort -> thinking mode (OpenAI's values, and the chat format's "max", which also
+# puts its maximum-effort instruction before the conversation)
 REASONING_EFFORTS = {"none": False, "minimal": False, "low": True, "medium": True, "high": True,
-                     "xhigh": True}  # fmt: skip
+                     "xhigh": True, "max": True}  # fmt: skip
 
 
 def _check_conversation(messages: list[ChatMessage]) -> None:

@@ -166,6 +166,16 @@ def test_an_unreadable_block_is_given_back_as_the_text_it_was(bad):
         assert given_back == text
 
 
+def test_a_block_the_text_ends_inside_keeps_its_calls_and_adds_no_text():
+    # the answer stopped (eos, max_tokens) after whole invokes: their calls stand, and the line
+    # breaks after the last one are the block's layout, not text of the answer
+    unclosed = PARIS.removesuffix("</｜DSML｜tool_calls>")
+    for cut in range(len(unclosed)):
+        events = parse("Sure.\n\n" + unclosed, cuts=(cut,))
+        assert "".join(v for k, v in events if k == "text") == "Sure."
+        assert [v.name for k, v in events if k == "call"] == ["get_weather", "now"]
+
+
 def test_a_call_its_check_refuses_and_all_after_it_are_text():
     refuse_now = lambda name, args: "no" if name == "now" else args  # noqa: E731
     events = parse("a\n\n" + PARIS, refuse_now)

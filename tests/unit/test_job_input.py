@@ -273,9 +273,10 @@ def test_a_lines_messages_are_checked_as_the_chat_api_checks_them(messages, prob
 
 
 def test_a_lines_text_parts_are_joined_for_the_chat_format():
+    # as paragraphs, as the DeepSeek-V4 format joins a message's parts
     parts = [{"type": "text", "text": "Hel"}, {"type": "text", "text": "lo"}]
     _, item = parse_line(json.dumps({"id": 1, "messages": [{"role": "user", "content": parts}]}), 4)
-    assert item["messages"] == [{"role": "user", "content": "Hello"}]
+    assert item["messages"] == [{"role": "user", "content": "Hel\n\nlo"}]
 
 
 def test_input_uris_that_cannot_be_opened_and_odd_lines_are_named(tmp_path):

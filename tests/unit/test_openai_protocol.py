@@ -383,6 +383,7 @@ def test_stream_options_accept_continuous_usage_and_refuse_unknown_keys():
     [
         ({"reasoning_effort": "high"}, True),
         ({"reasoning_effort": "xhigh"}, True),
+        ({"reasoning_effort": "max"}, True),
         ({"reasoning_effort": "none"}, False),
         ({"chat_template_kwargs": {"enable_thinking": True}}, True),
         ({"chat_template_kwargs": {"enable_thinking": False, "thinking": False}}, False),
@@ -395,12 +396,15 @@ def test_reasoning_effort_and_enable_thinking_set_the_thinking_mode(fields, thin
     assert request.thinking is thinking
     assert request.template_kwargs().get("thinking", False) is thinking
     assert "enable_thinking" not in request.template_kwargs()
+    # only "max" has an instruction of its own in the chat format
+    want_effort = "max" if fields.get("reasoning_effort") == "max" else None
+    assert request.template_kwargs().get("reasoning_effort") == want_effort
 
 
 @pytest.mark.parametrize(
     "fields,param",
     [
-        ({"reasoning_effort": "max"}, "reasoning_effort"),
+        ({"reasoning_effort": "maximum"}, "reasoning_effort"),
         (
             {"reasoning_effort": "high", "chat_template_kwargs": {"thinking": False}},
             "reasoning_effort",

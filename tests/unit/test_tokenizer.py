@@ -87,6 +87,38 @@ def test_dsv4_format_vectors(tok, messages, kwargs, want):
     assert tok.apply_chat_template(messages, chat_template_kwargs=kwargs) == want
 
 
+MAX_EFFORT = (  # the format's instruction for reasoning_effort "max", as the release writes it
+    "Reasoning Effort: Absolute maximum with no shortcuts permitted.\nYou MUST be very thorough "
+    "in your thinking and comprehensively decompose the problem to resolve the root cause, "
+    "rigorously stress-testing your logic against all potential paths, edge cases, and "
+    "adversarial scenarios.\nExplicitly write out your entire deliberation process, documenting "
+    "every intermediate step, considered alternative, and rejected hypothesis to ensure "
+    "absolutely no assumption is left unchecked.\n\n"
+)
+PROMPT = f"Be brief.{U}Hi{A}"
+
+
+@pytest.mark.parametrize(
+    "kwargs,want",
+    [
+        ({"thinking": True, "reasoning_effort": "max"}, f"{B}{MAX_EFFORT}{PROMPT}<think>"),
+        ({"enable_thinking": True, "reasoning_effort": "max"}, f"{B}{MAX_EFFORT}{PROMPT}<think>"),
+        ({"thinking": True, "reasoning_effort": "high"}, f"{B}Be brief.{U}Hi{A}<think>"),
+        ({"reasoning_effort": "max"}, f"{B}Be brief.{U}Hi{A}</think>"),  # no thinking, no effort
+    ],
+)  # fmt: skip
+def test_reasoning_effort_max_opens_a_thinking_prompt_with_its_instruction(tok, kwargs, want):
+    assert tok.apply_chat_template([SYSTEM, _user("Hi")], chat_template_kwargs=kwargs) == want
+
+
+def test_text_parts_render_as_paragraphs(tok):
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    from dsv4ray.entrypoints.openai.protocol import ChatMessage
+
+    message = ChatMessage.model_validate({"role": "user", "content": parts}).template()
+    assert tok.apply_chat_template([message]) == f"{B}{U}a\n\nb{A}</think>"
+
+
 def test_no_generation_prompt_and_token_ids(tok):
     assert tok.apply_chat_template([_user("Hi")], add_generation_prompt=False) == f"{B}{U}Hi"
     ids = tok.encode_chat([SYSTEM, _user("Hi")], chat_template_kwargs={"thinking": True})
@@ -101,6 +133,8 @@ def test_no_generation_prompt_and_token_ids(tok):
         ([{"role": "user", "content": [{"type": "text"}]}], {}, r"messages\[0\]\.content"),
         ([_user("x")], {"enable_thinkng": True}, "enable_thinkng"),
         ([_user("x")], {"thinking": "yes"}, r"chat_template_kwargs\.thinking"),
+        ([_user("x")], {"thinking": True, "enable_thinking": False}, "disagree"),
+        ([_user("x")], {"reasoning_effort": "low"}, r"reasoning_effort must be one of"),
     ],
 )
 def test_dsv4_format_refusals_name_the_field(tok, messages, kwargs, match):
