@@ -196,6 +196,7 @@ class HiRadixIndex(RadixIndex):
             and node.page_id >= 0
             and node.lock_ref == 0
             and not any(c.page_id >= 0 for c in node.children.values())
+            and self._only_cached(node)
         )
 
     def _drop_device(self, node: RadixNode, result: EvictResult) -> None:

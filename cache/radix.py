@@ -227,7 +227,25 @@ class RadixIndex:
         return result
 
     def _evictable(self, node: RadixNode) -> bool:
-        return node is not self._root and not node.children and node.lock_ref == 0
+        return (
+            node is not self._root
+            and not node.children
+            and node.lock_ref == 0
+            and self._only_cached(node)
+        )
+
+    def _only_cached(self, node: RadixNode) -> bool:
+        """Whether the index holds the only reference to the node's device ids, so that dropping
+        it frees them. A running request that inserted its own prefix still holds those pages
+        (unlocked: it matched nothing): dropping the node would free nothing and lose the prefix
+        the request needs back if it is preempted."""
+        if node.page_id >= 0 and self.page_alloc.refcount(node.page_id) > 1:
+            return False
+        snap = node.snapshot
+        return snap is None or (
+            self.window_alloc.refcount(snap.window_page_id) == 1
+            and self.state_alloc.refcount(snap.state_slot) == 1
+        )
 
     def _remove_leaf(self, node: RadixNode, result: EvictResult) -> None:
         del node.parent.children[node.key]

@@ -102,6 +102,30 @@ def test_locked_prefixes_survive_eviction():
         index.unlock(node)
 
 
+def test_a_prefix_a_running_request_still_holds_is_not_evicted_for_nothing():
+    # a request inserts its own prefix while it runs (it matched nothing, so nothing is locked)
+    # and keeps its references: dropping those nodes frees no id, and the request, if it is
+    # preempted next, would find its prefix gone and compute it again
+    index, pages, windows, states = make_index()
+    held = pages.alloc(2)
+    snap = Snapshot(windows.alloc(1)[0], states.alloc(1)[0])
+    pages.incref(held)  # the index adopts one reference of each; the request keeps its own
+    windows.incref([snap.window_page_id])
+    states.incref([snap.state_slot])
+    index.insert([4] * 8, held, snap)
+    cached_ids, _, _ = cache_prefix(index, pages, windows, states, [6] * 8)
+    result = index.evict(num_pages=4)
+    assert sorted(result.page_ids) == sorted(cached_ids)  # only what eviction really frees
+    assert index.match([4] * 9, 2)[0] == held
+    pages.free(held)  # the request is preempted: its pages stay cached for its return
+    windows.free([snap.window_page_id])
+    states.free([snap.state_slot])
+    assert index.match([4] * 9, 2)[0] == held and pages.num_cached == 2
+    assert sorted(index.evict(num_pages=2).page_ids) == sorted(held)
+    for alloc in (pages, windows, states):
+        alloc.check_integrity()
+
+
 def test_leaves_without_snapshot_are_evictable():
     index, pages, windows, states = make_index()
     cache_prefix(index, pages, windows, states, [5] * 8, with_snapshot=False)
