@@ -25,6 +25,21 @@ WEIGHT_FORMATS = ("auto", "dequantized", "native")
 INTERNAL_OPTIONS = ("draft_rings",)  # set by the engine for itself (a prefill engine's)
 
 
+# vLLM engine options a user coming from it reaches for, and what this engine has instead
+VLLM_OPTIONS = {
+    "pipeline_parallel_size": "pp_size",
+    "tensor_parallel_size": "none; stages split the layers (pp_size)",
+    "max_num_seqs": "max_running_requests",
+    "gpu_memory_utilization": "memory_fraction, a share of the memory free after the weights",
+    "enforce_eager": "cuda_graphs=False",
+    "num_speculative_tokens": "speculative_num_steps",
+    "speculative_config": "speculative_num_steps (the checkpoint's MTP layer drafts)",
+    "quantization": "weight_format",
+    "enable_chunked_prefill": "none; prefills are always chunked (max_num_batched_tokens)",
+    "swap_space": "enable_hicache with host_cache_tokens",
+}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # a checkpoint folder, or a URI / Hugging Face id (sources.py)
@@ -85,7 +100,9 @@ class EngineConfig:
         unknown = sorted(set(options) - names)
         if unknown:
             known = sorted(names - set(INTERNAL_OPTIONS) - {"model"})
-            raise ValueError(f"unknown LLM option {unknown[0]!r}; known options: {known}")
+            hint = VLLM_OPTIONS.get(unknown[0])
+            hint = f" (vLLM's option; here: {hint})" if hint else ""
+            raise ValueError(f"unknown LLM option {unknown[0]!r}{hint}; known options: {known}")
         config = cls(model=model, **options)
         if check_model:
             config.check_model()

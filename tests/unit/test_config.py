@@ -218,6 +218,25 @@ def test_options_the_engine_cannot_honour_name_the_option(tiny_ckpt, name, value
         EngineConfig.build(tiny_ckpt, **{name: value})
 
 
+def test_a_vllm_option_name_points_at_this_engines_option(tiny_ckpt):
+    import dataclasses
+    import re
+
+    from dsv4ray.engine.config import VLLM_OPTIONS, EngineConfig
+
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    for vllm_name, here in VLLM_OPTIONS.items():
+        assert vllm_name not in names
+        named = set(re.findall(r"[a-z_]+", here)) & names
+        assert named or here.startswith("none;"), (vllm_name, here)  # each hint names options
+        with pytest.raises(ValueError, match=rf"unknown LLM option '{vllm_name}' \(vLLM's"):
+            EngineConfig.build(tiny_ckpt, **{vllm_name: 1})
+    with pytest.raises(ValueError, match=r"'max_num_seqs' \(vLLM's option; here: max_running"):
+        EngineConfig.build(tiny_ckpt, max_num_seqs=8)
+    with pytest.raises(ValueError, match=r"unknown LLM option 'bogus'; known options"):
+        EngineConfig.build(tiny_ckpt, bogus=1)
+
+
 def test_a_float16_checkpoint_computes_in_bfloat16():
     assert ModelConfig.from_hf(_raw(torch_dtype="float16")).torch_dtype == "bfloat16"
 
