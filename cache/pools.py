@@ -103,8 +103,7 @@ class StagePools:
         with HiSparse its hot rows are emptied too."""
         if not slots:
             return
-        if self.hisparse is not None:
-            self.hisparse.reset_slots(slots)
+        self.reset_hot_rows(slots)
         idx = device_index(slots, self._device)
         for kv, score in self.c4_state + self.indexer_state + self.c128_state:
             kv.index_fill_(0, idx, 0.0)  # a scalar argument: `kv[idx] = 0.0` copies it over

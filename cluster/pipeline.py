@@ -8,7 +8,8 @@ device memory and the channel carries a ticket). Up to pp_size plans are in flig
 stuck stage raises PipelineFailure; ``rebuild`` tears the graph down and starts fresh actors in
 the same bundles. Teardown removes the graph's channel files from /dev/shm
 (cluster/stage_graph.py) and lets the stage actors exit cleanly, killing only those that do not:
-builds, failed builds and rebuilds leave no files behind, whichever stages died. With
+builds, failed builds and rebuilds leave no files behind, whichever stages died, and on GPUs a
+teardown returns once the actors' processes have exited (their device memory is free again). With
 speculative decoding a DraftActor shares the last stage's bundle (0.1 of its GPU, or half its CPU
 share) and is the graph's last node; a rebuild replaces it with the stages.
 """
@@ -49,7 +50,6 @@ from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 log = logging.getLogger("dsv4ray.pipeline")
 
 EXIT_TIMEOUT_S = 10.0  # a stage actor not gone this long after being asked to exit is killed
-STARTUP_WORK = "starting (actors, weights, pools, graph captures)"
 
 
 class RayPipeline:
@@ -214,7 +214,7 @@ class RayPipeline:
         try:
             return ray.get(refs, timeout=timeout_s)
         except GetTimeoutError:
-            what = STARTUP_WORK if startup else "a call while serving"
+            what = "starting (actors, weights, pools, graph captures)" if startup else "a call"
             name = "startup_timeout_s" if startup else "execution_timeout_s"
             raise TimeoutError(
                 f"the pipeline's stage actors did not finish {what} within {name}="
