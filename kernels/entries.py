@@ -198,30 +198,30 @@ def kv_scale_words(
 
 
 @triton.jit
-def load_kv_dims(
+def load_kv_group(
     pages_ptr,
     value_off,
     scale_lo,
     scale_hi,
     valid,
-    C0: tl.constexpr,
-    W: tl.constexpr,
+    G: tl.constexpr,
     BF16: tl.constexpr,
     FMT: tl.constexpr,
 ):
-    """Dims [C0, C0 + W) of N dequantised kv entries (d = 512) -> [N, W], 0 where not valid.
+    """Dims [64 G, 64 G + 64) of N dequantised kv entries (d = 512) -> [N, 64], 0 where not valid.
 
-    (value_off, scale_lo, scale_hi) come from kv_scale_words. fp8: a chunk lies inside the e4m3
-    dims 0..255 (scale_lo) or 256..447 (scale_hi), or is the bf16 rope chunk 448..511. BF16: return
-    bf16 (exact for bf16 and fp8 pages: e4m3 values times powers of two), else fp32.
+    (value_off, scale_lo, scale_hi) come from kv_scale_words. fp8: groups 0..6 are e4m3 dims with
+    one scale byte per entry (byte G % 4 of scale_lo for G < 4, else of scale_hi), group 7 is the
+    bf16 rope. BF16: return bf16 (exact for bf16 and fp8 pages: e4m3 values times powers of two),
+    else fp32.
     """
     dtype: tl.constexpr = tl.bfloat16 if BF16 else tl.float32
-    c = C0 + tl.arange(0, W)[None, :]
+    c = G * GROUP + tl.arange(0, GROUP)[None, :]
     mask = valid[:, None]
     if FMT == FMT_FP32:
         ptrs = pages_ptr.to(tl.pointer_type(tl.float32)) + (value_off // 4)[:, None] + c
         out = tl.load(ptrs, mask=mask, other=0.0)
-    elif (FMT == FMT_BF16) or (C0 >= NOPE):  # bf16 values (bf16 pages, fp8 rope dims)
+    elif (FMT == FMT_BF16) or (G * GROUP >= NOPE):  # bf16 values (bf16 pages, fp8 rope dims)
         start = value_off // 2 if FMT == FMT_BF16 else (value_off + NOPE) // 2 - NOPE
         bits = tl.load(
             pages_ptr.to(tl.pointer_type(tl.uint16)) + start[:, None] + c, mask=mask, other=0
@@ -229,10 +229,9 @@ def load_kv_dims(
         out = bits.to(tl.bfloat16, bitcast=True) if BF16 else bf16_bits_to_f32(bits)
     else:
         fp8 = tl.load(pages_ptr + value_off[:, None] + c, mask=mask, other=0)
-        words = scale_lo if C0 < 4 * GROUP else scale_hi
-        exp_byte = (words[:, None] >> (((c // GROUP) % 4) * 8)) & 0xFF
-        scale = pow2_from_byte(exp_byte).to(dtype)
-        out = fp8.to(tl.float8e4nv, bitcast=True).to(dtype) * scale
+        words = scale_lo if G < 4 else scale_hi
+        scale = pow2_from_byte((words >> ((G % 4) * 8)) & 0xFF).to(dtype)  # [N]
+        out = fp8.to(tl.float8e4nv, bitcast=True).to(dtype) * scale[:, None]
     return out
 
 
