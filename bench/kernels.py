@@ -32,7 +32,7 @@ from dsv4ray.bench.report import (  # noqa: E402
     write_benchmarks_md,
     write_results,
 )
-from dsv4ray.cache.layout import layout_for, write_entries  # noqa: E402
+from dsv4ray.cache.layout import layout_for, read_entries, write_entries  # noqa: E402
 from dsv4ray.kernels import compress, indexer, sparse_mqa, topk, transfer  # noqa: E402
 
 MIB = 1 << 20
@@ -399,6 +399,25 @@ def _kv_pool(kind: str, num_entries: int, device):
     return lay, pages
 
 
+def _dense_attention_ms(timer: Timer, q: torch.Tensor, *pools: tuple) -> float:
+    """Median ms of dense bf16 attention (bmm, softmax, bmm) of q [n, H, 512] over each token's
+    keys of `pools` ((pages, slots [n, k], layout) each), gathered and dequantised beforehand: the
+    tensor-core work of sparse_mqa without its gather, dequantisation or sink."""
+    n = q.shape[0]
+    kv = torch.cat(
+        [read_entries(pages, slots.flatten(), lay).view(n, -1, 512) for pages, slots, lay in pools],
+        1,
+    ).to(torch.bfloat16)
+    qb = q.to(torch.bfloat16)
+    scale = 512**-0.5
+
+    def dense():
+        probs = (torch.bmm(qb, kv.transpose(1, 2)).float() * scale).softmax(-1)
+        return torch.bmm(probs.to(torch.bfloat16), kv)
+
+    return timer.ms(dense)
+
+
 def bench_sparse_mqa(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
     n, window = s.attn_requests, 128
     w_lay, w_pages = _kv_pool("window", n * window, device)
@@ -414,6 +433,9 @@ def bench_sparse_mqa(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
                 q, w_pages, w_slots, c_pages, c_slots, sink, 512**-0.5, w_lay, c_lay
             )
         )
+        peer_ms = _dense_attention_ms(
+            timer, q, (w_pages, w_slots, w_lay), (c_pages, c_slots, c_lay)
+        )
         moved = n * (window + s.topk) * ENTRY_BYTES
         splits = sparse_mqa.num_splits_for(n, 1, window + s.topk, device)
         rows.append(
@@ -425,7 +447,8 @@ def bench_sparse_mqa(s: Sizes, timer: Timer, device, ceilings: dict) -> list:
                 0.5,
                 note=f"{n} requests, {s.heads} heads, {window} + {s.topk} fp8 "
                 f"entries each; KV bytes read; {1e3 * ms:.1f} us, {splits} key "
-                f"splits; {timer.mode}",
+                f"splits; {timer.mode}; peer: torch bf16 bmm + softmax + bmm over the same "
+                f"keys already gathered and dequantised {1e3 * peer_ms:.1f} us",
             )
         )
     return rows
