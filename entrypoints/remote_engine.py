@@ -6,7 +6,8 @@ process, the engine deployment's replica. ``generate`` streams the replica's ``R
 and the replica's AsyncEngine aborts the request. Ray's failures become the API's errors: an
 engine replica that died (or none to take the request) is a 503 ``engine_unavailable``, which
 a stream already under way ends with as an error event and ``[DONE]``; an engine-side
-ValueError (a bad prompt) comes back as the ValueError it was.
+ValueError (a bad prompt) comes back as the RequestError it was (the replica sends it as an item
+of the stream, so Serve does not log a client's mistake as a failed call).
 """
 
 from __future__ import annotations
@@ -92,6 +93,9 @@ class RemoteEngine:
         finished = False
         try:
             async for update in response:
+                if isinstance(update, RequestError):  # refused before it ran (a 400)
+                    finished = True
+                    raise update
                 yield update
                 if update.output is not None:
                     finished = True

@@ -66,6 +66,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from dsv4ray.cluster.placement import bundle_device, ensure_ray, stop_local_ray
+from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -113,9 +114,14 @@ class OpenAIDeployment:
 
     async def generate(self, prompt, params: SamplingParams, request_id: str):
         """The request's RequestUpdates as the engine makes them (a streaming call); a caller
-        that cancels (its client went away) aborts the request."""
-        async for update in self.engine.generate(prompt, params, request_id=request_id):
-            yield update
+        that cancels (its client went away) aborts the request. A request the engine refuses
+        (ValueError, before any update) comes back as one RequestError item, not as a raised
+        error: Serve would log each client's mistake with a traceback."""
+        try:
+            async for update in self.engine.generate(prompt, params, request_id=request_id):
+                yield update
+        except ValueError as exc:
+            yield RequestError(str(exc), getattr(exc, "field", None))
 
     async def info(self) -> dict:
         """What the startup log prints, where the stages run, and the engine's config."""

@@ -223,7 +223,7 @@ class _GenerationRequest(_Request):
             ("top_k", [self.top_k]),
             ("stop_token_ids", self.stop_token_ids or []),
         ):
-            if any(not -INT64_MAX <= v <= INT64_MAX for v in values):
+            if any(not -INT64_MAX - 1 <= v <= INT64_MAX for v in values):
                 raise bad_request(f"{name} must fit in a signed 64-bit integer", name)
 
     @property
@@ -304,7 +304,10 @@ class CompletionRequest(_GenerationRequest):
                 raise bad_request("best_of > n cannot stream (the best are known at the end)",
                                   "best_of")  # fmt: skip
         if len(self.prompts) * self.num_runs > MAX_RUNS:
-            raise bad_request(f"prompts x max(n, best_of) must be at most {MAX_RUNS}", "n")
+            # the field to change: best_of when it asks for more runs than n, else n, else the
+            # prompts themselves
+            field = "best_of" if self.num_runs > self.n else "n" if self.n > 1 else "prompt"
+            raise bad_request(f"prompts x max(n, best_of) must be at most {MAX_RUNS}", field)
         if self.suffix:
             raise bad_request("suffix is not supported", "suffix")
 

@@ -44,6 +44,7 @@ from dsv4ray.entrypoints.openai.protocol import (
     parse_request,
 )
 from dsv4ray.entrypoints.openai.streaming import (
+    Answer,
     Run,
     SSEResponse,
     StreamUsage,
@@ -100,7 +101,8 @@ class ServerOptions:
 class OpenAIServer:
     def __init__(self, engine: EngineClient, options: ServerOptions, metrics: ServeMetrics):
         self.engine, self.options, self.metrics = engine, options, metrics
-        self.num_pending = 0
+        self.num_pending = 0  # engine requests of the responses in flight
+        self.num_admitted = 0  # engine requests of admitted responses not yet submitted
         self.num_started = 0  # generation requests so far (the stats poll's activity)
         self.token_bytes = TokenBytes(engine.config.model)
         self.vocab_size = ModelConfig.from_hf(engine.config.model).vocab_size
@@ -329,22 +331,31 @@ class OpenAIServer:
         return min(asked or default or room, room)
 
     async def _generate(self, endpoint: str, runs: list[Run], req) -> Response:
-        if self.num_pending + len(runs) > self.options.max_pending_requests:
+        # every engine request of an admitted response counts from admission on: responses
+        # admitted together must not pass the limit before their runs are submitted
+        if self.num_pending + self.num_admitted + len(runs) > self.options.max_pending_requests:
             raise APIError(
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"
             )
         self.num_started += 1
+        self.num_admitted += len(runs)
+        answer = Answer(self.metrics, endpoint)
         try:
-            await self._start(endpoint, [r for r in runs if r.leader], runs)
+            await self._start(answer, [r for r in runs if r.leader], runs)
             leader = None
             for run in runs:  # the others of a prompt share its leader's prompt logprobs
                 leader = run if run.leader else leader
                 run.fmt.prompt_logprobs = leader.first.prompt_logprobs
-            await self._start(endpoint, [r for r in runs if not r.leader], runs)
+            # a stream goes out once the leaders have their first tokens; the other choices'
+            # first updates arrive in it (their prompts passed the engine's checks as the
+            # leaders': only the seed and prompt logprobs differ)
+            await self._start(answer, [r for r in runs if not r.leader], runs, not req.stream)
         except BaseException as exc:  # _start answers (and releases for) its own failures
             if not isinstance(exc, Exception):  # the client went away before a first token
                 await _give_up([r for r in runs if r.tracked and not r.tracked.closed], exc)
             raise
+        finally:  # runs that never started leave the admitted count here
+            self.num_admitted -= sum(run.tracked is None for run in runs)
         if req.stream:
             num_prompt = sum(len(r.prompt_ids) for r in runs if r.leader)
             usage = StreamUsage(req.include_usage, req.continuous_usage, num_prompt)
@@ -369,14 +380,19 @@ class OpenAIServer:
         choices = [run.fmt.choice(output) for run, output in chosen]
         return JSONResponse(runs[0].fmt.response(choices, format_usage(outputs, leaders)))
 
-    async def _start(self, endpoint: str, runs: list[Run], every: list[Run]) -> None:
-        """Submits runs and waits for each one's first update (engine-side ValueErrors come
-        before any token: a 400 naming the prompt, after every started run is aborted)."""
+    async def _start(
+        self, answer: Answer, runs: list[Run], every: list[Run], wait: bool = True
+    ) -> None:
+        """Submits runs and (wait) waits for each one's first update (engine-side ValueErrors
+        come before any token: a 400 naming the prompt, after every started run is aborted)."""
         for run in runs:
             index, request_id = run.fmt.index, run.fmt.request_id
             request_id = f"{request_id}-{index}" if index else request_id  # a choice's own
             run.updates = self.engine.generate(run.prompt_ids, run.params, request_id=request_id)
-            run.tracked = Tracked(self, endpoint, run.updates)
+            run.tracked = Tracked(self, answer, run.updates)
+            self.num_admitted -= 1  # pending from here on
+        if not wait:
+            return
         firsts = await asyncio.gather(
             *(run.updates.__anext__() for run in runs), return_exceptions=True
         )
@@ -393,7 +409,7 @@ class OpenAIServer:
                 run.tracked.release(None)  # never ran; answered as a 400
             field = getattr(problem, "field", None)  # a SamplingParams field (RequestError)
             if field not in PARAM_FIELDS:
-                field = "prompt" if endpoint == "/v1/completions" else "messages"
+                field = "prompt" if answer.endpoint == "/v1/completions" else "messages"
             raise bad_request(str(problem), field) from None
         await _give_up(started, problem)
         raise problem

@@ -3,7 +3,8 @@
 A response runs one engine request (``Run``) per choice (or best_of candidate) and prompt.
 ``Tracked`` keeps the server's pending count, time to first token, the gaps between tokens, token
 counts and each engine request's metrics, and closes exactly once whatever ends the request (its
-end, an abort, a client gone), counting how it ended.
+end, an abort, a client gone), counting how it ended; the response's ``Answer`` counts the HTTP
+request once, whatever number of engine requests it ran.
 ``stream`` renders server-sent events: per run the chat role chunk and one chunk per engine
 update (runs interleave, each chunk naming its choice), the usage chunk when asked for,
 ``[DONE]``; ``SSEResponse`` aborts the requests when the client goes away mid-stream, so their
@@ -32,12 +33,28 @@ from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
 log = logging.getLogger("dsv4ray.serve")
 
 
+class Answer:
+    """The HTTP request a response's engine requests answer together: counted once in the
+    requests metric, by the first of them to close (a stream's status is its first run's end:
+    its headers went out with 200 before any run ended)."""
+
+    def __init__(self, metrics, endpoint: str) -> None:
+        self.metrics, self.endpoint = metrics, endpoint
+        self.counted = False
+
+    def done(self, status: int | str) -> None:
+        if not self.counted:
+            self.counted = True
+            self.metrics.request_done(self.endpoint, status)
+
+
 class Tracked:
     """One generation in flight: the pending count, timings and metrics, closed exactly once."""
 
-    def __init__(self, server, endpoint: str, updates: AsyncIterator) -> None:
-        """server: the OpenAIServer (its pending count and metrics)."""
-        self.server, self.endpoint, self.updates = server, endpoint, updates
+    def __init__(self, server, answer: Answer, updates: AsyncIterator) -> None:
+        """server: the OpenAIServer (its pending count and metrics); answer: the HTTP request
+        this generation answers with the response's others."""
+        self.server, self.answer, self.updates = server, answer, updates
         self.start = time.perf_counter()
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
@@ -74,7 +91,7 @@ class Tracked:
             reason = "abort" if status == STATUS_CLIENT_CLOSED else "error"
         if not self.release(reason):
             return
-        self.server.metrics.request_done(self.endpoint, status)
+        self.answer.done(status)
         if output is not None:
             num_generated = len(output.token_ids)
             tpot = None
@@ -202,6 +219,8 @@ async def _run_chunks(run: Run, usage: StreamUsage):
     tracked, fmt, update = run.tracked, run.fmt, run.first
     for chunk in fmt.start_chunks():
         yield sse(_with_usage(chunk, usage))
+    if update is None:  # a choice the stream started without waiting for its first update
+        update = await run.updates.__anext__()
     while True:
         tracked.on_update(update)
         output = update.output

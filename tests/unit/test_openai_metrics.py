@@ -12,7 +12,7 @@ from starlette.testclient import TestClient
 
 from dsv4ray.entrypoints.openai.metrics import VLLM_NAMES, ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
-from dsv4ray.entrypoints.openai.streaming import Tracked
+from dsv4ray.entrypoints.openai.streaming import Answer, Tracked
 from dsv4ray.entrypoints.openai.vllm_metrics import CONTENT_TYPE, SERIES, token_buckets
 from tests.unit.openai_fake import FakeEngine
 
@@ -132,7 +132,8 @@ def test_failures_count_as_error_and_a_client_gone_as_abort(engine):
     assert client.post("/v1/completions", json={**body, "stream": True}).status_code == 200
 
     async def client_gone():
-        tracked = Tracked(server, "/v1/completions", engine.generate([1], None, "r"))
+        answer = Answer(server.metrics, "/v1/completions")
+        tracked = Tracked(server, answer, engine.generate([1], None, "r"))
         await tracked.cancel()
 
     asyncio.run(client_gone())
@@ -159,9 +160,12 @@ class Recorder:
 
     def __init__(self) -> None:
         self.total, self.count, self.last = 0.0, 0, None
+        self.by_tags: dict[tuple, float] = {}
 
     def inc(self, value: float, tags=None) -> None:
         self.total += value
+        key = tuple(sorted((tags or {}).items()))
+        self.by_tags[key] = self.by_tags.get(key, 0.0) + value
 
     def observe(self, value: float) -> None:
         self.total, self.count = self.total + value, self.count + 1
@@ -193,6 +197,21 @@ def test_ray_series_and_their_vllm_twins_agree(engine):
             assert ray.total == s[vllm_name + "_total"] > 0, ray_name
         else:
             assert ray.last == s[vllm_name] > 0, ray_name
+
+
+def test_a_response_counts_one_http_request_whatever_its_choices(engine):
+    """ray_dsv4ray_requests_total counts HTTP requests: a response of n = 4 choices (or of
+    best_of candidates, streamed or not) is one request, with its status."""
+    server = make_server(engine)
+    server.metrics.m = {name: Recorder() for name in server.metrics.m}
+    client = TestClient(server.app, base_url="http://127.0.0.1:8000")
+    body = {"model": MODEL, "prompt": ["hi", "ho"], "max_tokens": 3}
+    for extra in ({"n": 4}, {"n": 2, "stream": True}, {"n": 1, "best_of": 3}):
+        assert client.post("/v1/completions", json={**body, **extra}).status_code == 200
+    engine.abort_after = 1  # every choice aborted: one failed request
+    assert client.post("/v1/completions", json={**body, "n": 3}).status_code == 500
+    counts = server.metrics.m["dsv4ray_requests"].by_tags
+    assert {dict(tags)["status"]: n for tags, n in counts.items()} == {"200": 3, "500": 1}
 
 
 def test_metrics_need_no_key_and_carry_no_request_content(engine):

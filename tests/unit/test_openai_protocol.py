@@ -490,3 +490,25 @@ def test_a_response_format_that_cannot_hold_is_a_400_naming_it(response_format, 
         assert err.param == param, err.message
     else:
         raise AssertionError("accepted")
+
+
+def test_seeds_take_the_whole_signed_64_bit_range():
+    low = parse_request(CompletionRequest, GOOD + b', "seed": -9223372036854775808}')
+    high = parse_request(CompletionRequest, GOOD + b', "seed": 9223372036854775807}')
+    assert (low.seed, high.seed) == (-(2**63), 2**63 - 1)
+    assert rejected(GOOD + b', "seed": 9223372036854775808}').param == "seed"
+    assert rejected(GOOD + b', "seed": -9223372036854775809}').param == "seed"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ('"prompt": ["a", "b"], "n": 33', "n"),
+        ('"prompt": ["a", "b"], "n": 2, "best_of": 40', "best_of"),
+        ('"prompt": ' + json.dumps(["p"] * 65), "prompt"),
+    ],
+)
+def test_too_many_runs_name_the_field_that_asked_for_them(fields, param):
+    body = b'{"model": ".tiny", "max_tokens": 4, ' + fields.encode() + b"}"
+    err = rejected(body)
+    assert "prompts x max(n, best_of)" in err.message and err.param == param

@@ -237,6 +237,98 @@ def test_a_full_server_answers_503_with_retry_after(engine):
     assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
 
 
+def test_responses_admitted_together_stay_within_the_limit_with_all_their_choices(engine):
+    """The limit counts every choice of an admitted response, before its choices start: three
+    responses of n = 4 arriving together against a limit of 8 engine requests are two
+    admitted and one 503, never 12 engine requests pending."""
+    engine.gate = asyncio.Event()
+    server = make_server(engine, max_pending_requests=8)
+
+    async def run():
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as http:
+            posts = [asyncio.create_task(http.post("/v1/completions", json={**GOOD, "n": 4}))
+                     for _ in range(3)]  # fmt: skip
+            for _ in range(300):  # the refused one answers at once
+                if any(task.done() for task in posts):
+                    break
+                await asyncio.sleep(0.01)
+            pending = server.num_pending
+            engine.gate.set()
+            return pending, [await task for task in posts]
+
+    pending, responses = asyncio.run(run())
+    assert pending <= 8 and sorted(r.status_code for r in responses) == [200, 200, 503]
+    assert len(engine.requests) == 8 and server.num_pending == server.num_admitted == 0
+
+
+class HeldChoices(FakeEngine):
+    """Holds every choice but a prompt's first (request ids ending -1, -2, ...) at its start
+    until `release` is set: a busy engine that queues them."""
+
+    def __init__(self, model_dir: str) -> None:
+        super().__init__(model_dir)
+        self.release = asyncio.Event()
+
+    async def generate(self, prompt, params, request_id: str):
+        if request_id.rsplit("-", 1)[-1].isdigit():
+            await self.release.wait()
+        async for update in super().generate(prompt, params, request_id):
+            yield update
+
+
+async def _stream_events(app, path: str, body: dict, events: asyncio.Queue) -> None:
+    """POSTs body to the ASGI app and puts each SSE event on `events` as the app sends it
+    (httpx's ASGI transport hands the body over only once the app is done)."""
+    payload = json.dumps(body).encode()
+    scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "scheme": "http",
+             "server": ("127.0.0.1", 8000), "client": ("127.0.0.1", 50000),
+             "headers": [(b"host", b"127.0.0.1:8000"), (b"content-type", b"application/json"),
+                         (b"content-length", str(len(payload)).encode())]}  # fmt: skip
+    sent = False
+
+    async def receive():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": payload, "more_body": False}
+        await asyncio.Event().wait()  # the client stays
+
+    async def send(message):
+        for event in message.get("body", b"").decode().split("\n\n"):
+            if event.startswith("data: {"):
+                await events.put(json.loads(event.removeprefix("data: ")))
+
+    await app(scope, receive, send)
+
+
+def test_a_stream_of_n_choices_starts_with_its_first_choice_tokens(fake_model_dir):
+    """The first choice streams while the others still wait in the engine's queue; theirs
+    follow once they run, and every choice ends whole."""
+    engine = HeldChoices(fake_model_dir)
+    server = make_server(engine)
+    body = {**GOOD, "n": 3, "stream": True, "max_tokens": 4}
+
+    async def run():
+        events: asyncio.Queue = asyncio.Queue()
+        call = asyncio.create_task(_stream_events(server.app, "/v1/completions", body, events))
+        early = [await asyncio.wait_for(events.get(), timeout=10) for _ in range(4)]
+        engine.release.set()
+        await asyncio.wait_for(call, timeout=10)
+        return early, [events.get_nowait() for _ in range(events.qsize())]
+
+    early, rest = asyncio.run(run())
+    assert {c["choices"][0]["index"] for c in early} == {0}  # choice 0's 4 tokens, alone
+    texts = {}
+    for chunk in early + rest:
+        (choice,) = chunk["choices"]
+        texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
+    expected = engine.tokenizer.decode(engine.reply[:4])
+    assert texts == {0: expected, 1: expected, 2: expected}
+    assert server.num_pending == 0
+
+
 def test_a_client_gone_before_its_first_token_leaves_nothing_pending(engine):
     """Clients that go away while their requests wait for a first token (a long prompt's
     prefill) abort them: the pending count comes back to 0, each counts as an abort, and the
