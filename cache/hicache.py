@@ -78,7 +78,10 @@ class HiRadixIndex(RadixIndex):
         return ops
 
     def confirm(self, step_id: int) -> None:
-        self._unconfirmed.pop(step_id, None)
+        """The plan of step_id ran, and with it every earlier one (stages run plans in order;
+        one whose commit never came was abandoned by an interrupted caller)."""
+        for done in [s for s in self._unconfirmed if s <= step_id]:
+            del self._unconfirmed[done]
 
     # ------------------------------------------------------------------ matching and loading
     def match(self, token_ids, max_pages: int) -> tuple[list[int], RadixNode | None]:

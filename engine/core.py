@@ -27,6 +27,7 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine import spec
 from dsv4ray.engine.checks import check_request_id, check_sampling
 from dsv4ray.engine.config import EngineConfig, SchedulerConfig
+from dsv4ray.engine.interrupts import interrupts_deferred
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
@@ -192,16 +193,26 @@ class EngineCore:
                 "(hisparse_host_tokens)"
             )
         whole = score or params.prompt_logprobs is not None  # every position computed
-        self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not whole)
-        self.outputs.add(req_id, prompt_ids, params)
-        if score:
-            self.scoring.add(req_id)
+        with interrupts_deferred():  # the scheduler and the outputs know it, or neither does
+            self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not whole)
+            self.outputs.add(req_id, prompt_ids, params)
+            if score:
+                self.scoring.add(req_id)
 
     def abort(self, req_id: str, error: str | None = None) -> RequestOutput | None:
+        self.scoring.discard(req_id)
         finished = self.scheduler.abort(req_id)
         if finished is None:
             return None
         return self.outputs.on_finish(finished, error)
+
+    def drop(self, req_id: str, error: str) -> None:
+        """Aborts the request if it runs and forgets it, output included (an unknown id, or one
+        already popped, is fine): what a caller that gives up on its requests calls."""
+        with interrupts_deferred():
+            self.abort(req_id, error)
+            if req_id in self.outputs.outputs:
+                self.outputs.pop(req_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self.in_flight)
@@ -217,7 +228,8 @@ class EngineCore:
                 return self.abort_all("the pipeline could not be restarted after a stage failed")
             if refused:
                 return refused
-        failure = self._fill()
+        with interrupts_deferred():  # scheduling and submitting (Ctrl-C: after them)
+            failure = self._fill()
         if failure is not None:
             return self._recover(failure)
         if not self.in_flight:
@@ -225,13 +237,14 @@ class EngineCore:
                 raise RuntimeError("the scheduler has unfinished requests but nothing to run")
             return []
         plan, handle = self.in_flight.popleft()
-        try:
-            result = self.pipeline.collect(handle)
+        try:  # waiting for the step: a Ctrl-C here abandons the plan, which the next commit
+            result = self.pipeline.collect(handle)  # forgets (the steps run in order)
         except PipelineFailure as exc:
             return self._recover(exc)
         self._fill_in_commit = self.config.uses_overlap
         try:
-            return self._commit(plan, result)
+            with interrupts_deferred():  # a commit is applied whole
+                return self._commit(plan, result)
         finally:
             self._fill_in_commit = False
 

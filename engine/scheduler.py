@@ -174,7 +174,10 @@ class Scheduler:
         ]
         if missing:
             raise ValueError(f"step {plan.step_id} sampled no token for {missing}")
-        del self._in_flight[plan.step_id]
+        # steps commit in the order they were scheduled: an earlier one still here was
+        # abandoned (its caller was interrupted while it ran and aborted its requests)
+        for step_id in [s for s in self._in_flight if s <= plan.step_id]:
+            del self._in_flight[step_id]
         self.kv.confirm_host_ops(plan.step_id)
         outcome = StepOutcome(frozenset(req.req_id for req, _, _ in entries), {}, [])
         accepted, drafts = accepted or {}, drafts or {}

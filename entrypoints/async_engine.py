@@ -24,6 +24,7 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 
 LIVENESS_S = 5.0  # idle engines check their actors this often
+SHUT_DOWN = "the engine is shut down; start a new one to generate"
 
 log = logging.getLogger("dsv4ray.async")
 
@@ -45,6 +46,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue | asyncio.Event]]
         self._streams = {}
         self._ids = itertools.count()
+        self._closed = False  # shutdown began: calls are refused
         self._stopped = threading.Event()
         self._next_liveness = time.monotonic() + LIVENESS_S
         self._thread = threading.Thread(target=self._loop, name="dsv4ray-engine", daemon=True)
@@ -124,15 +126,35 @@ class AsyncEngine:
         return await self._call("stats")
 
     def _call(self, kind: str, *args):
+        if self._closed:
+            raise RuntimeError(SHUT_DOWN)
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((kind, *args, future))
         return asyncio.wrap_future(future)
 
     def shutdown(self) -> None:
-        self._stopped.set()
-        self._commands.put(("stop", None))
+        """Ends every open stream with an aborted output (the engine thread aborts what still
+        runs), stops the thread and the pipeline; later calls raise RuntimeError. Calls again
+        do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._commands.put(("stop", None))  # after every command already queued
         self._thread.join(timeout=30)
+        self._stopped.set()  # a thread stuck in a step stops at its end
         self.core.shutdown()
+        self._refuse_queued()
+
+    def _refuse_queued(self) -> None:
+        """Calls the stopped engine thread never took answer RuntimeError."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            future = command[-1]
+            if isinstance(future, concurrent.futures.Future) and not future.done():
+                future.set_exception(RuntimeError(SHUT_DOWN))
 
     # ------------------------------------------------------------------ engine thread
     def _loop(self) -> None:
@@ -204,6 +226,10 @@ class AsyncEngine:
                 target[0].call_soon_threadsafe(target[1].set)
         elif kind == "stats":
             return self.core.stats()
+        elif kind == "stop":
+            for update in self.core.abort_all(SHUT_DOWN):
+                self._deliver(update)
+            self._stopped.set()
         return None
 
     def _deliver(self, update: RequestUpdate) -> None:

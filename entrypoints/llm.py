@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
+from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
@@ -57,8 +58,7 @@ class LLM:
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
         ids = [self.core.prompt_ids(p) for p in prompts]  # validate everything before queueing
-        req_ids = self._add(ids, params, score=False)
-        self._run(req_ids)
+        req_ids = self._run(ids, params, score=False)
         return [self.core.pop_output(r) for r in req_ids]
 
     def chat(
@@ -103,40 +103,44 @@ class LLM:
             raise ValueError("score takes a list of prompts, each a list of token ids (one "
                              "prompt is [ids])")  # fmt: skip
         ids = [self.core.prompt_ids(list(p)) for p in prompts]
-        req_ids = self._add(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
-        self._run(req_ids)
+        req_ids = self._run(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
         logits = [torch.log_softmax(torch.cat(self.core.pop_logits(r)), dim=-1) for r in req_ids]
         for r in req_ids:
             self.core.pop_output(r)
         return logits
 
-    def _run(self, req_ids: list[str]) -> None:
-        """Steps until the call's requests finish; if anything interrupts it (an error, Ctrl-C),
-        the call's requests are aborted and dropped, so no request or page outlives the call."""
+    def _run(self, ids: list[list[int]], params: list[SamplingParams], score: bool) -> list[str]:
+        """Queues the call's requests and steps until they finish (their ids, in order). If
+        anything interrupts it (a request refused, an error, Ctrl-C, while queueing or running),
+        every request of the call is aborted and dropped, so no request or page outlives it."""
+        req_ids: list[str] = []
         try:
+            for number, (prompt_ids, sp) in enumerate(zip(ids, params)):
+                req_ids.append(f"{'score' if score else 'llm'}-{next(self._ids)}")
+                try:
+                    self.core.add_request(req_ids[-1], prompt_ids, sp, score=score)
+                except ValueError as exc:
+                    raise _for_prompt(exc, req_ids[-1], number, len(ids)) from None
             self.core.run_until_done(set(req_ids))
         except BaseException:
             for req_id in req_ids:
-                self.core.abort(req_id, "the generate call was interrupted")
-                self.core.pop_output(req_id)
+                self.core.drop(req_id, "the generate call was interrupted")
             raise
-
-    def _add(self, ids: list[list[int]], params: list[SamplingParams], score: bool) -> list[str]:
-        req_ids = []
-        for prompt_ids, sp in zip(ids, params):
-            req_id = f"{'score' if score else 'llm'}-{next(self._ids)}"
-            try:
-                self.core.add_request(req_id, prompt_ids, sp, score=score)
-            except ValueError:
-                for queued in req_ids:  # nothing of a rejected call stays queued
-                    self.core.abort(queued)
-                    self.core.pop_output(queued)
-                raise
-            req_ids.append(req_id)
         return req_ids
 
     def shutdown(self) -> None:
         self.core.shutdown()
+
+
+def _for_prompt(exc: ValueError, req_id: str, number: int, num_prompts: int) -> ValueError:
+    """A refusal of the call's prompt ``number`` (0-based) that names it by its place in the
+    call, never by the engine's request id, which the caller never saw."""
+    message = str(exc)
+    named = message.replace(f"request {req_id!r}", f"prompt {number}")
+    if named == message and num_prompts > 1:
+        named = f"prompt {number}: {message}"
+    field = getattr(exc, "field", None)
+    return RequestError(named, field) if isinstance(exc, RequestError) else ValueError(named)
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

@@ -87,6 +87,8 @@ class LocalPipeline:
         return result
 
     def collect(self, handle: StageResult) -> StageResult:
+        for abandoned in [s for s in self.fills if s < handle.step_id]:  # an interrupted
+            del self.fills[abandoned]  # caller's step, never collected
         fill = self.fills.pop(handle.step_id, None)
         if fill is not None:  # settling reads the drafts
             handle.spec_section().resolved = fill.resolve()

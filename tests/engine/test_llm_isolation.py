@@ -9,6 +9,7 @@ error path no request is running and every page is free or cached.
 
 import asyncio
 import dataclasses
+import signal
 import threading
 
 import pytest
@@ -35,7 +36,14 @@ def _assert_nothing_held(llm) -> None:
     assert stats["num_running"] == stats["num_waiting"] == 0
     assert stats["num_free_pages"] + stats["num_cached_pages"] == stats["num_pages"]
     assert llm.core.outputs.unfinished() == [] and not llm.core.outputs.outputs
+    assert not llm.core.scoring
     llm.core.check_integrity()
+
+
+def _assert_no_step_left(llm) -> None:
+    """After a call that ran to its end: no step of an interrupted call is still tracked."""
+    assert not llm.core.in_flight and not llm.core.scheduler._in_flight
+    assert not getattr(llm.core.pipeline, "fills", None)
 
 
 @pytest.mark.parametrize(
@@ -139,6 +147,67 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         llm.generate(PROMPTS, SamplingParams(max_tokens=8))
     monkeypatch.undo()
+    _assert_nothing_held(llm)
+
+
+def _interrupt_on(llm, monkeypatch, where: str) -> None:
+    """Ctrl-C while a generate queues its prompts, while it waits for a step, or (a real
+    SIGINT) in the middle of admitting a request, where the scheduler holds half of its ids."""
+    calls = []
+
+    def nth(fn, n, action):
+        def wrapped(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                action()
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    core = llm.core
+    if where == "queueing":
+        monkeypatch.setattr(core, "add_request", nth(core.add_request, 2, interrupt))
+    elif where == "collect":
+        monkeypatch.setattr(core.pipeline, "collect", nth(core.pipeline.collect, 2, interrupt))
+    else:
+        kv = core.scheduler.kv
+        signal_now = lambda: signal.raise_signal(signal.SIGINT)  # noqa: E731
+        monkeypatch.setattr(kv, "grow", nth(kv.grow, 2, signal_now))
+
+
+@pytest.mark.parametrize("where", ["queueing", "collect", "admission"])
+def test_ctrl_c_anywhere_in_a_generate_leaves_nothing_held(llm, tiny_model, monkeypatch, where):
+    _interrupt_on(llm, monkeypatch, where)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([*PROMPTS, PROMPTS[0][:20]], SamplingParams(max_tokens=8))
+    monkeypatch.undo()
+    _assert_nothing_held(llm)
+    again = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
+    _assert_nothing_held(llm)
+    _assert_no_step_left(llm)
+
+
+def test_an_interrupted_score_leaves_nothing_held(llm, monkeypatch):
+    _interrupt_on(llm, monkeypatch, "collect")
+    with pytest.raises(KeyboardInterrupt):
+        llm.score([PROMPTS[0], PROMPTS[1]])
+    monkeypatch.undo()
+    _assert_nothing_held(llm)
+
+
+def test_a_refused_prompt_is_named_by_its_place_in_the_call(llm):
+    too_long = [5] * (llm.core.max_model_len + 1)
+    bad_bias = SamplingParams(max_tokens=2, logit_bias={10**6: 1.0})
+    with pytest.raises(ValueError, match=r"^prompt 1: logit_bias") as info:
+        llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=2), bad_bias])
+    assert info.value.field == "logit_bias"
+    with pytest.raises(ValueError, match=r"^prompt 2: prompt has") as info:
+        llm.generate([PROMPTS[0], PROMPTS[1], too_long])
+    assert "llm-" not in str(info.value)
     _assert_nothing_held(llm)
 
 
@@ -259,6 +328,28 @@ def test_a_request_id_in_use_is_refused_and_a_left_ones_reuse_gets_only_its_own_
         engine.core.check_integrity()
     finally:
         engine.shutdown()
+
+
+def test_an_async_engine_shut_down_ends_its_open_streams_and_refuses_calls(tiny_ckpt):
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", use_ray=False)
+    params = SamplingParams(max_tokens=10_000, ignore_eos=True)
+
+    async def scenario():
+        stream = engine.generate(PROMPTS[0], params)
+        await anext(stream)  # running
+        await asyncio.get_running_loop().run_in_executor(None, engine.shutdown)
+        last = [u async for u in stream][-1].output
+        with pytest.raises(RuntimeError, match="shut down"):
+            await anext(engine.generate(PROMPTS[1], params))
+        with pytest.raises(RuntimeError, match="shut down"):
+            await engine.stats()
+        return last
+
+    last = asyncio.run(asyncio.wait_for(scenario(), timeout=60))
+    assert last.finish_reason == "abort" and "shut down" in last.error
+    engine.shutdown()  # twice is fine
 
 
 def test_a_shut_down_engine_refuses_requests_and_never_rebuilds(tiny_ckpt):

@@ -11,7 +11,13 @@ from hypothesis import strategies as st
 from dsv4ray.cache.hicache import WRITE_POLICIES
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
-from tests.unit.scheduler_harness import FakeStage, drive, reference, small_config
+from tests.unit.scheduler_harness import (
+    FakeStage,
+    commit_and_check,
+    drive,
+    reference,
+    small_config,
+)
 
 
 def _config(policy, **kw):
@@ -130,3 +136,23 @@ def test_host_tier_options_without_the_host_tier_are_refused_by_name(tiny_ckpt):
     with pytest.raises(ValueError, match="hicache_write_policy='write_back' is set but enable_hi"):
         EngineConfig(tiny_ckpt, hicache_write_policy="write_back")
     EngineConfig(tiny_ckpt, hicache_write_policy="write_back", enable_hicache=True)
+
+
+def test_a_step_abandoned_with_its_backups_is_forgotten_when_a_later_one_commits():
+    """A caller interrupted while a step with host backups ran (the stage ran it; its commit
+    never came) aborts its request: the next committed step confirms those backups and the
+    scheduler tracks no step of it."""
+    sched = Scheduler(_config("write_through"))
+    stage = FakeStage(sched.config)
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    sched.add_request("lost", [6] * 30, params)
+    finished: dict = {}
+    while (plan := sched.schedule()).host is None:  # steps until one carries backups
+        commit_and_check(sched, stage, plan, finished, {})
+    assert plan.host.backups and "lost" not in finished
+    stage.run(plan)  # ...and its caller gives up before the commit
+    sched.abort("lost")
+    done = _run_rounds(sched, stage, [[8] * 30], params)[0]
+    assert done.output_token_ids == reference([8] * 30, params)[0]
+    assert not sched._in_flight and not sched.kv.radix._unconfirmed
+    sched.check_integrity()
