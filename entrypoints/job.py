@@ -80,6 +80,9 @@ REPLICA_CPUS = 0.5  # the actor drives its engine; the stages have bundles of th
 READ_CPUS = 0.25
 REPLICA_EXIT_S = 30.0  # how long the driver waits for the replicas to shut their engines down
 MAX_CHUNK_ROWS = 128  # output lines come back a chunk at a time
+# chunks a replica runs at once: its engine batches their lines together, and a chunk whose
+# lines finish early is written while a slower one still runs
+CHUNKS_PER_REPLICA = 2
 
 
 @dataclass(frozen=True)
@@ -235,7 +238,11 @@ def _run(source, model, engine, job, input_path, output_path, stats) -> None:
         JobReplica,
         fn_constructor_kwargs={"model": model, "options": engine},
         batch_size=1,  # one chunk of up to rows_per_chunk lines a call
-        compute=ray.data.ActorPoolStrategy(size=job.replicas, max_tasks_in_flight_per_actor=2),
+        compute=ray.data.ActorPoolStrategy(
+            size=job.replicas,
+            max_tasks_in_flight_per_actor=CHUNKS_PER_REPLICA,
+            max_concurrent_calls_per_actor=CHUNKS_PER_REPLICA,  # else one call at a time
+        ),
         num_cpus=REPLICA_CPUS,
     )
     blocks = results.iter_batches(batch_size=None, batch_format="numpy")

@@ -180,3 +180,20 @@ def test_usage_errors_exit_2_before_ray_starts(tiny_ckpt, tmp_path, capsys):
             main(["job", *args])
         assert exc.value.code == 2
     assert not os.path.exists(out)
+
+
+def test_a_replica_runs_two_chunks_at_once_so_a_slow_line_holds_back_no_other_chunk(
+    ray_session, tiny_ckpt, tmp_path, capsys
+):
+    """One replica, chunks of two lines, the first chunk holding a long request: the chunks
+    after it finish (and are written) while it still decodes."""
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"id": "slow", "prompt": "Hi", "max_tokens": 80, "ignore_eos": True}]
+    lines += [{"id": f"fast{i}", "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
+              for i in range(7)]  # fmt: skip
+    src.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert run_job(tiny_ckpt, str(src), str(dst), JobOptions(replicas=1),
+                   kv_cache_dtype="fp32") == 0  # fmt: skip
+    order = [json.loads(line)["id"] for line in dst.read_text().splitlines()]
+    assert sorted(order) == sorted(line["id"] for line in lines)
+    assert order.index("fast1") < order.index("slow"), order  # the second chunk's first line
