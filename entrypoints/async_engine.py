@@ -227,9 +227,11 @@ class AsyncEngine:
         elif kind == "stats":
             return self.core.stats()
         elif kind == "stop":
-            for update in self.core.abort_all(SHUT_DOWN):
-                self._deliver(update)
-            self._stopped.set()
+            try:
+                for update in self.core.abort_all(SHUT_DOWN):
+                    self._deliver(update)
+            finally:  # the thread ends whatever delivering did
+                self._stopped.set()
         return None
 
     def _deliver(self, update: RequestUpdate) -> None:

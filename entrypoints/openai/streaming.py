@@ -25,7 +25,7 @@ from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.edge import aborted, internal_error
-from dsv4ray.entrypoints.openai.errors import APIError
+from dsv4ray.entrypoints.openai.errors import APIError, bad_request
 from dsv4ray.entrypoints.openai.format import SSE_DONE, sse
 from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
@@ -155,8 +155,9 @@ async def stream(runs: list[Run], usage: StreamUsage):
     usage chunk, ``[DONE]``. A failure after the headers went out, or an aborted run, becomes an
     error chunk (without internals) and ends every run."""
     fmt = runs[0].fmt
+    merged = _merged(runs, usage)
     try:
-        async for chunk in _merged(runs, usage):
+        async for chunk in merged:
             yield chunk
         if usage.include:
             yield sse(fmt.usage_chunk(format_usage(usage.outputs, usage.leaders)))
@@ -168,11 +169,16 @@ async def stream(runs: list[Run], usage: StreamUsage):
         _close_all(runs, exc.status)
         log.warning("stream %s failed: %s", fmt.request_id, exc.message)
         yield sse(exc.body())
+    except ValueError as exc:  # a choice started in the stream refused by the engine
+        _close_all(runs, 400)
+        log.warning("stream %s: a choice was refused: %s", fmt.request_id, exc)
+        yield sse(bad_request(str(exc), getattr(exc, "field", None)).body())
     except Exception:
         log.exception("stream %s failed", fmt.request_id)
         _close_all(runs, 500)
         yield sse(internal_error(fmt.request_id).body())
     finally:
+        await merged.aclose()  # its tasks stop reading the runs before their streams close
         for run in runs:
             await run.updates.aclose()  # an unfinished engine stream aborts its request
     yield SSE_DONE
@@ -267,5 +273,7 @@ class SSEResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self.body_iterator.aclose()
-            await self._cleanup()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                await self._cleanup()

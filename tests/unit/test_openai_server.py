@@ -12,6 +12,7 @@ import pytest
 import ray.exceptions
 from starlette.testclient import TestClient
 
+from dsv4ray.engine.checks import RequestError
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import EngineClient, OpenAIServer, ServerOptions
@@ -277,9 +278,13 @@ class HeldChoices(FakeEngine):
             yield update
 
 
-async def _stream_events(app, path: str, body: dict, events: asyncio.Queue) -> None:
+async def _stream_events(
+    app, path: str, body: dict, events: asyncio.Queue, gone_after: int | None = None
+) -> None:
     """POSTs body to the ASGI app and puts each SSE event on `events` as the app sends it
-    (httpx's ASGI transport hands the body over only once the app is done)."""
+    (httpx's ASGI transport hands the body over only once the app is done); with gone_after,
+    the client goes away after that many body messages: a send raises OSError, as an ASGI 2.4
+    server's does."""
     payload = json.dumps(body).encode()
     scope = {"type": "http", "http_version": "1.1", "method": "POST", "path": path,
              "raw_path": path.encode(), "query_string": b"", "scheme": "http",
@@ -296,6 +301,9 @@ async def _stream_events(app, path: str, body: dict, events: asyncio.Queue) -> N
         await asyncio.Event().wait()  # the client stays
 
     async def send(message):
+        if gone_after is not None and message["type"] == "http.response.body":
+            if events.qsize() >= gone_after:
+                raise OSError("the client went away")
         for event in message.get("body", b"").decode().split("\n\n"):
             if event.startswith("data: {"):
                 await events.put(json.loads(event.removeprefix("data: ")))
@@ -326,6 +334,53 @@ def test_a_stream_of_n_choices_starts_with_its_first_choice_tokens(fake_model_di
         texts[choice["index"]] = texts.get(choice["index"], "") + choice["text"]
     expected = engine.tokenizer.decode(engine.reply[:4])
     assert texts == {0: expected, 1: expected, 2: expected}
+    assert server.num_pending == 0
+
+
+@pytest.mark.parametrize("fields", [{"n": 3}, {"prompt": ["a", "b"], "n": 2}])
+def test_a_client_gone_mid_stream_of_several_choices_leaves_nothing_pending(engine, fields):
+    """A send that fails while several choices stream (the client went away) ends every
+    choice: nothing stays pending, each aborted request returned its pages, and the server
+    keeps answering."""
+    server = make_server(engine)
+    body = {**GOOD, "stream": True, "max_tokens": 8, **fields}
+
+    async def run():
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            await _stream_events(server.app, "/v1/completions", body, events, gone_after=3)
+        except OSError:
+            pass  # the server may let the failed send through
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url=LOCAL) as http:
+            return events.qsize(), await http.post("/v1/completions", json=GOOD)
+
+    received, after = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert received == 3 and after.status_code == 200
+    assert server.num_pending == server.num_admitted == 0
+    started = {r for _, _, r in engine.requests[:-1]}  # the last one is `after`
+    assert started and started <= set(engine.aborted)
+
+
+class RefusedChoices(FakeEngine):
+    """Refuses every choice but a prompt's first when it starts (request ids ending -1, -2)."""
+
+    async def generate(self, prompt, params, request_id: str):
+        if request_id.rsplit("-", 1)[-1].isdigit():
+            raise RequestError("refused by the engine", "temperature")
+        async for update in super().generate(prompt, params, request_id):
+            yield update
+
+
+def test_a_choice_refused_inside_a_stream_ends_it_with_a_400_event(fake_model_dir):
+    engine = RefusedChoices(fake_model_dir)
+    server = make_server(engine)
+    client = TestClient(server.app, base_url=LOCAL)
+    text = client.post("/v1/completions", json={**GOOD, "n": 2, "stream": True}).text
+    *_, error, done, tail = text.split("\n\n")
+    assert (done, tail) == ("data: [DONE]", "")
+    err = json.loads(error.removeprefix("data: "))["error"]
+    assert err["type"] == "invalid_request_error" and err["param"] == "temperature"
     assert server.num_pending == 0
 
 
