@@ -27,7 +27,7 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.engine import spec
 from dsv4ray.engine.checks import check_request_id, check_sampling
 from dsv4ray.engine.config import EngineConfig, SchedulerConfig
-from dsv4ray.engine.interrupts import interrupts_deferred
+from dsv4ray.engine.interrupts import deferred
 from dsv4ray.engine.output_processor import OutputProcessor
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.pipeline import Pipeline, PipelineFailure
@@ -193,7 +193,7 @@ class EngineCore:
                 "(hisparse_host_tokens)"
             )
         whole = score or params.prompt_logprobs is not None  # every position computed
-        with interrupts_deferred():  # the scheduler and the outputs know it, or neither does
+        with deferred():  # the scheduler and the outputs know it, or neither does
             self.scheduler.add_request(req_id, prompt_ids, params, use_prefix_cache=not whole)
             self.outputs.add(req_id, prompt_ids, params)
             if score:
@@ -209,7 +209,7 @@ class EngineCore:
     def drop(self, req_id: str, error: str) -> None:
         """Aborts the request if it runs and forgets it, output included (an unknown id, or one
         already popped, is fine): what a caller that gives up on its requests calls."""
-        with interrupts_deferred():
+        with deferred():
             self.abort(req_id, error)
             if req_id in self.outputs.outputs:
                 self.outputs.pop(req_id)
@@ -228,7 +228,7 @@ class EngineCore:
                 return self.abort_all("the pipeline could not be restarted after a stage failed")
             if refused:
                 return refused
-        with interrupts_deferred():  # scheduling and submitting (Ctrl-C: after them)
+        with deferred():  # scheduling and submitting (Ctrl-C: after them)
             failure = self._fill()
         if failure is not None:
             return self._recover(failure)
@@ -243,7 +243,7 @@ class EngineCore:
             return self._recover(exc)
         self._fill_in_commit = self.config.uses_overlap
         try:
-            with interrupts_deferred():  # a commit is applied whole
+            with deferred():  # a commit is applied whole
                 return self._commit(plan, result)
         finally:
             self._fill_in_commit = False

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from dsv4ray.engine.checks import RequestError
+from dsv4ray.engine.interrupts import safe_points
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.engines import build_engine_core, engine_config
@@ -114,18 +115,19 @@ class LLM:
         anything interrupts it (a request refused, an error, Ctrl-C, while queueing or running),
         every request of the call is aborted and dropped, so no request or page outlives it."""
         req_ids: list[str] = []
-        try:
-            for number, (prompt_ids, sp) in enumerate(zip(ids, params)):
-                req_ids.append(f"{'score' if score else 'llm'}-{next(self._ids)}")
-                try:
-                    self.core.add_request(req_ids[-1], prompt_ids, sp, score=score)
-                except ValueError as exc:
-                    raise _for_prompt(exc, req_ids[-1], number, len(ids)) from None
-            self.core.run_until_done(set(req_ids))
-        except BaseException:
-            for req_id in req_ids:
-                self.core.drop(req_id, "the generate call was interrupted")
-            raise
+        with safe_points():  # Ctrl-C waits for the end of the bookkeeping it lands in
+            try:
+                for number, (prompt_ids, sp) in enumerate(zip(ids, params)):
+                    req_ids.append(f"{'score' if score else 'llm'}-{next(self._ids)}")
+                    try:
+                        self.core.add_request(req_ids[-1], prompt_ids, sp, score=score)
+                    except ValueError as exc:
+                        raise _for_prompt(exc, req_ids[-1], number, len(ids)) from None
+                self.core.run_until_done(set(req_ids))
+            except BaseException:
+                for req_id in req_ids:
+                    self.core.drop(req_id, "the generate call was interrupted")
+                raise
         return req_ids
 
     def shutdown(self) -> None:
@@ -139,8 +141,7 @@ def _for_prompt(exc: ValueError, req_id: str, number: int, num_prompts: int) -> 
     named = message.replace(f"request {req_id!r}", f"prompt {number}")
     if named == message and num_prompts > 1:
         named = f"prompt {number}: {message}"
-    field = getattr(exc, "field", None)
-    return RequestError(named, field) if isinstance(exc, RequestError) else ValueError(named)
+    return RequestError(named, getattr(exc, "field", None))
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

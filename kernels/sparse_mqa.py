@@ -86,8 +86,8 @@ def _kv_groups(
 ):
     """The dequantised entries at slots [N] as eight 64-dim groups [N, 64]: each group is one
     plain load with one scale per entry, so no tile wider than 64 columns is dequantised at once
-    (H200, 64 tokens x 640 fp8 keys, one stage: 64 us against 73 us with chunks of 256 / 128 /
-    64 / 64 dims; the kernel is at its register limit either way)."""
+    (the kernel is at its register limit: docs/benchmarks.md, kernels against the copy
+    ceiling)."""
     value_off, lo, hi = kv_scale_words(
         pages_ptr, slots, FMT, EPP, PAGE_BYTES, VALUE_BYTES, SCALE_OFF, SCALE_BYTES
     )
@@ -150,8 +150,7 @@ def _attend(
 ):
     """Online-softmax update (log2 units) of m, den [BLOCK_H] and the accumulator acc (8 groups
     [BLOCK_H, 64]) with the keys slots_ptr[lo:hi] of one pool. One pipeline stage: prefetching
-    the next keys' gathered rows costs registers this loop does not have (H200, 64 tokens x 640
-    fp8 keys: 73 us against 79 us with the compiler's default stages, same bytes)."""
+    the next keys' gathered rows costs registers this loop does not have."""
     for n0 in tl.range(lo, hi, BLOCK_N, num_stages=1):
         n = n0 + tl.arange(0, BLOCK_N)
         slots = tl.load(slots_ptr + n, mask=n < hi, other=-1)

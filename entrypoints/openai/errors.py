@@ -37,3 +37,16 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+# request fields named as is in an engine's refusal (RequestError.field); any other refusal
+# names the prompt (a grammar's fault is found before the engine sees it)
+PARAM_FIELDS = ("logit_bias", "stop_token_ids")
+
+
+def refusal(problem: ValueError, endpoint: str) -> APIError:
+    """The 400 of a request the engine refused (a ValueError before its first token)."""
+    field = getattr(problem, "field", None)  # a SamplingParams field (RequestError)
+    if field not in PARAM_FIELDS:
+        field = "prompt" if endpoint == "/v1/completions" else "messages"
+    return bad_request(str(problem), field)

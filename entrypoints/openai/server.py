@@ -34,7 +34,7 @@ from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.api import build_api
 from dsv4ray.entrypoints.openai.edge import aborted, read_body
-from dsv4ray.entrypoints.openai.errors import APIError, bad_request
+from dsv4ray.entrypoints.openai.errors import APIError, bad_request, refusal
 from dsv4ray.entrypoints.openai.format import ChatFormat, CompletionFormat, TokenBytes
 from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
@@ -60,9 +60,6 @@ from dsv4ray.text.chat_encoding import prefix_state
 log = logging.getLogger("dsv4ray.serve")
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-# request fields named as is in an engine's refusal (RequestError.field); any other refusal
-# names the prompt (a grammar's fault is found before the engine sees it)
-PARAM_FIELDS = ("logit_bias", "stop_token_ids")
 STATS_POLL_S = 1.0
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 ROUTE_PATHS = (*GENERATION_PATHS, "/v1/models", "/v1/dsv4ray/stats", "/health")
@@ -407,10 +404,7 @@ class OpenAIServer:
             for run in started:
                 await run.updates.aclose()
                 run.tracked.release(None)  # never ran; answered as a 400
-            field = getattr(problem, "field", None)  # a SamplingParams field (RequestError)
-            if field not in PARAM_FIELDS:
-                field = "prompt" if answer.endpoint == "/v1/completions" else "messages"
-            raise bad_request(str(problem), field) from None
+            raise refusal(problem, answer.endpoint) from None
         await _give_up(started, problem)
         raise problem
 

@@ -25,7 +25,7 @@ from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.edge import aborted, internal_error
-from dsv4ray.entrypoints.openai.errors import APIError, bad_request
+from dsv4ray.entrypoints.openai.errors import APIError, refusal
 from dsv4ray.entrypoints.openai.format import SSE_DONE, sse
 from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED
@@ -172,7 +172,7 @@ async def stream(runs: list[Run], usage: StreamUsage):
     except ValueError as exc:  # a choice started in the stream refused by the engine
         _close_all(runs, 400)
         log.warning("stream %s: a choice was refused: %s", fmt.request_id, exc)
-        yield sse(bad_request(str(exc), getattr(exc, "field", None)).body())
+        yield sse(refusal(exc, runs[0].tracked.answer.endpoint).body())
     except Exception:
         log.exception("stream %s failed", fmt.request_id)
         _close_all(runs, 500)

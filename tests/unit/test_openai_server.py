@@ -367,7 +367,7 @@ class RefusedChoices(FakeEngine):
 
     async def generate(self, prompt, params, request_id: str):
         if request_id.rsplit("-", 1)[-1].isdigit():
-            raise RequestError("refused by the engine", "temperature")
+            raise RequestError("refused by the engine", "logit_bias")
         async for update in super().generate(prompt, params, request_id):
             yield update
 
@@ -380,7 +380,7 @@ def test_a_choice_refused_inside_a_stream_ends_it_with_a_400_event(fake_model_di
     *_, error, done, tail = text.split("\n\n")
     assert (done, tail) == ("data: [DONE]", "")
     err = json.loads(error.removeprefix("data: "))["error"]
-    assert err["type"] == "invalid_request_error" and err["param"] == "temperature"
+    assert err["type"] == "invalid_request_error" and err["param"] == "logit_bias"
     assert server.num_pending == 0
 
 
