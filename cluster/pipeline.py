@@ -42,8 +42,8 @@ from dsv4ray.cluster.stage_graph import StageGraph, describe
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import StageEndpoint
-from dsv4ray.engine.pipeline import PipelineFailure
-from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StageResult, StepPlan, encode
+from dsv4ray.engine.pipeline import PipelineFailure, StepResults
+from dsv4ray.engine.plan import FLUSH_STEP, StageResult, StepPlan, encode
 from dsv4ray.worker.pool_sizing import graph_shapes, pool_sizes, size_pipeline
 from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 
@@ -76,7 +76,7 @@ class RayPipeline:
         self.take = self.shared_samples = False
         self.depth = max(2 if self.lag else 1, config.micro_batches, config.pp_size)
         self.refs: deque = deque()  # the graph's outputs not read yet, in submission order
-        self.early: dict[int, StageResult] = {}  # results read before their step's collect
+        self.results = StepResults()  # results read before their step's collect
         self.own_pg = placement is None
         bundle = stage_bundle(self.use_gpu, num_gpus=config.num_gpus_per_stage)
         bundles = [bundle] * len(self.ranges)
@@ -354,9 +354,7 @@ class RayPipeline:
         has then recorded the sampled ids of each, and the first stage's wait for them, issued
         by the next plan, binds to those records (worker/graphs/overlap.py)."""
         while self.refs:
-            result = self._read(self.refs.popleft())
-            if result.step_id != NO_RESULT:
-                self.early[result.step_id] = result
+            self.results.keep(self._read(self.refs.popleft()))
 
     def _read(self, ref) -> StageResult:
         try:
@@ -369,16 +367,12 @@ class RayPipeline:
         with the next plan that has a batch, or with a flush when none followed; a plan without
         a batch answers at once (its result may come before the lagged one of an earlier step,
         which is then kept until collected)."""
-        if step_id in self.early:
-            return self.early.pop(step_id)
-        while True:
-            if not self.refs:
-                self.submit(StepPlan(step_id=FLUSH_STEP))
-            result = self._read(self.refs.popleft())
-            if result.step_id == step_id:
-                return result
-            if result.step_id != NO_RESULT:
-                self.early[result.step_id] = result
+        return self.results.collect(step_id, self._next_output)
+
+    def _next_output(self) -> StageResult:
+        if not self.refs:
+            self.submit(StepPlan(step_id=FLUSH_STEP))
+        return self._read(self.refs.popleft())
 
     def rebuild(self) -> None:
         """After a stage died: the survivors exit first (a clean exit removes every channel
@@ -392,7 +386,7 @@ class RayPipeline:
 
     def _teardown(self) -> None:
         self.refs.clear()
-        self.early.clear()
+        self.results.clear()
         if self.dag is not None:
             self.dag.teardown()
             self.dag = None

@@ -228,10 +228,11 @@ class EngineCore:
                 return self.abort_all("the pipeline could not be restarted after a stage failed")
             if refused:
                 return refused
-        with deferred():  # scheduling and submitting (Ctrl-C: after them)
+        with deferred():  # scheduling, submitting and a failed submit's recovery (Ctrl-C: after)
             failure = self._fill()
-        if failure is not None:
-            return self._recover(failure)
+            recovered = self._recover(failure) if failure is not None else None
+        if recovered is not None:
+            return recovered
         if not self.in_flight:
             if self.scheduler.has_unfinished():
                 raise RuntimeError("the scheduler has unfinished requests but nothing to run")

@@ -47,3 +47,39 @@ class Pipeline(Protocol):
 
     def stages_alive(self) -> bool: ...  # every stage (and the draft worker) answers a ping
     def stage_stats(self) -> list[dict]: ...
+
+
+class StepResults:
+    """The results a pipeline's outputs bring, handed to ``collect`` by step id.
+
+    Outputs come in the order the stages finish steps, which is not always submission order (a
+    plan without a batch answers at once, before a lagged step's result), so results that come
+    before their step's ``collect`` wait here. Steps are collected in submission order; a step
+    whose caller was interrupted before collecting it is never collected, so any result older
+    than the step being collected is dropped (the step was abandoned) rather than kept for good.
+    """
+
+    def __init__(self) -> None:
+        self.early: dict[int, StageResult] = {}
+
+    def keep(self, result: StageResult) -> None:
+        """A result read before its step's collect (none for NO_RESULT)."""
+        if result.step_id >= 0:
+            self.early[result.step_id] = result
+
+    def collect(self, step_id: int, read_next) -> StageResult:
+        """Step step_id's result: kept, or read_next() until it comes (read_next returns the
+        next output, asking for a flush when none is pending)."""
+        for abandoned in [s for s in self.early if s < step_id]:
+            del self.early[abandoned]
+        if step_id in self.early:
+            return self.early.pop(step_id)
+        while True:
+            result = read_next()
+            if result.step_id == step_id:
+                return result
+            if result.step_id > step_id:
+                self.early[result.step_id] = result
+
+    def clear(self) -> None:
+        self.early.clear()

@@ -10,7 +10,8 @@ from collections import deque
 import pytest
 import torch
 
-from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, StepPlan
+from dsv4ray.engine.pipeline import StepResults
+from dsv4ray.engine.plan import FLUSH_STEP, StepPlan
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
@@ -27,7 +28,7 @@ class LinkedStages:
         self.local, self.workers = local, local.workers
         self.depth, self.tickets, self.batches = 2, 0, 0
         self.outputs: deque = deque()
-        self.early: dict = {}
+        self.results = StepResults()
         rows = local.config.max_num_batched_tokens
         for sender, receiver in zip(self.workers, self.workers[1:]):
             receiver.link_peer(sender.map_link(receiver.open_link(ring_depth, rows)))
@@ -48,16 +49,12 @@ class LinkedStages:
         return plan.step_id
 
     def collect(self, step_id: int):
-        if step_id in self.early:
-            return self.early.pop(step_id)
-        while True:
-            if not self.outputs:
-                self.submit(StepPlan(step_id=FLUSH_STEP))
-            result = self.outputs.popleft()
-            if result.step_id == step_id:
-                return result
-            if result.step_id != NO_RESULT:
-                self.early[result.step_id] = result
+        return self.results.collect(step_id, self._next_output)
+
+    def _next_output(self):
+        if not self.outputs:
+            self.submit(StepPlan(step_id=FLUSH_STEP))
+        return self.outputs.popleft()
 
 
 @pytest.fixture(scope="module")

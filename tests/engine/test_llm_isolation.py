@@ -191,6 +191,42 @@ def test_ctrl_c_anywhere_in_a_generate_leaves_nothing_held(llm, tiny_model, monk
     _assert_no_step_left(llm)
 
 
+def test_ctrl_c_while_a_dead_stage_is_found_still_rebuilds_before_the_next_call(
+    llm, tiny_model, monkeypatch
+):
+    """A Ctrl-C that lands while a submit finds a dead stage: the call ends with
+    KeyboardInterrupt, and the next call gets a rebuilt pipeline instead of meeting the dead
+    stage again and having its own requests aborted."""
+    from dsv4ray.engine.pipeline import PipelineFailure
+
+    pipeline, dead = llm.core.pipeline, {"stage": True, "signalled": False}
+    submit, rebuild = pipeline.submit, pipeline.rebuild
+
+    def dead_submit(plan):
+        if dead["stage"] and plan.batch:
+            if not dead["signalled"]:
+                dead["signalled"] = True
+                signal.raise_signal(signal.SIGINT)  # lands inside the step's deferred block
+            raise PipelineFailure("stage gone")
+        return submit(plan)
+
+    def fresh_stages():
+        dead["stage"] = False
+        rebuild()
+
+    monkeypatch.setattr(pipeline, "submit", dead_submit)
+    monkeypatch.setattr(pipeline, "rebuild", fresh_stages)
+    rebuilds = llm.core.num_rebuilds
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4))
+    again = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    monkeypatch.undo()
+    assert again.finish_reason == "length", again.error
+    assert again.token_ids == reference_greedy(tiny_model, PROMPTS[1], 3)
+    assert llm.core.num_rebuilds == rebuilds + 1
+    _assert_nothing_held(llm)
+
+
 def test_an_interrupted_score_leaves_nothing_held(llm, monkeypatch):
     _interrupt_on(llm, monkeypatch, "collect")
     with pytest.raises(KeyboardInterrupt):
