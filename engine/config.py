@@ -9,6 +9,7 @@ write policies by the host tier's index (cache/hicache.py), the CPU token cap by
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -132,10 +133,13 @@ class EngineConfig:
             )
         for name in ("execution_timeout_s", "startup_timeout_s"):
             _positive(self, name)
-        if not 0 < self.memory_fraction <= 1:
+        _positive(self, "memory_fraction")
+        if not self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
-        if self.use_ray not in ("auto", True, False):
-            raise ValueError(f"use_ray must be 'auto', True or False, got {self.use_ray!r}")
+        for name in ("use_ray", "overlap_scheduling"):  # 0 and 1 are not False and True here
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or value == "auto"):
+                raise ValueError(f"{name} must be 'auto', True or False, got {value!r}")
         if self.dtype is not None and self.dtype not in COMPUTE_DTYPES:
             raise ValueError(f"dtype must be one of {COMPUTE_DTYPES} (the dtypes the attention "
                              f"kernels compute in), got {self.dtype!r}")  # fmt: skip
@@ -191,10 +195,6 @@ class EngineConfig:
             )
         if self.enable_hicache and self.use_ray is False:
             raise ValueError("enable_hicache runs a host tier actor; use_ray=False is not allowed")
-        if self.overlap_scheduling not in ("auto", True, False):
-            raise ValueError(
-                f"overlap_scheduling must be 'auto', True or False, got {self.overlap_scheduling!r}"
-            )
         if self.overlap_scheduling is True and not self._overlap_possible:
             raise ValueError(
                 "overlap_scheduling does not combine with speculative_num_steps or "
@@ -359,8 +359,9 @@ class SchedulerConfig:
 
 def _positive(cfg, name: str) -> None:
     value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(f"{name} must be a number > 0, got {value!r}")
+    valid = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not valid or not 0 < value < math.inf:  # NaN compares False both ways
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
 
 
 MAX_COUNT = 2**40  # token and request counts past this overflow the size arithmetic of pools

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 from dsv4ray.cluster.placement import ACCELERATORS
 from dsv4ray.config_quant import RELEASE_LAYOUTS
@@ -103,6 +104,12 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _model(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("a checkpoint's folder, URI or Hugging Face id, got ''")
+    return text
+
+
 def _log_level(text: str) -> str:
     level = text.upper()
     if not isinstance(logging.getLevelName(level), int):
@@ -123,7 +130,10 @@ def _engine_parent() -> argparse.ArgumentParser:
     """The options every engine-running subcommand shares: --model and every engine option."""
     parent = argparse.ArgumentParser(add_help=False, parents=[_log_parent()])
     parent.add_argument(
-        "--model", default=None, help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)"
+        "--model",
+        type=_model,
+        default=None,
+        help=f"checkpoint folder (default: ${DEFAULT_MODEL_ENV} or .tiny)",
     )
     add_engine_flags(parent)
     return parent
@@ -134,9 +144,15 @@ def _add_generate(sub) -> None:
         "generate", parents=[_engine_parent()], help="generate text, streamed to the terminal"
     )
     gen.add_argument("prompts", nargs="+", metavar="PROMPT")
-    gen.add_argument("--max-tokens", type=_positive_int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--max-tokens", type=_positive_int, default=32, help="tokens per prompt at most [32]"
+    )
+    gen.add_argument(
+        "--temperature", type=float, default=0.0, help="0 picks the likeliest token [0.0]"
+    )
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: different each run)"
+    )
     gen.set_defaults(func=cmd_generate)
 
 
@@ -188,9 +204,10 @@ def _add_serve(sub) -> None:
     srv.add_argument(
         "model_pos",
         nargs="?",
+        type=_model,
         default=None,
         metavar="MODEL",
-        help="checkpoint folder (or --model; default: the demo checkpoint)",
+        help=f"checkpoint folder (or --model; default: ${DEFAULT_MODEL_ENV} or .tiny)",
     )
     srv.add_argument(
         "--config",
@@ -279,4 +296,8 @@ def _host(text: str) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(levelname)s %(name)s: %(message)s")
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:  # before the command's own handling began (importing torch, ...)
+        print("\ndsv4ray: stopped", file=sys.stderr)
+        return 130

@@ -37,6 +37,10 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
                                      model_source=config.model)  # fmt: skip
     check_checkpoint(config.model)  # a broken file is a ValueError naming it, before any actor
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+    longest = model_config.max_position_embeddings
+    if config.max_model_len is not None and config.max_model_len > longest:
+        raise ValueError(f"max_model_len {config.max_model_len} is more than the model's "
+                         f"max_position_embeddings ({longest})")  # fmt: skip
     if config.enable_hisparse:  # the model's top-k bounds the hot rows: refused before any actor
         from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 

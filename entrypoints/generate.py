@@ -9,11 +9,15 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.stop_signals import (
+    TERMINATED,
+    by_sigterm,
     restore_sigterm,
     signals_held,
     sigterm_interrupts,
     stop_asked,
 )
+
+EXIT_USAGE, EXIT_INTERRUPTED, EXIT_TERMINATED = 2, 130, 143
 
 
 def generate(
@@ -26,16 +30,19 @@ def generate(
     out=None,
     **options,
 ) -> int:
-    """Streams each prompt's completion to ``out``; 1 when a prompt was refused or aborted.
-    SIGINT and SIGTERM stop it (exit 0, a line saying so) after the engine shuts down."""
+    """Streams each prompt's completion to ``out`` -> the exit code: 0, or 1 when a prompt was
+    refused or aborted; a bad option is a usage error (one line, 2). SIGINT and SIGTERM stop it
+    after the engine shuts down, with a line saying so (130 and 143, as a shell reports them)."""
     out = out or sys.stdout
+    TERMINATED.clear()
     previous, engine = sigterm_interrupts(), None
     try:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
             engine = AsyncEngine(model_path, pp_size=pp_size, **options)
-        except ValueError as exc:
-            raise SystemExit(f"dsv4ray: {exc}") from exc
+        except (ValueError, TypeError) as exc:  # an option's value or type
+            print(f"dsv4ray: {exc}", file=sys.stderr)
+            return EXIT_USAGE
         sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
         if engine.config.speculative_num_steps:
             print(f"dsv4ray: {describe(engine.config.speculative_num_steps)}", file=sys.stderr)
@@ -45,7 +52,7 @@ def generate(
             raise
         out.write("\n")
         print("dsv4ray: stopped", file=sys.stderr)
-        return 0
+        return EXIT_TERMINATED if by_sigterm(exc) else EXIT_INTERRUPTED
     finally:
         with signals_held():  # the engine's shutdown runs to its end
             if engine is not None:
@@ -67,7 +74,7 @@ async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> i
                 final = update.output
         except ValueError as exc:  # this prompt is refused (too long, ...); the next ones run
             out.write("\n")
-            print(f"dsv4ray: prompt refused: {exc}", file=sys.stderr)
+            print(f"dsv4ray: prompt refused: {_reason(exc)}", file=sys.stderr)
             failed += 1
             continue
         if final is not None and final.text.startswith(shown):
@@ -78,3 +85,9 @@ async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> i
             reason = final.error if final is not None else "no output"
             print(f"dsv4ray: request aborted: {reason}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _reason(exc: ValueError) -> str:
+    """A refusal without the engine's own request id (the prompt is the line above it)."""
+    text = str(exc)
+    return text.split(": ", 1)[1] if text.startswith("request '") and ": " in text else text

@@ -106,13 +106,13 @@ def run_job(
     job = job or JobOptions()
     joined = bool(os.environ.get("RAY_ADDRESS"))
     problem, config = usage_problem(model, input_path, output_path, joined), None
-    if problem is None and options.get("use_ray") is False:
-        problem = ("use_ray=False: a job's engines always run as Ray actors (its replica pool "
-                   "on Ray Data); leave --use-ray out")  # fmt: skip
+    if problem is None and options.get("use_ray", True) not in ("auto", True):
+        problem = (f"use_ray={options['use_ray']!r}: a job's engines always run as Ray actors "
+                   "(its replica pool on Ray Data); leave --use-ray out")  # fmt: skip
     if problem is None:
         try:
             config = EngineConfig.build(model, check_model=False, **{**options, "use_ray": True})
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             problem = str(exc)
     if problem is not None:
         return usage_error(problem)

@@ -58,7 +58,7 @@ class LLM:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        ids = [self.core.prompt_ids(p) for p in prompts]  # validate everything before queueing
+        ids = self._prompt_ids(prompts)  # validate everything before queueing
         req_ids = self._run(ids, params, score=False)
         return [self.core.pop_output(r) for r in req_ids]
 
@@ -103,12 +103,22 @@ class LLM:
         ):
             raise ValueError("score takes a list of prompts, each a list of token ids (one "
                              "prompt is [ids])")  # fmt: skip
-        ids = [self.core.prompt_ids(list(p)) for p in prompts]
+        ids = self._prompt_ids([list(p) for p in prompts])
         req_ids = self._run(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
         logits = [torch.log_softmax(torch.cat(self.core.pop_logits(r)), dim=-1) for r in req_ids]
         for r in req_ids:
             self.core.pop_output(r)
         return logits
+
+    def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
+        """Each prompt's token ids; a refused one is named by its place in the call."""
+        ids = []
+        for number, prompt in enumerate(prompts):
+            try:
+                ids.append(self.core.prompt_ids(prompt))
+            except ValueError as exc:
+                raise _for_prompt(exc, "", number, len(prompts)) from None
+        return ids
 
     def _run(self, ids: list[list[int]], params: list[SamplingParams], score: bool) -> list[str]:
         """Queues the call's requests and steps until they finish (their ids, in order). If

@@ -70,6 +70,7 @@ from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.model_path import usage_exit
 from dsv4ray.entrypoints.openai.edge import is_loopback
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer
@@ -230,14 +231,14 @@ def run_server(
             "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
+    # a local Ray runs on this machine, whose view resolves the accelerator: every option is
+    # checked before Ray starts; a cluster's GPUs are known once joined
+    app = None if joined else _application(config, deployment)
     stop = _stop_on_signals()
     try:
         ensure_ray()
         stop = _stop_on_signals(stop)  # again: Ray's init installs handlers of its own
-        try:
-            app = application(config, deployment)
-        except ValueError as exc:
-            raise SystemExit(f"dsv4ray serve: {exc}") from None
+        app = app or _application(config, deployment)
         info, (host, port) = _start(app, serve_options, host, port)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
@@ -264,6 +265,14 @@ def run_server(
                     _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "Serve's shutdown")
                 stop_local_ray()
     return 0
+
+
+def _application(config: Mapping, deployment: Mapping | None):
+    """``application``; a bad option value is a usage error (one line, exit code 2)."""
+    try:
+        return application(config, deployment)
+    except (ValueError, TypeError) as exc:
+        usage_exit(f"dsv4ray serve: {exc}")
 
 
 SERVE_SHUTDOWN_S = 60.0  # Serve drains its replicas first; Ray's shutdown ends them anyway

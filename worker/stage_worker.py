@@ -100,6 +100,10 @@ class StageWorker:
     def allocate(self, sizes: PoolSizes) -> int:
         # one more state slot: the compressor ring the pad rows of captured steps write
         sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
+        # CPU pools are sized by tokens, not by memory: check they fit (a HiSparse store
+        # allocates its host history even for meta shapes, so it is not priced this way)
+        if self.device.type == "cpu" and not sizes.hisparse_hot_rows:
+            self._check_host_memory(sizes)
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
         )
@@ -130,6 +134,21 @@ class StageWorker:
                 self.pools.hisparse.hot_rows,
             )
         return self.pools.nbytes()
+
+    def _check_host_memory(self, sizes: PoolSizes) -> None:
+        """A ValueError naming the options when the pools need more than the memory this machine
+        has available (pools are zero-filled: past it the allocation fails or the OOM killer
+        ends the process)."""
+        shapes = StagePools(self.cfg, self.model.start, self.model.end, sizes,
+                            self.kv_cache_dtype, torch.device("meta"))  # fmt: skip
+        need, have = shapes.nbytes(), available_host_memory()
+        if have is not None and need > have:
+            raise ValueError(
+                f"stage [{self.model.start}, {self.model.end}): its KV pools need "
+                f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of memory this "
+                f"machine has available ({sizes.num_pages} pages, {sizes.num_state_slots - 1} "
+                "running requests): lower max_total_tokens or max_running_requests"
+            )
 
     def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int = 0,
                        capture: bool = True) -> None:  # fmt: skip
@@ -492,3 +511,15 @@ class Prepared:
     staged: Staged | None = None
     error: Exception | None = None
     resolved: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # held drafts
+
+
+def available_host_memory() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None

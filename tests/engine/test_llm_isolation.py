@@ -78,8 +78,10 @@ def test_invalid_values_raise_value_error_naming_the_field(make, field):
 
 
 def test_a_bad_prompt_queues_nothing(llm):
-    with pytest.raises(ValueError, match="vocabulary"):
+    with pytest.raises(ValueError, match=r"^prompt 1: .*vocabulary"):  # named by its place
         llm.generate([PROMPTS[0], [0, 10**6]], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"^prompt 2: .*holds float"):
+        llm.score([PROMPTS[0], PROMPTS[1], [3, 4.0]])
     with pytest.raises(ValueError, match="request id"):
         llm.core.add_request("bad\ud800id", PROMPTS[0], SamplingParams())
     for prompts, named in [(5, "got int"), ([PROMPTS[0], [3, 4.0]], "holds float"),
@@ -399,3 +401,18 @@ def test_a_shut_down_engine_refuses_requests_and_never_rebuilds(tiny_ckpt):
     llm.shutdown()  # twice is fine
     with pytest.raises(ValueError, match="model must be a checkpoint's path"):
         LLM(None)
+
+
+def test_a_context_longer_than_the_model_supports_is_refused_by_name(tmp_path):
+    from dsv4ray.model.tiny import make_tiny
+
+    path = make_tiny(str(tmp_path / "short"), "tiny", seed=1, max_position_embeddings=1024)
+    with pytest.raises(ValueError, match=r"max_model_len 4096 is more than .* \(1024\)"):
+        LLM(path, use_ray=False, max_model_len=4096)
+    llm = LLM(path, use_ray=False, max_model_len=1024)  # the model's own limit is fine
+    llm.shutdown()
+
+
+def test_pools_larger_than_the_machines_memory_are_refused_before_allocating(tiny_ckpt):
+    with pytest.raises(ValueError, match="lower max_total_tokens or max_running_requests"):
+        LLM(tiny_ckpt, use_ray=False, max_running_requests=2**22)

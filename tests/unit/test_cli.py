@@ -34,6 +34,7 @@ def test_a_prompt_longer_than_the_context_is_one_line_and_the_next_prompt_runs(t
     assert main([*args, "x" * 400, "Hi"]) == 1  # one prompt failed
     printed = capsys.readouterr()
     assert "Traceback" not in printed.err and printed.err.count("prompt refused") == 1
+    assert "request '" not in printed.err  # the engine's own id, which the user never saw
     assert "max_model_len is 300" in printed.err
     assert printed.out.splitlines()[-1].startswith("Hi")  # the next prompt was answered
 
@@ -171,6 +172,8 @@ def test_make_tiny_layers_cycle_the_presets_attention_pattern(tmp_path):
         ["serve", "--host", ""],
         ["make-tiny", "--out", "x", "--layers", "0"],
         ["make-tiny", "--out", "x", "--layers", "-1"],
+        ["generate", "--model", "", "x"],  # not the default checkpoint in disguise
+        ["serve", ""],
     ],
 )
 def test_values_no_command_can_use_are_usage_errors(argv, capsys):
@@ -231,3 +234,43 @@ def test_a_running_serve_on_another_port_is_named(monkeypatch):
 
     monkeypatch.setattr(ray.serve.context, "_get_global_client", no_client)
     assert _running_http("127.0.0.1", 8124) is None
+
+
+@pytest.mark.parametrize(
+    "flags", [["--pp", "0"], ["--temperature", "-1"], ["--memory-fraction", "0"]]
+)
+def test_a_bad_option_value_of_generate_is_a_usage_error(tiny_ckpt, flags, capsys):
+    assert main(["generate", "--model", tiny_ckpt, *flags, "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dsv4ray: ") and len(err.strip().splitlines()) == 1
+
+
+def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tiny_ckpt, monkeypatch, capsys):
+    import dsv4ray.entrypoints.generate as generate_module
+
+    def starting(*args, **kwargs):  # still importing torch, checking the checkpoint, ...
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate_module, "generate", starting)
+    assert main(["generate", "--model", tiny_ckpt, "x"]) == 130
+    assert capsys.readouterr().err.strip() == "dsv4ray: stopped"
+
+
+def test_serve_refuses_a_bad_option_before_starting_ray(tiny_ckpt):
+    """One line and exit code 2, with no Ray or Serve started and stopped around it."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "--pp", "0"],
+                          env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip() == "dsv4ray serve: pp_size must be an int in [1, 2**40], got 0"
+
+
+def test_a_job_refuses_use_ray_values_other_than_true(tiny_ckpt, tmp_path, capsys):
+    (tmp_path / "in.jsonl").write_text('{"id": 1, "prompt": "x"}\n')
+    args = ["job", "--model", tiny_ckpt, "--input", str(tmp_path / "in.jsonl"), "--output",
+            str(tmp_path / "out.jsonl")]  # fmt: skip
+    assert main([*args, "--use-ray", "banana"]) == 2
+    assert "use_ray='banana'" in capsys.readouterr().err

@@ -194,8 +194,10 @@ def test_config_is_frozen():
 
 @pytest.mark.parametrize(
     ("name", "value"),
-    [("execution_timeout_s", 0), ("startup_timeout_s", -1.0), ("startup_timeout_s", "1800")],
-)
+    [("execution_timeout_s", 0), ("startup_timeout_s", -1.0), ("startup_timeout_s", "1800"),
+     ("execution_timeout_s", float("nan")), ("pd_timeout_s", float("inf")),
+     ("num_gpus_per_stage", float("nan"))],  # NaN passes any comparison that checks for <= 0
+)  # fmt: skip
 def test_bad_timeouts_name_the_option(tiny_ckpt, name, value):
     from dsv4ray.engine.config import EngineConfig
 
@@ -206,7 +208,8 @@ def test_bad_timeouts_name_the_option(tiny_ckpt, name, value):
 @pytest.mark.parametrize(
     ("name", "value"),
     [("dtype", "float16"), ("enable_prefix_caching", "false"), ("enable_hicache", "false"),
-     ("draft_rings", 1), ("cuda_graphs", "no"),
+     ("draft_rings", 1), ("cuda_graphs", "no"), ("memory_fraction", "0.5"),
+     ("memory_fraction", True), ("overlap_scheduling", 1), ("use_ray", 0),
      ("max_num_batched_tokens", 2**63), ("max_total_tokens", 2**41)],  # pool sizes overflow
 )  # fmt: skip
 def test_options_the_engine_cannot_honour_name_the_option(tiny_ckpt, name, value):
