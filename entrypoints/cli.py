@@ -14,7 +14,7 @@ import sys
 from dsv4ray.cluster.placement import ACCELERATORS
 from dsv4ray.config_quant import RELEASE_LAYOUTS
 from dsv4ray.entrypoints.cli_options import add_engine_flags, engine_options
-from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path
+from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, model_path, usage_exit
 
 
 def cmd_make_tiny(args: argparse.Namespace) -> int:
@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         file = read_serve_file(args.config) if args.config else ServeFile({})
     except ValueError as exc:
-        raise SystemExit(f"dsv4ray serve: {exc}") from None
+        usage_exit(f"dsv4ray serve: {exc}")
     config = {**file.args, **engine_options(args)}
     model = _serve_model(args) or config.get("model")
     if not os.environ.get("RAY_ADDRESS"):
@@ -88,7 +88,7 @@ def _serve_model(args: argparse.Namespace) -> str | None:
     """MODEL or --model (one of them, or both the same); None when neither names one (on a
     cluster the replicas read the checkpoint where they run)."""
     if args.model and args.model_pos and args.model != args.model_pos:
-        raise SystemExit(
+        usage_exit(
             f"dsv4ray serve: MODEL {args.model_pos!r} and --model {args.model!r} differ; give one"
         )
     return args.model or args.model_pos
@@ -281,9 +281,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _port(text: str) -> int:
     """A TCP port to listen on (argparse type)."""
-    port = int(text)
+    try:
+        port = int(text)
+    except ValueError:
+        port = 0
     if not 1 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"a port is in 1-65535, got {port}")
+        raise argparse.ArgumentTypeError(f"a port is in 1-65535, got {text!r}")
     return port
 
 

@@ -337,11 +337,12 @@ def _summary(stats: JobStats, seconds: float) -> None:
         head += f"{how} while reading the input; "
     elif stats.interrupted:
         head += f"{how}, {stats.left} input lines not reached (a rerun does the unfinished); "
+    ttft = (f"TTFT p50 {pct(0.5):.3f} s p99 {pct(0.99):.3f} s" if stats.ttft_buckets
+            else "no first token timed")  # fmt: skip
     print(
         f"{head}{stats.done} requests ({stats.failed} failed, {stats.bad_lines} bad lines, "
         f"{stats.skipped} already done, {stats.retried} retried), "
-        f"{stats.tokens / max(seconds, 1e-9):.1f} tokens/s, "
-        f"TTFT p50 {pct(0.5):.3f} s p99 {pct(0.99):.3f} s",
+        f"{stats.tokens / max(seconds, 1e-9):.1f} tokens/s, {ttft}",
         file=sys.stderr,
     )
     for name, (num_requests, num_tokens) in sorted(stats.by_replica.items()):

@@ -174,6 +174,7 @@ def test_make_tiny_layers_cycle_the_presets_attention_pattern(tmp_path):
         ["make-tiny", "--out", "x", "--layers", "-1"],
         ["generate", "--model", "", "x"],  # not the default checkpoint in disguise
         ["serve", ""],
+        ["serve", "--port", "abc"],
     ],
 )
 def test_values_no_command_can_use_are_usage_errors(argv, capsys):
@@ -181,7 +182,8 @@ def test_values_no_command_can_use_are_usage_errors(argv, capsys):
 
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(argv)
-    assert exit_info.value.code == 2 and "error: argument" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "error: argument" in err and "invalid _" not in err
 
 
 def test_serve_flags_override_the_config_file(tiny_ckpt, tmp_path, monkeypatch):
@@ -274,3 +276,12 @@ def test_a_job_refuses_use_ray_values_other_than_true(tiny_ckpt, tmp_path, capsy
             str(tmp_path / "out.jsonl")]  # fmt: skip
     assert main([*args, "--use-ray", "banana"]) == 2
     assert "use_ray='banana'" in capsys.readouterr().err
+
+
+def test_serve_usage_errors_exit_2(tiny_ckpt, tmp_path, capsys):
+    for argv in (["serve", tiny_ckpt, "--model", str(tmp_path)],
+                 ["serve", "--config", str(tmp_path / "missing.yaml")]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        assert exit_info.value.code == 2
+        assert capsys.readouterr().err.startswith("dsv4ray serve: ")

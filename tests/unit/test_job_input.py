@@ -372,3 +372,11 @@ def test_a_deeply_nested_line_or_a_lone_surrogate_prompt_is_a_bad_line(tmp_path)
 def test_a_null_max_tokens_takes_the_jobs_default():
     _, item = parse_line(json.dumps({"id": 1, "prompt": "hi", "max_tokens": None}), 7)
     assert item["params"]["max_tokens"] == 7
+
+
+def test_a_summary_without_timed_requests_prints_no_nan(capsys):
+    from dsv4ray.entrypoints.job import _summary
+
+    _summary(JobStats(), 1.0)  # an empty input, or every line already done
+    err = capsys.readouterr().err
+    assert "nan" not in err and "no first token timed" in err
