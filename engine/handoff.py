@@ -183,9 +183,10 @@ class HandoffReports:
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """A decode engine's request to a prefill engine. key: unique per handoff; prompt_ids: every
-    token the decode request has (a preempted request resumes with its generated ones too);
-    sampling: ``SamplingParams.to_dict`` (the prefill samples one token, with seed)."""
+    """A decode engine's request to a prefill engine. key: unique per handoff; prompt_ids: the
+    decode request's prompt (a request with generated tokens is never handed over: it resumes
+    where its output is tracked); sampling: ``SamplingParams.to_dict`` (the prefill samples one
+    token, with seed)."""
 
     key: str
     prompt_ids: tuple[int, ...]

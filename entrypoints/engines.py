@@ -37,6 +37,10 @@ def build_engine_core(config: EngineConfig, placement=None) -> EngineCore:
                                      model_source=config.model)  # fmt: skip
     check_checkpoint(config.model)  # a broken file is a ValueError naming it, before any actor
     model_config = check_paged_shapes(ModelConfig.from_hf(config.model))
+    for name in ("pp_size", "prefill_pp_size"):  # before any actor: a stage needs a layer
+        if getattr(config, name) > model_config.num_hidden_layers:
+            raise ValueError(f"{name} {getattr(config, name)} is more than the model's "
+                             f"{model_config.num_hidden_layers} layers")  # fmt: skip
     longest = model_config.max_position_embeddings
     if config.max_model_len is not None and config.max_model_len > longest:
         raise ValueError(f"max_model_len {config.max_model_len} is more than the model's "

@@ -14,8 +14,9 @@ running request with n tokens computed, announced to the stages in the next plan
 state_copy_from = STATE_TRANSFERRED. Any failure ends in ``fall_back``: the request waits again
 at the front and is prefilled here. Ids that a prefill engine that has not answered yet may still
 write are never reused: they stay held (``release_held`` frees them once it answered or died).
-A preempted request that ran remotely resumes like any other (remotely again, its tokens so far
-as prompt).
+A preempted request that has generated tokens resumes here, prefilled locally: the prefill
+engine would take them for prompt, and the token it samples next depends on which tokens are the
+output (penalties, min_tokens, a grammar's state), which only this engine tracks.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ class DecodeScheduler(Scheduler):
 
     def mark_remote(self, req_id: str) -> None:
         self.remote.add(req_id)
+
+    def _preempt(self, req: Request, step: _Step) -> None:
+        super()._preempt(req, step)
+        if req.num_output_tokens:
+            self.remote.discard(req.req_id)
 
     def reserve_remote(self) -> list[Transfer]:
         """Reserves ids for the remote requests at the head of the queue, first come first

@@ -100,9 +100,11 @@ def test_a_stuck_stage_ends_its_request_after_the_step_timeout_and_is_replaced(
         llm.shutdown()
 
 
-def test_pp_larger_than_layers_is_a_clear_error(ray_session, tiny_ckpt):
-    with pytest.raises(ValueError, match="pp_size"):
-        LLM(tiny_ckpt, pp_size=7)
+@pytest.mark.parametrize("name", ["pp_size", "prefill_pp_size"])
+def test_pp_larger_than_layers_is_a_clear_error(ray_session, tiny_ckpt, name):
+    """Refused by the option's own name before any actor starts."""
+    with pytest.raises(ValueError, match=rf"^{name} 7 is more than the model's 6 layers"):
+        LLM(tiny_ckpt, **{name: 7})
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,34 @@ def test_transferring_ids_stay_held_through_preemption_abort_and_a_late_answer()
     sched.answered(transfer.transfer_id)
     assert all(sched.kv.pages.refcount(p) == 0 for p in held_pages)
     sched.check_integrity()
+
+
+def test_a_preempted_request_with_output_resumes_here_never_handed_over_again():
+    """Its generated tokens would reach a prefill engine as prompt, where penalties, min_tokens
+    and a grammar would see no output: it is prefilled locally, and its tokens stay the
+    reference's."""
+    config = small_config(num_pages=6, max_model_len=40, enable_prefix_caching=False)
+    sched, stage, finished, streamed = DecodeScheduler(config), FakeStage(config), {}, {}
+    local, prompt = list(range(1, 17)), list(range(1, 20))
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    sched.add_request("local", local, params)
+    commit_and_check(sched, stage, sched.schedule(), finished, streamed)  # admitted first
+    sched.add_request("remote", prompt, params)
+    sched.mark_remote("remote")
+    (transfer,) = sched.reserve_remote()
+    write_kv(stage, config, transfer.device_ids, prompt)
+    sched.first_token("remote", next_token(prompt))
+    sched.start_remote("remote")
+    preempted, handed_over = [], []
+    for _ in range(60):
+        handed_over += [t.req.req_id for t in sched.reserve_remote()]
+        plan = sched.schedule()
+        if plan is None:
+            break
+        preempted += plan.preempted_ids
+        commit_and_check(sched, stage, plan, finished, streamed)
+        sched.check_integrity()
+    assert "remote" in preempted  # the precondition: it ran, then lost its pages
+    assert handed_over == []
+    assert finished["remote"].output_token_ids == reference(prompt, params)[0]
+    assert finished["local"].output_token_ids == reference(local, params)[0]
