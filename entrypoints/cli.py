@@ -303,4 +303,4 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KeyboardInterrupt:  # before the command's own handling began (importing torch, ...)
         print("\ndsv4ray: stopped", file=sys.stderr)
-        return 130
+        return 0 if args.command == "serve" else 130  # Ctrl-C is how a server is stopped

@@ -8,6 +8,7 @@ import sys
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
+from dsv4ray.entrypoints.engines import engine_config
 from dsv4ray.entrypoints.stop_signals import (
     TERMINATED,
     by_sigterm,
@@ -39,8 +40,13 @@ def generate(
     try:
         try:
             params = SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=seed)
-            engine = AsyncEngine(model_path, pp_size=pp_size, **options)
+            config = engine_config(model_path, pp_size=pp_size, **options)
         except (ValueError, TypeError) as exc:  # an option's value or type
+            print(f"dsv4ray: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        try:
+            engine = AsyncEngine(config=config)
+        except ValueError as exc:  # what the checkpoint or the machine cannot take
             print(f"dsv4ray: {exc}", file=sys.stderr)
             return EXIT_USAGE
         sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler

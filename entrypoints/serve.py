@@ -70,7 +70,7 @@ from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
-from dsv4ray.entrypoints.model_path import usage_exit
+from dsv4ray.entrypoints.model_path import default_model, usage_exit
 from dsv4ray.entrypoints.openai.edge import is_loopback
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer
@@ -231,14 +231,12 @@ def run_server(
             "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    # a local Ray runs on this machine, whose view resolves the accelerator: every option is
-    # checked before Ray starts; a cluster's GPUs are known once joined
-    app = None if joined else _application(config, deployment)
+    _check_options(config, deployment)  # a bad value is one line, before any Ray starts
     stop = _stop_on_signals()
     try:
         ensure_ray()
         stop = _stop_on_signals(stop)  # again: Ray's init installs handlers of its own
-        app = app or _application(config, deployment)
+        app = _application(config, deployment)  # accelerator "auto": the cluster's GPUs
         info, (host, port) = _start(app, serve_options, host, port)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
@@ -265,6 +263,25 @@ def run_server(
                     _bounded(serve.shutdown, SERVE_SHUTDOWN_S, "Serve's shutdown")
                 stop_local_ray()
     return 0
+
+
+def _check_options(config: Mapping, deployment: Mapping | None) -> None:
+    """The app's options checked without Ray. "auto" is resolved only once Ray is up (a Ray
+    started with ``ray start`` on this machine, which ray.init joins, may have GPU nodes this
+    machine lacks), so here an option counts as bad only when no accelerator takes it."""
+    checked = {**config, "model": config.get("model") or default_model()}  # no demo warning
+    if checked.get("accelerator", "auto") != "auto" or checked.get("device") is not None:
+        candidates = [checked]
+    else:
+        candidates = [{**checked, "accelerator": accelerator} for accelerator in ("cpu", "gpu")]
+    problems = []
+    for candidate in candidates:
+        try:
+            application(candidate, deployment)
+            return
+        except (ValueError, TypeError) as exc:
+            problems.append(exc)
+    usage_exit(f"dsv4ray serve: {problems[0]}")
 
 
 def _application(config: Mapping, deployment: Mapping | None):

@@ -514,12 +514,39 @@ class Prepared:
 
 
 def available_host_memory() -> int | None:
-    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    """Bytes this process may still allocate: MemAvailable of /proc/meminfo, or less where a
+    cgroup (a container's memory limit) leaves less; None where neither can be read."""
+    sizes = [_meminfo_available(), _cgroup_room()]
+    known = [size for size in sizes if size is not None]
+    return min(known) if known else None
+
+
+def _meminfo_available() -> int | None:
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
                     return int(line.split()[1]) * 1024
-    except OSError:
+    except (OSError, ValueError):
         return None
+    return None
+
+
+CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _cgroup_room() -> int | None:
+    for limit_file, usage_file in CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" (v2) or a huge number (v1): none
+            return max(int(limit) - usage, 0)
     return None

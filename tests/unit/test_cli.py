@@ -259,7 +259,8 @@ def test_ctrl_c_while_a_command_starts_is_one_line_and_exit_130(tiny_ckpt, monke
 
 
 def test_serve_refuses_a_bad_option_before_starting_ray(tiny_ckpt):
-    """One line and exit code 2, with no Ray or Serve started and stopped around it."""
+    """One line and exit code 2, with no Ray or Serve started and stopped around it; an option
+    only some accelerator takes (a GPU share) is left for the cluster to decide."""
     import subprocess
     import sys
 
@@ -285,3 +286,12 @@ def test_serve_usage_errors_exit_2(tiny_ckpt, tmp_path, capsys):
             main(argv)
         assert exit_info.value.code == 2
         assert capsys.readouterr().err.startswith("dsv4ray serve: ")
+
+
+def test_serve_checks_options_for_any_accelerator_before_ray(tiny_ckpt):
+    from dsv4ray.entrypoints.serve import _check_options
+
+    _check_options({"model": tiny_ckpt, "num_gpus_per_stage": 0.5, "pp_size": 2}, None)
+    with pytest.raises(SystemExit) as exit_info:
+        _check_options({"model": tiny_ckpt, "memory_fraction": "0.5"}, None)
+    assert exit_info.value.code == 2
