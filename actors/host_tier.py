@@ -34,11 +34,32 @@ NAMESPACE = "dsv4ray"
 SWEEP_INTERVAL_S = 30.0
 
 
-def _root_for(nbytes: int) -> str:
+def _root_for(nbytes: int, committed: int) -> str:
+    """Where a region of nbytes goes: /dev/shm (memory) when it can hold it beside what the
+    tier's other regions may still grow into (committed: regions are sparse, so a filesystem's
+    free space does not count them until they fill), else the temporary directory; a region
+    neither can hold is refused, naming the option that sizes it."""
+    need = nbytes + committed
     shm = "/dev/shm"
-    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > nbytes:
+    if os.path.isdir(shm) and os.access(shm, os.W_OK) and shutil.disk_usage(shm).free > need:
         return shm
-    return tempfile.gettempdir()
+    tmp = tempfile.gettempdir()
+    if shutil.disk_usage(tmp).free <= need:
+        raise ValueError(
+            f"a host tier region of {nbytes / 2**30:.1f} GiB (beside {committed / 2**30:.1f} GiB "
+            "its other regions may still fill) fits neither /dev/shm nor the temporary directory: "
+            "lower host_cache_tokens"
+        )
+    return tmp
+
+
+def _unfilled(region: dict) -> int:
+    """The bytes a sparse region may still take from its filesystem."""
+    try:
+        allocated = os.stat(region["path"]).st_blocks * 512
+    except OSError:
+        return 0
+    return max(region["nbytes"] - allocated, 0)
 
 
 class HostTier:
@@ -68,7 +89,8 @@ class HostTier:
                     f"host region {key!r} exists with {region['nbytes']} bytes, not {nbytes}"
                 )
             if created:
-                path = os.path.join(_root_for(nbytes), f"dsv4ray-{key}")
+                committed = sum(_unfilled(r) for r in self.regions.values())
+                path = os.path.join(_root_for(nbytes, committed), f"dsv4ray-{key}")
                 with open(path, "wb") as f:
                     f.truncate(nbytes)
                 region = self.regions[key] = {"key": key, "path": path, "nbytes": nbytes}

@@ -126,7 +126,7 @@ class EngineConfig:
         _int_at_least(self, "max_running_requests", 1)
         for name in ("max_total_tokens", "max_model_len", "host_cache_tokens"):
             if getattr(self, name) is not None:
-                _int_at_least(self, name, PAGE_SIZE if name == "max_total_tokens" else 1)
+                _int_at_least(self, name, 1 if name == "max_model_len" else PAGE_SIZE)
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(
                 f"kv_cache_dtype must be one of {KV_DTYPES}, got {self.kv_cache_dtype!r}"

@@ -100,9 +100,7 @@ class StageWorker:
     def allocate(self, sizes: PoolSizes) -> int:
         # one more state slot: the compressor ring the pad rows of captured steps write
         sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
-        # CPU pools are sized by tokens, not by memory: check they fit (a HiSparse store
-        # allocates its host history even for meta shapes, so it is not priced this way)
-        if self.device.type == "cpu" and not sizes.hisparse_hot_rows:
+        if self.device.type == "cpu":  # sized by tokens, not by memory: check they fit
             self._check_host_memory(sizes)
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
@@ -139,7 +137,10 @@ class StageWorker:
         """A ValueError naming the options when the pools need more than the memory this machine
         has available (pools are zero-filled: past it the allocation fails or the OOM killer
         ends the process)."""
-        shapes = StagePools(self.cfg, self.model.start, self.model.end, sizes,
+        # priced without HiSparse: its host history holds as many C4 pages as the pools would
+        # (and a store allocates that history in host memory even for meta shapes)
+        flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
+        shapes = StagePools(self.cfg, self.model.start, self.model.end, flat,
                             self.kv_cache_dtype, torch.device("meta"))  # fmt: skip
         need, have = shapes.nbytes(), available_host_memory()
         if have is not None and need > have:

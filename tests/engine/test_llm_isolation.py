@@ -413,6 +413,9 @@ def test_a_context_longer_than_the_model_supports_is_refused_by_name(tmp_path):
     llm.shutdown()
 
 
-def test_pools_larger_than_the_machines_memory_are_refused_before_allocating(tiny_ckpt):
+@pytest.mark.parametrize("hisparse", [False, True])
+def test_pools_larger_than_the_machines_memory_are_refused_before_allocating(tiny_ckpt, hisparse):
     with pytest.raises(ValueError, match="lower max_total_tokens or max_running_requests"):
-        LLM(tiny_ckpt, use_ray=False, max_running_requests=2**22)
+        LLM(tiny_ckpt, use_ray=False, max_running_requests=2**22, enable_hisparse=hisparse)
+    with pytest.raises(ValueError, match="lower max_total_tokens"):  # the C4 history too
+        LLM(tiny_ckpt, use_ray=False, max_total_tokens=2**36, enable_hisparse=hisparse)

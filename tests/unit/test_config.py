@@ -255,3 +255,10 @@ def test_a_resized_preset_cycles_its_compress_pattern(overrides):
     pattern = base.compress_ratios[: base.num_hidden_layers]
     want = [pattern[i % len(pattern)] for i in range(cfg.num_hidden_layers)]
     assert list(cfg.compress_ratios) == want + [0] * cfg.num_nextn_predict_layers
+
+
+def test_a_host_tier_holds_at_least_one_page(tiny_ckpt):
+    from dsv4ray.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"host_cache_tokens must be an int in \[256"):
+        EngineConfig.build(tiny_ckpt, enable_hicache=True, host_cache_tokens=1)

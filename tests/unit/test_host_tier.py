@@ -90,3 +90,33 @@ def test_a_region_asked_for_with_another_size_is_refused(node):
     with pytest.raises(ValueError, match="needs grace_s"):  # a holder without a bound
         tier.create_region("e1-s1", 4096, holder_pid=11)
     tier.shutdown()
+
+
+def test_regions_count_what_the_others_may_still_fill(node, tmp_path, monkeypatch):
+    """Regions are sparse: a filesystem's free space does not count what earlier regions may
+    still take. Memory (/dev/shm) that cannot hold a new one beside them sends it to the
+    temporary directory, and one that fits nowhere is refused, naming host_cache_tokens."""
+    import collections
+    import shutil
+    import tempfile
+
+    from dsv4ray.actors import host_tier
+
+    free = {"/dev/shm": 3000, str(tmp_path): 10**9}
+    usage = collections.namedtuple("usage", "total used free")
+    real = shutil.disk_usage
+    monkeypatch.setattr(host_tier.shutil, "disk_usage",
+                        lambda path: usage(0, 0, free.get(str(path), real(path).free)))  # fmt: skip
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    tier, key = node.tier(), f"test-commit-{os.getpid()}"
+    try:
+        first = tier.create_region(key + "-a", 2000)
+        assert first["path"].startswith("/dev/shm/")
+        second = tier.create_region(key + "-b", 2000)  # 2000 + 2000 unfilled > 3000 free
+        assert second["path"].startswith(str(tmp_path))
+        free[str(tmp_path)] = 5000  # 2000 + 4000 the others may still take
+        with pytest.raises(ValueError, match="lower host_cache_tokens"):
+            tier.create_region(key + "-c", 2000)
+    finally:
+        for suffix in ("-a", "-b", "-c"):
+            tier.release_region(key + suffix)
