@@ -26,6 +26,12 @@ def check_request_id(req_id: object) -> None:
     check_text("request id", req_id)
 
 
+def without_request_id(message: str, req_id: str) -> str:
+    """An engine refusal's message without the ``request 'id': `` it opens with: for callers
+    that name the request their own way (its place in a call, its input line)."""
+    return message.removeprefix(f"request {req_id!r}: ")
+
+
 def check_sampling(params, vocab_size: int) -> None:
     """What SamplingParams cannot check alone: logit_bias and stop ids and structured_output's
     after_token inside the vocabulary, and a grammar that compiles (engine/structured.py)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 
+from dsv4ray.engine.checks import without_request_id
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
 from dsv4ray.entrypoints.async_engine import AsyncEngine
@@ -68,19 +69,20 @@ def generate(
 
 async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> int:
     failed = 0
-    for prompt in prompts:
+    for number, prompt in enumerate(prompts):
         out.write(prompt)
         out.flush()
         shown, final = "", None
         try:
-            async for update in engine.generate(prompt, params):
+            async for update in engine.generate(prompt, params, request_id=f"prompt-{number}"):
                 out.write(update.text)
                 out.flush()
                 shown += update.text
                 final = update.output
         except ValueError as exc:  # this prompt is refused (too long, ...); the next ones run
             out.write("\n")
-            print(f"dsv4ray: prompt refused: {_reason(exc)}", file=sys.stderr)
+            reason = without_request_id(str(exc), f"prompt-{number}")
+            print(f"dsv4ray: prompt refused: {reason}", file=sys.stderr)
             failed += 1
             continue
         if final is not None and final.text.startswith(shown):
@@ -91,9 +93,3 @@ async def _stream_all(engine: AsyncEngine, prompts: list[str], params, out) -> i
             reason = final.error if final is not None else "no output"
             print(f"dsv4ray: request aborted: {reason}", file=sys.stderr)
     return 1 if failed else 0
-
-
-def _reason(exc: ValueError) -> str:
-    """A refusal without the engine's own request id (the prompt is the line above it)."""
-    text = str(exc)
-    return text.split(": ", 1)[1] if text.startswith("request '") and ": " in text else text

@@ -19,6 +19,7 @@ import os
 
 import ray
 
+from dsv4ray.engine.checks import without_request_id
 from dsv4ray.entrypoints.async_engine import AsyncEngine
 from dsv4ray.entrypoints.job_input import TOOL_KEYS, sampling_params
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
@@ -66,7 +67,7 @@ class JobReplica:
             async for update in self.engine.generate(ids, params, request_id=f"line-{line_no}"):
                 final = update.output
         except ValueError as exc:  # the engine names its own request id, not the line's
-            reason = str(exc).removeprefix(f"request 'line-{line_no}': ")
+            reason = without_request_id(str(exc), f"line-{line_no}")
             return "", f"request {req_id!r}: {reason}"
         return json.dumps(output_row(req_id, final, tools)), ""
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from dsv4ray.engine.checks import RequestError
+from dsv4ray.engine.checks import RequestError, without_request_id
 from dsv4ray.engine.interrupts import safe_points
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.engine.sampling import SamplingParams
@@ -148,9 +148,8 @@ def _for_prompt(exc: ValueError, req_id: str, number: int, num_prompts: int) -> 
     """A refusal of the call's prompt ``number`` (0-based) that names it by its place in the
     call, never by the engine's request id, which the caller never saw."""
     message = str(exc)
-    named = message.replace(f"request {req_id!r}", f"prompt {number}")
-    if named == message and num_prompts > 1:
-        named = f"prompt {number}: {message}"
+    bare = without_request_id(message, req_id)
+    named = f"prompt {number}: {bare}" if bare != message or num_prompts > 1 else message
     return RequestError(named, getattr(exc, "field", None))
 
 

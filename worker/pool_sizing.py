@@ -20,7 +20,7 @@ from dsv4ray.cache.configurator import (
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cache.layout import KINDS, layout_for
-from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 
@@ -86,3 +86,63 @@ def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | N
         return None
     max_len = ec.max_model_len or cfg.max_position_embeddings
     return ec.max_running_requests, min(max_len, cap.num_full_tokens)
+
+
+def check_host_memory(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
+                      kv_cache_dtype: str) -> None:  # fmt: skip
+    """A ValueError naming the options when the CPU pools of layers [start, end) need more than
+    the memory this machine has available (pools are zero-filled: past it the allocation fails
+    or the OOM killer ends the process). Priced without HiSparse: its host history holds as many
+    C4 pages as the pools would (and a store allocates that history even for meta shapes)."""
+    flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
+    shapes = StagePools(cfg, start, end, flat, kv_cache_dtype, torch.device("meta"))
+    need, have = shapes.nbytes(), available_host_memory()
+    if have is not None and need > have:
+        raise ValueError(
+            f"stage [{start}, {end}): its KV pools need {need / 2**30:.1f} GiB, more than the "
+            f"{have / 2**30:.1f} GiB of memory this machine has available ({sizes.num_pages} "
+            f"pages, {sizes.num_state_slots - 1} running requests): lower max_total_tokens or "
+            "max_running_requests"
+        )
+
+
+def available_host_memory() -> int | None:
+    """Bytes this process may still allocate: MemAvailable of /proc/meminfo, or less where a
+    cgroup (a container's memory limit) leaves less; None where neither can be read."""
+    sizes = [_meminfo_available(), _cgroup_room()]
+    known = [size for size in sizes if size is not None]
+    return min(known) if known else None
+
+
+MEMINFO = "/proc/meminfo"
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
+    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
+)
+
+
+def _cgroup_room() -> int | None:
+    for limit_file, usage_file in CGROUP_FILES:
+        try:
+            with open(limit_file) as f:
+                limit = f.read().strip()
+            with open(usage_file) as f:
+                usage = int(f.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 2**60:  # "max" (v2) or a huge number (v1): none
+            return max(int(limit) - usage, 0)
+    return None

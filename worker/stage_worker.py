@@ -31,6 +31,7 @@ from dsv4ray.worker.host.hisparse_io import scratch_step
 from dsv4ray.worker.host.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.pd.kv_export import KVPort, run_handoffs
+from dsv4ray.worker.pool_sizing import check_host_memory
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.spec.draft_fill import DraftFill, fill_held_drafts
@@ -101,7 +102,8 @@ class StageWorker:
         # one more state slot: the compressor ring the pad rows of captured steps write
         sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
         if self.device.type == "cpu":  # sized by tokens, not by memory: check they fit
-            self._check_host_memory(sizes)
+            check_host_memory(self.cfg, self.model.start, self.model.end, sizes,
+                              self.kv_cache_dtype)  # fmt: skip
         self.pools = StagePools(
             self.cfg, self.model.start, self.model.end, sizes, self.kv_cache_dtype, self.device
         )
@@ -132,24 +134,6 @@ class StageWorker:
                 self.pools.hisparse.hot_rows,
             )
         return self.pools.nbytes()
-
-    def _check_host_memory(self, sizes: PoolSizes) -> None:
-        """A ValueError naming the options when the pools need more than the memory this machine
-        has available (pools are zero-filled: past it the allocation fails or the OOM killer
-        ends the process)."""
-        # priced without HiSparse: its host history holds as many C4 pages as the pools would
-        # (and a store allocates that history in host memory even for meta shapes)
-        flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
-        shapes = StagePools(self.cfg, self.model.start, self.model.end, flat,
-                            self.kv_cache_dtype, torch.device("meta"))  # fmt: skip
-        need, have = shapes.nbytes(), available_host_memory()
-        if have is not None and need > have:
-            raise ValueError(
-                f"stage [{self.model.start}, {self.model.end}): its KV pools need "
-                f"{need / 2**30:.1f} GiB, more than the {have / 2**30:.1f} GiB of memory this "
-                f"machine has available ({sizes.num_pages} pages, {sizes.num_state_slots - 1} "
-                "running requests): lower max_total_tokens or max_running_requests"
-            )
 
     def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int = 0,
                        capture: bool = True) -> None:  # fmt: skip
@@ -512,42 +496,3 @@ class Prepared:
     staged: Staged | None = None
     error: Exception | None = None
     resolved: dict[str, list[int]] = dataclasses.field(default_factory=dict)  # held drafts
-
-
-def available_host_memory() -> int | None:
-    """Bytes this process may still allocate: MemAvailable of /proc/meminfo, or less where a
-    cgroup (a container's memory limit) leaves less; None where neither can be read."""
-    sizes = [_meminfo_available(), _cgroup_room()]
-    known = [size for size in sizes if size is not None]
-    return min(known) if known else None
-
-
-def _meminfo_available() -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
-CGROUP_FILES = (  # (limit, usage): cgroup v2, then v1
-    ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-    ("/sys/fs/cgroup/memory/memory.limit_in_bytes", "/sys/fs/cgroup/memory/memory.usage_in_bytes"),
-)
-
-
-def _cgroup_room() -> int | None:
-    for limit_file, usage_file in CGROUP_FILES:
-        try:
-            with open(limit_file) as f:
-                limit = f.read().strip()
-            with open(usage_file) as f:
-                usage = int(f.read().strip())
-        except (OSError, ValueError):
-            continue
-        if limit.isdigit() and int(limit) < 2**60:  # "max" (v2) or a huge number (v1): none
-            return max(int(limit) - usage, 0)
-    return None
