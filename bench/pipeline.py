@@ -11,8 +11,9 @@ pp=2 vs pp=1. On N GPUs (one per stage, NCCL between stages): a dsv4-mini checkp
 and natively quantized, FP8 linears + FP4 experts), for every pp in --pp and each weight format:
 decode throughput at each batch of --batches (>= 0.9x pp=1) and at --max-batch (running-request
 limit of both; >= 1.8x pp=1), the pools' maximum concurrent tokens (>= 1.9x at pp 2, 3.6x at 4),
-pp=N's greedy tokens against pp=1's, and the compiled graph's empty-plan round trip. Each count
-of --micro-batches is measured at every pp > 1 (0: the engine's default, one per stage).
+pp=N's greedy tokens and logprobs against pp=1's (each prompt alone), and the compiled graph's
+empty-plan round trip. Each count of --micro-batches is measured at every pp > 1 (0: the
+engine's default, one per stage).
 Writes bench/results/pipeline-<device>.json.
 """
 
@@ -136,6 +137,16 @@ def decode_rows(llm: LLM, batches: list[int], args) -> dict[int, float]:
     return {b: decode_tok_s(llm, b, args.prompt_len, args.decode) for b in batches}
 
 
+def alone_outputs(llm: LLM, prompt_len: int) -> list[tuple[list[int], list[dict]]]:
+    """Greedy tokens and top-2 logprobs of 4 prompts, each generated alone. A step's rows are
+    computed by GEMMs whose reduction order depends on how many rows the step has, and pp > 1
+    splits a batch into micro-batches, so only one request at a time gives pp=1 and pp=N the same
+    shapes: there the split into stages must be exact to the bit."""
+    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=2)
+    outs = [llm.generate([p], params)[0] for p in random_prompts(4, prompt_len, 9)]
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
 def measure(model: str, pp: int, args, micro: int = 0) -> dict:
     options = {"pp_micro_batches": micro} if micro else {}
     llm = LLM(
@@ -154,13 +165,7 @@ def measure(model: str, pp: int, args, micro: int = 0) -> dict:
             "capacity": llm.core.pipeline.capacity.num_full_tokens,
             "gpus": len(gpus),
             "tok_s": decode_rows(llm, sorted({*args.batches, args.max_batch}), args),
-            "tokens": [
-                o.token_ids
-                for o in llm.generate(
-                    random_prompts(4, args.prompt_len, 9),
-                    SamplingParams(max_tokens=8, ignore_eos=True),
-                )
-            ],
+            "tokens": alone_outputs(llm, args.prompt_len),
         }
         out["compiled_ms"], out["plain_ms"] = empty_step_ms(llm)
         if pp > 1 and args.timeline:
@@ -207,7 +212,7 @@ def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool,
         result(
             f"pp={pp} decode throughput vs pp=1, batch {b} ({weights})",
             many["tok_s"][b], "tok/s", one["tok_s"][b], 0.9, ">=",
-            f"{note}; {many['gpus'] or 'no'} GPUs; same greedy tokens as pp=1: {same}",
+            f"{note}; {many['gpus'] or 'no'} GPUs; same tokens and logprobs as pp=1: {same}",
         )
         for b in args.batches if b != args.max_batch
     ]  # fmt: skip
@@ -215,7 +220,7 @@ def rows_for(weights: str, pp: int, one: dict, many: dict, args, gpu: bool,
     out.append(result(
         f"pp={pp} decode throughput vs pp=1, largest batch {top} ({weights})",
         many["tok_s"][top], "tok/s", one["tok_s"][top], 1.8 if gpu else 0.9, ">=",
-        f"{note}; max_running_requests {top} for both; same greedy tokens as pp=1: {same}",
+        f"{note}; max_running_requests {top} for both; same tokens and logprobs as pp=1: {same}",
     ))  # fmt: skip
     target = CAPACITY_TARGETS.get(pp, 0.9 * pp) if gpu else 1.0
     out.append(result(
