@@ -49,9 +49,9 @@ def grammar(spec: dict) -> str:
     return text
 
 
-def grammar_from_schema(schema) -> str:
-    from llguidance import LLMatcher
-
+def schema_dict(schema) -> dict:
+    """A ``json`` constraint's schema as a dict (it may come as its text); ValueError naming
+    it when it is neither."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -59,6 +59,13 @@ def grammar_from_schema(schema) -> str:
             raise ValueError(f"structured_output.json is not JSON: {exc.msg}") from None
     if not isinstance(schema, dict):
         raise ValueError("structured_output.json must be a JSON schema object")
+    return schema
+
+
+def grammar_from_schema(schema) -> str:
+    from llguidance import LLMatcher
+
+    schema = schema_dict(schema)
     try:
         return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
     except ValueError as exc:

@@ -20,7 +20,7 @@ from dsv4ray.entrypoints.engines import build_engine_core, engine_config
 from dsv4ray.entrypoints.openai.protocol import chat_messages
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.tool_calls import ChatTools, constrained
-from dsv4ray.text.chat_encoding import prefix_state
+from dsv4ray.text.chat_encoding import prefix_state, thinking_asked
 
 
 class LLM:
@@ -83,7 +83,7 @@ class LLM:
         prompts = [tokenizer.encode_chat(list(c), chat_template_kwargs, functions)
                    for c in conversations]  # fmt: skip
         params = _per_prompt(sampling_params, len(prompts))
-        thinking = bool((chat_template_kwargs or {}).get("thinking"))
+        thinking = thinking_asked(chat_template_kwargs)
         starts = [prefix_state(list(c), thinking) for c in conversations]
         think_end = tokenizer.think_end_id
         params = [constrained(p, chat_tools, thinking and start != "content", think_end)

@@ -5,17 +5,19 @@ arguments checked against their tool's schema.
 
     tools                [{"type": "function", "function": {"name", "description",
                           "parameters" (a JSON schema of an object), "strict"}}]
-    tool_choice          "auto" (the default with tools: the model decides), "none" (the tools
-                          rendered, as context, and a grammar keeps any call block out of the
-                          answer), "required" (a call block and nothing else, forced by a
-                          grammar), {"type": "function", "function": {"name"}} (one call of that
-                          function, forced)
+    tool_choice          "auto" (the default with tools: the model decides; beside a JSON
+                          structured output, a grammar allows a call block or that JSON),
+                          "none" (the tools rendered, as context, and a grammar keeps any call
+                          block out of the answer), "required" (a call block and nothing else,
+                          forced by a grammar; no stop strings), {"type": "function",
+                          "function": {"name"}} (one call of that function, forced)
     parallel_tool_calls  false: at most one call (forced choices make one; with "auto", calls
                           after the first are dropped)
 
 Arguments always are checked against their schema (``strict`` asks for nothing more): a call
 whose arguments do not validate, of a tool the request does not have, or unreadable, is given
-back as text with the rest of the answer, and the answer finishes as "stop".
+back as text with the rest of the answer (calls before it in its block are kept), and an answer
+without calls finishes as "stop".
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import uuid
 from dataclasses import dataclass
 
 from dsv4ray.engine.sampling import SamplingParams
-from dsv4ray.engine.structured import JSON_LAYOUT
+from dsv4ray.engine.structured import JSON_LAYOUT, grammar, schema_dict
 from dsv4ray.text import dsml
 
 NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's function names
@@ -68,14 +70,42 @@ class ChatTools:
 
     def structured_output(self) -> dict | None:
         """The grammar of a forced call (required or named choice), of an answer without one
-        (none), None for auto."""
+        (none), None for auto. ValueError naming the tool whose schema no grammar follows."""
         if self.choice == "auto":
             return None
         if self.choice == "none":
             return {"grammar": dsml.no_call_grammar()}
         funcs = [f for f in self.functions if self.choice == "required" or f["name"] == self.named]
         one = self.choice == "function" or not self.parallel
-        return {"grammar": dsml.call_grammar(funcs, one, JSON_LAYOUT)}
+        return self._checked({"grammar": dsml.call_grammar(funcs, one, JSON_LAYOUT)})
+
+    def calls_or(self, spec: dict) -> dict:
+        """tool_choice auto beside a structured output: the answer is a call block or the JSON
+        the structured output asks for (OpenAI's: the final answer keeps to response_format,
+        and the model may call tools before it)."""
+        kind = next(k for k in spec if k != "after_token")
+        if kind not in ("json", "json_object"):
+            raise ValueError(f"structured_output: beside tools the model may call (tool_choice "
+                             f"auto) the answer's constraint must be JSON, not {kind}")  # fmt: skip
+        schema = {"type": "object"} if kind == "json_object" else schema_dict(spec["json"])
+        text = dsml.calls_or_json_grammar(list(self.functions), not self.parallel, JSON_LAYOUT,
+                                          schema)  # fmt: skip
+        return self._checked({"grammar": text})
+
+    def _checked(self, spec: dict) -> dict:
+        """spec, once the grammar compiler took it; else a ValueError naming the first tool
+        whose own call grammar it refuses."""
+        try:
+            grammar(spec)
+        except ValueError as exc:
+            for i, function in enumerate(self.functions):
+                try:
+                    grammar({"grammar": dsml.call_grammar([function], True, JSON_LAYOUT)})
+                except ValueError as own:
+                    raise ValueError(f"tools.{i}.function.parameters: no call grammar follows "
+                                     f"this schema: {own}"[:500]) from None  # fmt: skip
+            raise ValueError(f"tools: no call grammar follows these tools: {exc}"[:500]) from None
+        return spec
 
     def parser(self) -> dsml.CallParser:
         return dsml.CallParser(self.check)
@@ -114,18 +144,21 @@ def constrained(
     """The answer's constraint: the params' own structured_output, else a forced call's; when
     the answer reasons first (thinking), it applies after ``</think>``. ValueError naming the
     field at fault."""
-    forced = tools.structured_output() if tools is not None else None
-    if forced is not None and params.structured_output is not None:
-        if not tools.forces_call:  # none: the structured output's own grammar makes no call
-            forced = None
-        else:
-            raise ValueError("tool_choice: a forced call and a structured output "
-                             "(response_format) cannot both constrain the answer")  # fmt: skip
-    spec = params.structured_output or forced
+    own = params.structured_output
+    if tools is not None and tools.forces_call and own is not None:
+        raise ValueError("tool_choice: a forced call and a structured output "
+                         "(response_format) cannot both constrain the answer")  # fmt: skip
+    if tools is not None and tools.forces_call and params.stop:
+        raise ValueError("stop: a forced call (tool_choice required or a named function) is a "
+                         "call block and nothing else, which stop strings would cut")  # fmt: skip
+    if tools is not None and tools.choice == "auto" and own is not None:
+        own = tools.calls_or(own)  # a call block or the answer the structured output asks for
+    forced = tools.structured_output() if tools is not None and own is None else None
+    spec = own or forced
     if spec is None:
         return params
     if reasons:
-        if think_end_id is None and spec is forced and not tools.forces_call:
+        if think_end_id is None and spec is forced and tools.choice == "none":
             return params  # none: a call the answer makes anyway is given back as text
         if think_end_id is None:
             raise ValueError("response_format: a constrained answer in thinking mode needs "
@@ -176,6 +209,10 @@ def _function(index: int, tool) -> dict:
     if not isinstance(function.get("strict", False), bool):
         raise ValueError(f"{where}.strict must be true or false")
     _check_schema(f"{where}.parameters", function.get("parameters"))
+    for param in dsml.parameters_of(function.get("parameters") or {}) or ():
+        if set(param) & set('">\n'):
+            raise ValueError(f"{where}.parameters: the parameter name {param!r} cannot be "
+                             "written in a call (it holds a quote, > or a line break)")  # fmt: skip
     return {k: v for k, v in function.items() if v is not None}
 
 
@@ -235,10 +272,10 @@ def _invalid(schema: dict, arguments: dict) -> str | None:
 def _coerced(schema: dict, arguments: dict) -> dict:
     """Values written as strings (``string="true"``) where the schema wants another type, read
     as JSON when they parse."""
-    props = schema.get("properties") or {}
+    props = dsml.parameters_of(schema) or {}
     out = dict(arguments)
     for name, value in arguments.items():
-        kinds = (props.get(name) or {}).get("type")
+        kinds = props.get(name, {}).get("type")
         kinds = [kinds] if isinstance(kinds, str) else kinds or []
         if isinstance(value, str) and kinds and "string" not in kinds:
             try:

@@ -100,6 +100,13 @@ class ChatOptions:
         return cls(**kwargs)
 
 
+def thinking_asked(chat_template_kwargs: dict | None) -> bool:
+    """Whether chat_template_kwargs turn thinking on, by ``thinking`` or its other name
+    ``enable_thinking`` (a jinja template's kwargs may hold any other keys)."""
+    kwargs = chat_template_kwargs or {}
+    return kwargs.get("thinking", kwargs.get("enable_thinking")) is True
+
+
 def encode_messages(
     messages: list[dict],
     options: ChatOptions | None = None,

@@ -282,9 +282,23 @@ def call_grammar(functions: list[dict], one_call: bool, layout: dict) -> str:
     schema declares (required ones always, in the schema's order), string values as text and
     others as JSON of their schema (``layout``: llguidance's JSON layout options). A thinking
     answer's reasoning comes before it, unconstrained (engine/structured.py's after_token)."""
+    return "\n".join(["start: calls", *_block_rules(functions, one_call, layout)])
+
+
+def calls_or_json_grammar(functions: list[dict], one_call: bool, layout: dict,
+                          schema: dict) -> str:  # fmt: skip
+    """A Lark grammar of an answer that is either a call block (as ``call_grammar``) or JSON
+    that ``schema`` accepts (tools the model may call beside a structured final answer)."""
+    answer = to_json({"x-guidance": layout, **schema}).replace("\n", " ")
+    rules = _block_rules(functions, one_call, layout)
+    return "\n".join(["start: calls | answer", f"answer: %json {answer}", *rules])
+
+
+def _block_rules(functions: list[dict], one_call: bool, layout: dict) -> list[str]:
+    """The rules of ``calls``: a call block, the answer's text before it left out."""
     invokes = '(invoke "\\n")' + ("" if one_call else "+")
     rules = [
-        f"start: {_lit(BEFORE_CALLS + CALLS_START + NL)} {invokes} {_lit(CALLS_END)}",
+        f"calls: {_lit(BEFORE_CALLS + CALLS_START + NL)} {invokes} {_lit(CALLS_END)}",
         "invoke: " + " | ".join(f"f{i}" for i in range(len(functions))),
         f"text[lazy]: /(.|\\n)*{_re(PARAM_END)}/",  # a string value and its end tag
         f'any_param: {_lit(PARAM_OPEN)} /[^"\\n>]+/ ({_lit(_AS_TEXT)} text'
@@ -295,20 +309,36 @@ def call_grammar(functions: list[dict], one_call: bool, layout: dict) -> str:
         head = _lit(INVOKE_OPEN + function["name"] + '">' + NL)
         rules.append(f"f{i}: {head} {args} {_lit(INVOKE_END)}")
         rules.extend(params)
-    return "\n".join(rules)
+    return rules
+
+
+def parameters_of(schema: dict) -> dict[str, dict] | None:
+    """The parameters a call writes for an object schema, in order: its declared properties
+    (a boolean subschema true as any value; false ones are left out: no value fits them), then
+    required names it does not declare, whose values are those of additionalProperties (any
+    value when that is not a schema); None when the schema declares none."""
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return None
+    out = {name: {} if prop is True else prop for name, prop in props.items() if prop is not False}
+    extra = schema.get("additionalProperties")
+    for name in schema.get("required") or ():
+        if name not in props:
+            out[name] = extra if isinstance(extra, dict) else {}
+    return out
 
 
 def _args_rule(index: int, schema: dict, layout: dict) -> tuple[str, list[str]]:
     """The arguments of function ``index``: each parameter followed by a newline (a lone newline
     when there are none), and the rules of its parameters."""
-    props = schema.get("properties")
-    if not isinstance(props, dict):  # no declared parameters: any, if the schema allows them
+    params = parameters_of(schema)
+    if params is None:  # no declared parameters: any, if the schema allows them
         closed = schema.get("additionalProperties") is False
         return ('"\\n"' if closed else '((any_param "\\n")+ | "\\n")'), []
     required = set(schema.get("required") or ())
     shared = {k: schema[k] for k in ("$defs", "definitions") if k in schema}
     seq, rules = [], []
-    for j, (name, prop) in enumerate(props.items()):
+    for j, (name, prop) in enumerate(params.items()):
         rule = f"f{index}_p{j}"
         rules.append(f"{rule}: {_param_rule(name, {**prop, **shared}, layout)}")
         seq.append(f'{rule} "\\n"' if name in required else f'({rule} "\\n")?')
@@ -316,17 +346,24 @@ def _args_rule(index: int, schema: dict, layout: dict) -> tuple[str, list[str]]:
     return (body if required or not seq else f'({body} | "\\n")'), rules
 
 
+# string schemas the text form cannot keep to: their values are written as JSON strings, which
+# the grammar's %json holds to the schema (the parser reads a string="false" value as JSON)
+_STRING_CHECKS = ("pattern", "minLength", "maxLength", "const")
+
+
 def _param_rule(name: str, schema: dict, layout: dict) -> str:
-    """A parameter as text (a string schema) or JSON (any other), or either (no type)."""
+    """A parameter as text (a string schema) or JSON (any other, or a string schema with
+    checks the text form cannot keep), or either (no type)."""
     head = PARAM_OPEN + name
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds
     forms = []
-    if kinds is None or "string" in kinds:
+    as_text = not any(check in schema for check in _STRING_CHECKS)
+    if (kinds is None or "string" in kinds) and as_text:
         strings = [v for v in schema.get("enum") or () if isinstance(v, str)]
         value = f"({' | '.join(map(_lit, strings))}) {_lit(PARAM_END)}" if strings else "text"
         forms.append(f"{_lit(head + _AS_TEXT)} {value}")
-    if kinds is None or any(k != "string" for k in kinds):
+    if kinds is None or any(k != "string" for k in kinds) or not as_text:
         as_json = to_json({**schema, "x-guidance": layout}).replace("\n", " ")
         forms.append(f"{_lit(head + _AS_JSON)} %json {as_json} {_lit(PARAM_END)}")
     return " | ".join(forms)

@@ -145,7 +145,7 @@ class Tokenizer:
     ) -> tuple[str | None, str]:
         """Generated text -> (reasoning_content, content): with ``thinking`` on, the reasoning
         is the text up to ``</think>``; with it off there is none."""
-        if not (chat_template_kwargs or {}).get("thinking"):
+        if not chat_encoding.thinking_asked(chat_template_kwargs):
             return None, text
         return chat_encoding.split_reasoning(text)
 

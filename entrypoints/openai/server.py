@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -452,11 +453,17 @@ async def _give_up(runs: list[Run], exc: BaseException) -> None:
 def _tokenize(encode, field: str, *args) -> list[int]:
     """A template that cannot render the messages (or refuses a ``chat_template_kwargs`` key),
     or text the tokenizer refuses (a lone surrogate from a JSON escape), is the request's
-    fault: 400, naming ``chat_template_kwargs`` when the template's message starts with it."""
+    fault: 400, naming the field the chat format's message starts with (``messages[2].content``
+    as ``messages.2.content``, ``tools``, ``chat_template_kwargs.thinking``)."""
     try:
         return encode(*args)
     except Exception as exc:
         message = str(exc)
-        if message.startswith("chat_template_kwargs"):
-            raise bad_request(message, message.split(" ", 1)[0]) from None
+        named = _NAMED_FIELD.match(message)
+        if named:
+            raise bad_request(message, re.sub(r"\[(\d+)\]", r".\1", named.group(0))) from None
         raise bad_request(f"{field} could not be tokenized: {message}", field) from None
+
+
+# the field a chat format's refusal starts with: messages[i]..., tools, chat_template_kwargs...
+_NAMED_FIELD = re.compile(r"(chat_template_kwargs|messages|tools)(\[\d+\]|\.[A-Za-z_]+)*(?=[ :]|$)")

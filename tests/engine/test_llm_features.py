@@ -191,10 +191,11 @@ def test_structured_output_holds_beside_free_requests_and_drafts(tiny_ckpt, tiny
         chatted = llm.chat([{"role": "user", "content": "json?"}], constrained[0])[0]
         # a forced call after the reasoning: a bias forces </think> first, then the grammar
         think_end = llm.tokenizer.think_end_id
+        switch = "enable_thinking" if k else "thinking"  # the format's two names for it
         called = llm.chat(
             [{"role": "user", "content": "call"}],
             SamplingParams(max_tokens=400, logit_bias={think_end: 100.0}),
-            {"thinking": True}, TOOLS, "required", False)[0]  # fmt: skip
+            {switch: True}, TOOLS, "required", False)[0]  # fmt: skip
         stats = llm.core.stats()
     finally:
         llm.shutdown()

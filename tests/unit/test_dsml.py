@@ -370,3 +370,100 @@ def test_a_constraint_after_a_token_leaves_the_reasoning_free(tiny_ckpt, tiny_mo
     replay.add(NewRequest("b", 0, [0], [0], 0, -1, sp.to_dict(), 0, 2, history))
     allowed = torch.isfinite(replay.mask(torch.zeros(1, vocab), ["b"])[0]).nonzero().flatten()
     assert allowed.tolist() == tok.encode("s", add_bos=False)
+
+
+def _param(name: str, value: str, as_text: bool) -> str:
+    flag = "true" if as_text else "false"
+    return f'<｜DSML｜parameter name="{name}" string="{flag}">{value}</｜DSML｜parameter>\n'
+
+
+def _one(schema: dict, choice="required") -> ChatTools:
+    return ChatTools.from_request([{"type": "function", "function": {
+        "name": "f", "parameters": schema}}], choice)  # fmt: skip
+
+
+def _call(*params: str) -> str:
+    return _block('<｜DSML｜invoke name="f">\n' + "".join(params) + "</｜DSML｜invoke>")
+
+
+def test_the_forced_grammar_writes_only_calls_that_validate(matcher_for):
+    """Schemas whose text form the argument check would refuse: boolean subschemas, required
+    names the properties leave out, strings with checks of their own."""
+    cases = {
+        "boolean subschemas": (
+            {"type": "object", "properties": {"a": True, "n": {"type": "integer"}, "no": False},
+             "required": ["n"]},
+            [_call(_param("a", "x", True), _param("n", "3", False))],
+            [_call(_param("n", "3", False), _param("no", "1", False))],
+        ),
+        "required, not declared": (
+            {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x", "y"],
+             "additionalProperties": {"type": "boolean"}},
+            [_call(_param("x", "1", False), _param("y", "true", False))],
+            [_call(_param("x", "1", False)), _call(_param("x", "1", False),
+                                                   _param("y", "2", False))],
+        ),
+        "string checks": (
+            {"type": "object", "required": ["code", "short", "fixed"], "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
+                "short": {"type": "string", "maxLength": 2},
+                "fixed": {"type": "string", "const": "ok"}}},
+            [_call(_param("code", '"ABC"', False), _param("short", '"ab"', False),
+                   _param("fixed", '"ok"', False))],
+            [_call(_param("code", "ABC", True), _param("short", '"ab"', False),
+                   _param("fixed", '"ok"', False)),
+             _call(_param("code", '"ABCD"', False), _param("short", '"ab"', False),
+                   _param("fixed", '"ok"', False)),
+             _call(_param("code", '"ABC"', False), _param("short", '"abc"', False),
+                   _param("fixed", '"ok"', False))],
+        ),
+    }  # fmt: skip
+    for name, (schema, good, bad) in cases.items():
+        forced = _one(schema)
+        for text in good:
+            assert matcher_for(forced.structured_output(), text), (name, text)
+            content, calls, finish = forced.answer(text, "stop")
+            assert (content, finish, len(calls)) == (None, "tool_calls", 1), (name, text)
+        for text in bad:
+            assert not matcher_for(forced.structured_output(), text), (name, text)
+    # auto: a boolean subschema's value is kept, a number written as text is read as JSON
+    auto = _one(cases["boolean subschemas"][0], "auto")
+    assert auto.check("f", {"a": "x", "n": "3"}) == {"a": "x", "n": 3}
+
+
+def test_tools_beside_a_json_answer_allow_a_call_or_that_json(matcher_for):
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}},
+              "required": ["answer"], "additionalProperties": False}  # fmt: skip
+    for response in ({"json": schema}, {"json": json.dumps(schema)}, {"json_object": True}):
+        spec = constrained(SamplingParams(structured_output=response), tools(), False, None)
+        spec = spec.structured_output
+        assert matcher_for(spec, '{"answer": "Paris"}')
+        assert matcher_for(spec, _block(NOW))
+        assert not matcher_for(spec, "Paris")
+    content, calls, finish = tools().answer('{"answer": "Paris"}', "stop")
+    assert (content, calls, finish) == ('{"answer": "Paris"}', [], "stop")
+    with pytest.raises(ValueError, match="^structured_output: .* must be JSON, not regex"):
+        constrained(SamplingParams(structured_output={"regex": "a+"}), tools(), False, None)
+
+
+@pytest.mark.parametrize(
+    ("schema", "choice", "field"),
+    [
+        ({"type": "object", "properties": {"a>b": {"type": "string"}}}, "auto",
+         "tools.0.function.parameters"),
+        ({"type": "object", "properties": {'say "hi"': {}}}, "auto",
+         "tools.0.function.parameters"),
+        ({"type": "object", "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+          "required": ["n"]}, "required", "tools.0.function.parameters"),
+    ],
+)  # fmt: skip
+def test_tools_no_call_can_follow_are_refused_naming_the_field(schema, choice, field):
+    with pytest.raises(ValueError) as info:
+        constrained(SamplingParams(max_tokens=8), _one(schema, choice), False, None)
+    assert str(info.value).startswith(field + ":"), info.value
+
+
+def test_a_forced_call_refuses_stop_strings_that_would_cut_it():
+    with pytest.raises(ValueError, match="^stop: a forced call"):
+        constrained(SamplingParams(max_tokens=8, stop=["\n"]), tools("required"), False, None)
+    assert constrained(SamplingParams(max_tokens=8, stop=["\n"]), tools(), False, None)  # auto

@@ -196,6 +196,15 @@ def test_a_conversation_with_calls_and_results_renders_them(client, engine):
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 1}}}]},
          "tools.0.function.parameters"),
         ({"functions": [WEATHER]}, "functions"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "now", "arguments": "[1]"}}]},
+          {"role": "tool", "tool_call_id": "c", "content": "noon"}]},
+         "messages.1.tool_calls.0.function.arguments"),
+        ({"messages": [*MESSAGES, {"role": "assistant", "content": None},
+                       {"role": "user", "content": "and?"}]}, "messages.1.content"),
+        ({"tool_choice": "required", "stop": ["\n"]}, "stop"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a\nb": {}}}}}]}, "tools.0.function.parameters"),
     ],
 )  # fmt: skip
 def test_bad_tool_requests_are_400_naming_the_field(client, engine, fields, param):
@@ -203,3 +212,17 @@ def test_bad_tool_requests_are_400_naming_the_field(client, engine, fields, para
         ask(client, False, **fields)
     assert info.value.body["param"] == param
     assert engine.requests == []
+
+
+@pytest.mark.parametrize("choice", ["auto", "required"])
+def test_a_boolean_subschema_is_a_parameter_of_any_value(client, engine, choice):
+    """true in properties is valid JSON Schema: the call's other values are still read by type,
+    and a forced call's grammar takes it as any value."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": True, "n": {"type": "integer"}}}}}  # fmt: skip
+    script(engine, '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n'
+                   '<｜DSML｜parameter name="a" string="true">x</｜DSML｜parameter>\n'
+                   '<｜DSML｜parameter name="n" string="true">3</｜DSML｜parameter>\n'
+                   "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")  # fmt: skip
+    got = ask(client, False, tools=[tool], tool_choice=choice)
+    assert got[2] == [("f", {"a": "x", "n": 3})] and got[4] == "tool_calls"
