@@ -19,6 +19,7 @@ from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.sources import fetch_model
+from dsv4ray.worker.pool_sizing import available_host_memory
 from dsv4ray.worker.stage_spec import StageSpec
 
 
@@ -49,6 +50,17 @@ class StageActor:
 
     def available_bytes(self, memory_fraction: float) -> float | None:
         return self.worker.available_bytes(memory_fraction)
+
+    def host_memory(self, sizes: dict) -> dict:
+        """What the driver's check of CPU stages sharing a machine needs: this stage's pool bytes
+        for sizes and the memory its machine has available."""
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "start": self.worker.model.start,
+            "end": self.worker.model.end,
+            "need": self.worker.host_pool_bytes(PoolSizes(**sizes)),
+            "have": available_host_memory(),
+        }
 
     def allocate(self, sizes: dict) -> int:
         return self.worker.allocate(PoolSizes(**sizes))

@@ -44,7 +44,12 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.handoff import StageEndpoint
 from dsv4ray.engine.pipeline import PipelineFailure, StepResults
 from dsv4ray.engine.plan import FLUSH_STEP, StageResult, StepPlan, encode
-from dsv4ray.worker.pool_sizing import graph_shapes, pool_sizes, size_pipeline
+from dsv4ray.worker.pool_sizing import (
+    check_shared_host_memory,
+    graph_shapes,
+    pool_sizes,
+    size_pipeline,
+)
 from dsv4ray.worker.stage_spec import DraftSpec, StageSpec
 
 log = logging.getLogger("dsv4ray.pipeline")
@@ -125,7 +130,11 @@ class RayPipeline:
         self._link_stages(devices)  # before sizing: the rings take device memory
         available = self._get([a.available_bytes.remote(ec.memory_fraction) for a in self.actors])
         self.capacity = size_pipeline(self.cfg, ec, available, devices)
-        sizes = dataclasses.asdict(pool_sizes(self.capacity, ec.ring_scale))
+        pools = pool_sizes(self.capacity, ec.ring_scale)
+        sizes = dataclasses.asdict(pools)
+        if not self.use_gpu:  # stages allocate at once: each alone would see the machine free
+            check_shared_host_memory(self._get([a.host_memory.remote(sizes) for a in self.actors]),
+                                     pools)  # fmt: skip
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
         graphs = graph_shapes(ec, self.cfg, self.capacity)
         if graphs is not None:  # every stage (and the draft worker) on CUDA

@@ -88,21 +88,49 @@ def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | N
     return ec.max_running_requests, min(max_len, cap.num_full_tokens)
 
 
+def host_pool_bytes(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
+                    kv_cache_dtype: str) -> int:  # fmt: skip
+    """Bytes of the CPU pools of layers [start, end), priced without HiSparse: its host history
+    holds as many C4 pages as the pools would (and a store allocates that history even for meta
+    shapes)."""
+    flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
+    return StagePools(cfg, start, end, flat, kv_cache_dtype, torch.device("meta")).nbytes()
+
+
 def check_host_memory(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
                       kv_cache_dtype: str) -> None:  # fmt: skip
     """A ValueError naming the options when the CPU pools of layers [start, end) need more than
     the memory this machine has available (pools are zero-filled: past it the allocation fails
-    or the OOM killer ends the process). Priced without HiSparse: its host history holds as many
-    C4 pages as the pools would (and a store allocates that history even for meta shapes)."""
-    flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
-    shapes = StagePools(cfg, start, end, flat, kv_cache_dtype, torch.device("meta"))
-    need, have = shapes.nbytes(), available_host_memory()
+    or the OOM killer ends the process)."""
+    need, have = host_pool_bytes(cfg, start, end, sizes, kv_cache_dtype), available_host_memory()
     if have is not None and need > have:
         raise ValueError(
             f"stage [{start}, {end}): its KV pools need {need / 2**30:.1f} GiB, more than the "
             f"{have / 2**30:.1f} GiB of memory this machine has available ({sizes.num_pages} "
             f"pages, {sizes.num_state_slots - 1} running requests): lower max_total_tokens or "
             "max_running_requests"
+        )
+
+
+def check_shared_host_memory(stages: list[dict], sizes: PoolSizes) -> None:
+    """A ValueError naming the options when CPU stages that share a machine need more memory for
+    their pools together than it has available. stages: one dict per stage, {"node", "start",
+    "end", "need": pool bytes, "have": available bytes on its node or None}; stages allocate at
+    once, so each alone would see the whole machine free."""
+    by_node: dict[str, list[dict]] = {}
+    for stage in stages:
+        by_node.setdefault(stage["node"], []).append(stage)
+    for group in by_node.values():
+        need = sum(stage["need"] for stage in group)
+        known = [stage["have"] for stage in group if stage["have"] is not None]
+        if len(group) < 2 or not known or need <= min(known):
+            continue
+        ranges = ", ".join(f"[{stage['start']}, {stage['end']})" for stage in group)
+        raise ValueError(
+            f"stages {ranges} share one machine: their KV pools need {need / 2**30:.1f} GiB "
+            f"together, more than the {min(known) / 2**30:.1f} GiB of memory it has available "
+            f"({sizes.num_pages} pages, {sizes.num_state_slots - 1} running requests): lower "
+            "max_total_tokens or max_running_requests"
         )
 
 

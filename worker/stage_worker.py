@@ -31,7 +31,7 @@ from dsv4ray.worker.host.hisparse_io import scratch_step
 from dsv4ray.worker.host.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.pd.kv_export import KVPort, run_handoffs
-from dsv4ray.worker.pool_sizing import check_host_memory
+from dsv4ray.worker.pool_sizing import check_host_memory, host_pool_bytes
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.spec.draft_fill import DraftFill, fill_held_drafts
@@ -40,6 +40,12 @@ from dsv4ray.worker.stage_sampling import StageSampling
 from dsv4ray.worker.stage_spec import StageSpec
 
 log = logging.getLogger("dsv4ray.worker")
+
+
+def _with_pad_slot(sizes: PoolSizes) -> PoolSizes:
+    """One more state slot than the scheduler uses: the compressor ring that the pad rows of
+    captured steps write."""
+    return dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
 
 
 class StageWorker:
@@ -98,9 +104,13 @@ class StageWorker:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free * memory_fraction
 
+    def host_pool_bytes(self, sizes: PoolSizes) -> int:
+        """Bytes the CPU pools `allocate` would take for these sizes."""
+        return host_pool_bytes(self.cfg, self.model.start, self.model.end,
+                               _with_pad_slot(sizes), self.kv_cache_dtype)  # fmt: skip
+
     def allocate(self, sizes: PoolSizes) -> int:
-        # one more state slot: the compressor ring the pad rows of captured steps write
-        sizes = dataclasses.replace(sizes, num_state_slots=sizes.num_state_slots + 1)
+        sizes = _with_pad_slot(sizes)
         if self.device.type == "cpu":  # sized by tokens, not by memory: check they fit
             check_host_memory(self.cfg, self.model.start, self.model.end, sizes,
                               self.kv_cache_dtype)  # fmt: skip

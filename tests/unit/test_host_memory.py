@@ -1,6 +1,9 @@
 """What the CPU pool check counts as available memory: MemAvailable, or a container's cgroup room
 when that is less; a cgroup without a limit ("max") does not count."""
 
+import pytest
+
+from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.worker import pool_sizing
 
 
@@ -21,3 +24,47 @@ def test_a_containers_limit_below_the_machines_memory_wins(tmp_path, monkeypatch
 def test_a_cgroup_without_a_limit_leaves_the_machines_memory(tmp_path, monkeypatch):
     _files(tmp_path, monkeypatch, available_kb=8 * 2**20, limit="max", usage=2**30)
     assert pool_sizing.available_host_memory() == 8 * 2**30
+
+
+def _stage(node: str, start: int, end: int, need_gib: float, have_gib: float | None) -> dict:
+    have = None if have_gib is None else int(have_gib * 2**30)
+    return {"node": node, "start": start, "end": end, "need": int(need_gib * 2**30), "have": have}
+
+
+SIZES = PoolSizes(num_pages=4096, num_window_pages=64, num_state_slots=65, num_cached_state_slots=0)
+
+
+def test_stages_sharing_a_machine_are_refused_when_their_pools_only_fit_one_at_a_time():
+    stages = [_stage("a", 0, 2, 6, 10), _stage("a", 2, 4, 6, 10)]
+    match = (
+        r"stages \[0, 2\), \[2, 4\) share one machine: .* 12\.0 GiB together, more than "
+        r"the 10\.0 GiB .*\(4096 pages, 64 running"
+    )
+    with pytest.raises(ValueError, match=match):
+        pool_sizing.check_shared_host_memory(stages, SIZES)
+
+
+def test_stages_on_machines_of_their_own_or_fitting_together_pass():
+    apart = [_stage("a", 0, 2, 6, 10), _stage("b", 2, 4, 6, 10)]
+    together = [_stage("a", 0, 2, 4, 10), _stage("a", 2, 4, 5.5, 10)]
+    unknown = [_stage("a", 0, 2, 6, None), _stage("a", 2, 4, 6, None)]
+    for stages in (apart, together, unknown):
+        pool_sizing.check_shared_host_memory(stages, SIZES)
+
+
+def test_the_least_memory_a_stage_of_the_machine_saw_is_what_they_share():
+    # each stage measured the machine at its own moment: the lower figure is the safe one
+    stages = [_stage("a", 0, 1, 3, 9), _stage("a", 1, 2, 3, 5), _stage("b", 2, 3, 1, 1)]
+    with pytest.raises(ValueError, match=r"\[0, 1\), \[1, 2\) share .* 5\.0 GiB"):
+        pool_sizing.check_shared_host_memory(stages, SIZES)
+
+
+def test_a_worker_prices_its_pools_with_the_pad_slot_it_allocates(tiny_ckpt):
+    from dsv4ray.config import ModelConfig
+    from dsv4ray.worker.stage_worker import _with_pad_slot
+
+    cfg = ModelConfig.from_hf(tiny_ckpt)
+    padded = _with_pad_slot(SIZES)
+    assert padded.num_state_slots == SIZES.num_state_slots + 1
+    more = pool_sizing.host_pool_bytes(cfg, 0, cfg.num_hidden_layers, padded, "fp8")
+    assert more > pool_sizing.host_pool_bytes(cfg, 0, cfg.num_hidden_layers, SIZES, "fp8") > 0
