@@ -169,6 +169,14 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
             "(informational)",
         ),
         result(
+            f"KV checksums' share of TTFT with PD ({prompt_len} tokens)",
+            stats["pd_checksum_seconds"] / max(1, stats["pd_remote_prefills"]), "s", pd_ttft,
+            0.1, "<=",
+            "the prefill stages' CRC-32 per layer of the bytes they send, per handoff, over median "
+            "PD TTFT (the decode stages checksum what they received in a step of their own, not "
+            "counted here); no PERF.md target (informational)",
+        ),
+        result(
             "KV handoff bandwidth / raw Mooncake TCP write",
             bandwidth, "GB/s", ceiling, 0.5, ">=",
             "bytes the prefill stages wrote over their write time, coalesced page runs per "

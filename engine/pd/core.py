@@ -54,6 +54,7 @@ PD_STAT_NAMES = (
     "pd_checksum_failures",
     "pd_transfer_bytes",
     "pd_transfer_seconds",
+    "pd_checksum_seconds",
 )
 
 
@@ -249,6 +250,7 @@ class DecodeCore(EngineCore):
     def _count_bytes(self, reports) -> None:
         self.pd_stats["pd_transfer_bytes"] += sum(r.num_bytes for r in reports)
         self.pd_stats["pd_transfer_seconds"] += sum(r.write_s for r in reports)
+        self.pd_stats["pd_checksum_seconds"] += sum(r.checksum_s for r in reports)
 
     def _prepare(self, plan) -> None:
         super()._prepare(plan)

@@ -25,6 +25,7 @@ STATUS_CLIENT_CLOSED = "499"
 PD_STATS = {  # engine stats key (engine/pd/core.py) -> the counter it feeds
     "pd_transfer_bytes": "dsv4ray_pd_transfer_bytes",
     "pd_transfer_seconds": "dsv4ray_pd_transfer_seconds",
+    "pd_checksum_seconds": "dsv4ray_pd_checksum_seconds",
     "pd_checksum_failures": "dsv4ray_pd_checksum_failures",
     "pd_local_prefills": "dsv4ray_pd_local_prefills",
     "pd_remote_prefills": "dsv4ray_pd_remote_prefills",
@@ -87,6 +88,7 @@ METRICS = (
         for name, text in (
             ("dsv4ray_pd_transfer_bytes", "KV bytes prefill stages wrote to decode"),
             ("dsv4ray_pd_transfer_seconds", "seconds prefill stages spent writing KV"),
+            ("dsv4ray_pd_checksum_seconds", "seconds prefill stages spent checksumming KV"),
             ("dsv4ray_pd_checksum_failures", "handoffs that failed the checksum or signature"),
             ("dsv4ray_pd_local_prefills", "requests prefilled on the decode engine instead"),
             ("dsv4ray_pd_remote_prefills", "requests whose KV came from the prefill engine"),

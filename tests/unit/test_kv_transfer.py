@@ -2,6 +2,8 @@
 Ray): exactly the destination rows change, byte for byte, and the checksums of both sides agree
 unless a byte was flipped on the wire."""
 
+import zlib
+
 import pytest
 import torch
 
@@ -107,6 +109,21 @@ def test_destination_rows_equal_the_source_rows_and_nothing_else_changes(
 def test_an_index_share_model_hands_each_indexer_to_its_own_buffer(share_cfg, ports):
     prefill = ports([(0, 3), (3, 6)], "fp8", seed=2, model=share_cfg)
     assert_exact_handoff(share_cfg, prefill, ports([(0, 6)], "fp8", model=share_cfg))
+
+
+def test_each_layers_checksum_is_the_crc32_of_its_rows_in_order(cfg, ports):
+    prefill = ports([(0, 3), (3, 6)], "fp8", seed=3)
+    src, _, reports, _ = handoff(prefill, ports([(0, 6)], "fp8"), 300)
+    for port, report in zip(prefill, reports, strict=True):
+        expected: dict[int, tuple[int, int]] = {}  # layer -> (crc, bytes) over its rows in order
+        for buf, rows in layer_rows(port.endpoint.buffers, 300, src):
+            data = port.views[(buf.kind, buf.layer_id)][rows].numpy().tobytes()
+            crc, size = expected.get(buf.layer_id, (0, 0))
+            expected[buf.layer_id] = (zlib.crc32(data, crc), size + len(data))
+        assert dict(report.checksums) == {
+            layer: f"crc32:{crc:08x}:{size}" for layer, (crc, size) in expected.items()
+        }
+        assert report.checksum_s > 0
 
 
 def assert_exact_handoff(cfg, prefill, decode) -> None:

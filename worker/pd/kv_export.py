@@ -131,12 +131,19 @@ class KVPort:
         return CheckReport(check.req_id, self.pools.start, self.pools.end, self._checksums(rows))
 
     def _checksums(self, rows: list[tuple[BufferDesc, list[int]]]) -> tuple[tuple[int, str], ...]:
+        """CRC-32 per layer of the rows in order: every row id goes to the device at once, and
+        each layer's rows are gathered into one buffer read back at once (a read-back a buffer
+        would wait on the device tens of times a handoff)."""
+        if not rows:
+            return ()
+        device = self.scratch.device
+        ids = torch.tensor([i for _, row_ids in rows for i in row_ids], dtype=torch.long)
+        ids = ids.to(device).split([len(row_ids) for _, row_ids in rows])
         by_layer: dict[int, list[torch.Tensor]] = {}
-        for buf, row_ids in rows:
+        for (buf, _), idx in zip(rows, ids, strict=True):
             view = self.views[(buf.kind, buf.layer_id)]
-            idx = torch.tensor(row_ids, dtype=torch.long, device=view.device)
-            by_layer.setdefault(buf.layer_id, []).append(view.index_select(0, idx))
-        return tuple((layer, checksum(parts)) for layer, parts in by_layer.items())
+            by_layer.setdefault(buf.layer_id, []).append(view.index_select(0, idx).view(-1))
+        return tuple((layer, checksum([torch.cat(parts)])) for layer, parts in by_layer.items())
 
     def _flip_one_byte(self, plan: WritePlan) -> None:
         """Test hook: the first byte written arrives flipped (after the checksum was taken)."""
