@@ -119,7 +119,8 @@ class Edge:
             await send(message)
 
         try:
-            check_caller(Headers(scope=scope), self.server.options.api_key, path)
+            peer = (scope.get("client") or (None,))[0]
+            check_caller(Headers(scope=scope), self.server.options.api_key, path, peer)
             await self.app(scope, receive, counted_send)
         except APIError as err:  # the caller check; the routes' own go through _api_error
             await error_response(err)(scope, receive, counted_send)

@@ -4,11 +4,13 @@ With an API key, every route but ``/health`` and ``/metrics`` needs ``Authorizat
 <key>`` (probes and Prometheus scrape without it, as vLLM allows; neither answers anything of a
 request's content). Without one, the server trusts only the machine it runs on, and a web page
 the user visits runs there too: a ``text/plain`` POST needs no CORS preflight, and DNS rebinding
-lets a page read the replies. So a keyless server answers only requests whose ``Host`` is a
-loopback name (``localhost``, 127.x.y.z, ``[::1]``, with or without a port) and whose
-``Origin``, when sent, is a loopback origin; anything else gets 403 ``forbidden`` on every
-route. A 5xx says what failed without internals: no reprs,
-tracebacks, actor names, pids or addresses (those go to the server log only).
+lets a page read the replies. So a keyless server answers only requests from a loopback
+address (the connection's peer, which the HTTP server knows and no header can change: a server
+bound to 0.0.0.0 answers nobody else) whose ``Host`` is a loopback name (``localhost``,
+127.x.y.z, ``[::1]``, with or without a port) and whose ``Origin``, when sent, is a loopback
+origin; anything else gets 403 ``forbidden`` on every route. A 5xx says what failed without
+internals: no reprs, tracebacks, actor names, pids or addresses (those go to the server log
+only).
 """
 
 from __future__ import annotations
@@ -69,18 +71,38 @@ def is_loopback_origin(origin: str) -> bool:
     return bool(sep) and scheme.lower() in ORIGIN_SCHEMES and is_loopback_authority(authority)
 
 
-def check_caller(headers, api_key: str | None, path: str) -> None:
-    """The key when there is one (``KEYLESS_PATHS`` excepted), else loopback Host and Origin
-    only. ``headers``: Starlette's (a request may repeat a header; every copy must pass)."""
+def check_caller(headers, api_key: str | None, path: str, client: str | None = None) -> None:
+    """The key when there is one (``KEYLESS_PATHS`` excepted), else a loopback peer, Host and
+    Origin only. ``headers``: Starlette's (a request may repeat a header; every copy must
+    pass); ``client``: the peer's address (the ASGI scope's; None or a name that is no address,
+    as over a Unix socket: the headers decide)."""
     if api_key is not None:
         if path not in KEYLESS_PATHS:
             check_key(headers.get("authorization"), api_key)
         return
+    if _remote(client):
+        raise APIError(
+            403,
+            f"this server has no API key, so it only answers clients on its own machine over a "
+            f"loopback address, not {client}; start it with an API key to serve other hosts",
+            code="forbidden",
+        )
     hosts = headers.getlist("host")
     if not hosts or not all(is_loopback_authority(h.strip()) for h in hosts):
         raise forbidden("Host", "a loopback host (localhost, 127.0.0.1 or [::1])")
     if not all(is_loopback_origin(o.strip()) for o in headers.getlist("origin")):
         raise forbidden("Origin", "a loopback origin such as http://localhost:8000")
+
+
+def _remote(client: str | None) -> bool:
+    """An IP address that is not a loopback one (an IPv4 address mapped into IPv6, as a
+    dual-stack socket reports it, counts as itself)."""
+    try:
+        address = ipaddress.ip_address(client) if client is not None else None
+    except ValueError:
+        return False
+    mapped = getattr(address, "ipv4_mapped", None)
+    return address is not None and not (mapped or address).is_loopback
 
 
 def forbidden(header: str, allowed: str) -> APIError:

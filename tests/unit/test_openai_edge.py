@@ -74,6 +74,19 @@ def test_keyless_servers_answer_only_loopback_host_and_origin_on_every_route():
     forbidden(headers(("host", "127.0.0.1"), ("origin", "null")))
 
 
+def test_keyless_servers_answer_no_peer_but_a_loopback_one_whatever_its_headers_say():
+    local = headers(("host", "localhost:8000"))
+    # None: a Unix socket, or a test client without an address
+    for peer in ("127.0.0.1", "::1", "127.8.9.10", "::ffff:127.0.0.1", None, "testclient"):
+        check_caller(local, None, "/v1/completions", peer)
+    for peer in ("192.0.2.2", "10.0.0.7", "2001:db8::1", "::ffff:192.0.2.2"):
+        with pytest.raises(APIError) as info:
+            check_caller(local, None, "/v1/completions", peer)
+        assert (info.value.status, info.value.code) == (403, "forbidden")
+        assert peer in info.value.message
+    check_caller(local, "k", "/health", "192.0.2.2")  # with a key the peer does not matter
+
+
 def test_with_a_key_any_host_or_origin_may_call_but_needs_the_key():
     hostile = [("host", "evil.example"), ("origin", "http://evil.example")]
     check_caller(headers(*hostile, ("authorization", "Bearer k")), "k", "/v1/models")
