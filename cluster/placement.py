@@ -35,18 +35,34 @@ def ensure_ray(num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     address = os.environ.get("RAY_ADDRESS") or None
-    ray.init(
-        address=address,
-        num_cpus=None if address else num_cpus,
+    options = dict(
         include_dashboard=False,
         logging_level=logging.WARNING,
         log_to_driver=os.environ.get("DSV4RAY_ACTOR_LOGS", "1") == "1",
     )
+    try:
+        ray.init(address=address, num_cpus=None if address else num_cpus, **options)
+    except ValueError as exc:  # a `ray start` on this machine, which ray.init joins by itself
+        if address or num_cpus is None or "existing cluster" not in str(exc):
+            raise
+        ray.init(**options)
     log.info(
         "ray: %s (%s)",
-        "joined " + address if address else "started a local instance",
+        "started a local instance"
+        if started_local_ray()
+        else f"joined {address or 'the Ray running here'}",
         ray.cluster_resources(),
     )
+
+
+def started_local_ray() -> bool:
+    """Whether this process started the Ray it is connected to, rather than joined a running
+    one (RAY_ADDRESS, or a ``ray start`` on this machine, which ray.init finds by itself):
+    only a Ray it started may a command stop, and sweep the leftovers of."""
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    return ray.is_initialized() and bool(getattr(node, "head", False))
 
 
 def stage_bundle(

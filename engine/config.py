@@ -23,7 +23,7 @@ from dsv4ray.engine.handoff import PD_PROTOCOLS
 from dsv4ray.engine.spec import SpecConfig
 
 WEIGHT_FORMATS = ("auto", "dequantized", "native")
-INTERNAL_OPTIONS = ("draft_rings",)  # set by the engine for itself (a prefill engine's)
+INTERNAL_OPTIONS = ("draft_rings", "model_source")  # set by the engine for itself
 
 
 # vLLM engine options a user coming from it reaches for, and what this engine has instead

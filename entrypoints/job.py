@@ -46,6 +46,7 @@ from dsv4ray.cluster.placement import (
     ensure_ray,
     resolve_accelerator,
     stage_bundle,
+    started_local_ray,
     stop_local_ray,
     unplaceable,
 )
@@ -130,6 +131,7 @@ def run_job(
             # a local Ray is this machine: its view decides the device before Ray starts
             device = _device(job, options) if started_ray else None
             ensure_ray(_local_cpus(job, config, device) if started_ray else None)
+            started_ray = started_ray and started_local_ray()  # not a `ray start` it found
             sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": device or _device(job, options)}
             shortfall = _shortfall(job, config, engine["device"])

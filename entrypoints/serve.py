@@ -65,7 +65,12 @@ import ray
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from dsv4ray.cluster.placement import bundle_device, ensure_ray, stop_local_ray
+from dsv4ray.cluster.placement import (
+    bundle_device,
+    ensure_ray,
+    started_local_ray,
+    stop_local_ray,
+)
 from dsv4ray.engine.checks import RequestError
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.spec import describe
@@ -76,6 +81,7 @@ from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer
 from dsv4ray.entrypoints.remote_engine import RemoteEngine
 from dsv4ray.entrypoints.serve_config import (
+    DEPLOYMENT_NAME,
     ServeSettings,
     demo_warning,
     ingress_options,
@@ -165,7 +171,7 @@ class OpenAIIngress:
 
     async def __init__(self, engine: DeploymentHandle, settings: ServeSettings) -> None:
         self.handle = engine
-        info = await engine.info.remote()  # waits for an engine replica
+        info = await _engine_info(engine)  # waits for an engine replica, or its failure
         model = await asyncio.to_thread(local_model, settings.model)
         self.engine = await asyncio.to_thread(RemoteEngine, engine, info, model)
         metrics = ServeMetrics(settings.served_model_name)
@@ -185,6 +191,41 @@ class OpenAIIngress:
     def __del__(self) -> None:
         if hasattr(self, "server"):  # absent when the constructor failed
             self.server.close()
+
+
+ENGINE_POLL_S = 5.0  # how often a waiting ingress asks Serve whether the engine failed
+
+
+async def _engine_info(engine: DeploymentHandle) -> dict:
+    """The engine's info once a replica is up; a RuntimeError with the engine deployment's own
+    message once Serve gives up on it (a missing checkpoint, say): the ingress fails with it
+    instead of starting forever, so the application fails and says why."""
+    task = asyncio.ensure_future(_awaited(engine.info.remote()))
+    while True:
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), ENGINE_POLL_S)
+        except asyncio.TimeoutError:
+            failed = await asyncio.to_thread(_engine_failure)
+            if failed is not None:
+                task.cancel()
+                raise RuntimeError(f"the engine deployment failed: {failed}") from None
+
+
+async def _awaited(response):
+    return await response
+
+
+def _engine_failure() -> str | None:
+    """The engine deployment's message when Serve marked it failed, else None."""
+    try:
+        app = serve.status().applications.get(serve.get_replica_context().app_name)
+    except Exception as exc:  # the controller's view is a hint: keep waiting without it
+        log.debug("could not read Serve's status: %s", exc)
+        return None
+    deployment = app.deployments.get(DEPLOYMENT_NAME) if app is not None else None
+    if deployment is None or deployment.status != "DEPLOY_FAILED":
+        return None
+    return deployment.message or "no message"
 
 
 def local_model(model: str) -> str:
@@ -231,13 +272,15 @@ def run_server(
             "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
+    deployed = None  # when this command's application was deployed (serve.status's stamp)
     _check_options(config, deployment)  # a bad value is one line, before any Ray starts
     stop = _stop_on_signals()
     try:
         ensure_ray()
+        joined = joined or not started_local_ray()  # ray.init joins a `ray start` by itself
         stop = _stop_on_signals(stop)  # again: Ray's init installs handlers of its own
         app = _application(config, deployment)  # accelerator "auto": the cluster's GPUs
-        info, (host, port) = _start(app, serve_options, host, port)
+        info, (host, port), deployed = _start(app, serve_options, host, port)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
         stop = _stop_on_signals(stop)
@@ -256,7 +299,7 @@ def run_server(
         with signals_held():  # the shutdown runs to its end (seconds)
             print("dsv4ray serve: stopping", flush=True)
             if joined and ray.is_initialized():  # other applications keep running
-                _delete_app()
+                _delete_app(deployed)
             elif not joined:
                 # Serve's shutdown would start a Ray if a signal cut ray.init short
                 if ray.is_initialized():
@@ -305,8 +348,9 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         log.warning("%s did not finish in %.0f s; stopping without it", what, timeout_s)
 
 
-def _start(app, serve_options, host: str, port: int) -> tuple[dict, tuple[str, int]]:
-    """Runs the application -> (its engine's info, the (host, port) it is served at)."""
+def _start(app, serve_options, host: str, port: int):
+    """Runs the application -> (its engine's info, the (host, port) it is served at, when it
+    was deployed: serve.status's stamp, which a later deploy of the same name changes)."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
     try:
@@ -326,7 +370,7 @@ def _start(app, serve_options, host: str, port: int) -> tuple[dict, tuple[str, i
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    return info, running or (host, port)
+    return info, running or (host, port), _deployed_at()
 
 
 def _running_http(host: str, port: int) -> tuple[str, int] | None:
@@ -343,9 +387,20 @@ def _running_http(host: str, port: int) -> tuple[str, int] | None:
     return None if running == (host, port) else running
 
 
-def _delete_app() -> None:
-    """This command's application on a cluster it joined, as far as it got."""
+def _deployed_at() -> float | None:
+    """When the application named APP_NAME was last deployed (None: there is none)."""
+    app = serve.status().applications.get(APP_NAME)
+    return None if app is None else app.last_deployed_time_s
+
+
+def _delete_app(deployed: float | None) -> None:
+    """This command's application on a cluster it joined, as far as it got; not one deployed
+    under its name since (``serve deploy`` of a config that replaced it)."""
     try:
+        if deployed is not None and _deployed_at() != deployed:
+            print(f"dsv4ray serve: the {APP_NAME} application was deployed again since this "
+                  "command started it: leaving that one running", flush=True)  # fmt: skip
+            return
         serve.delete(APP_NAME)
     except Exception as exc:  # interrupted before Serve ran on the cluster
         log.warning("could not delete the %s application: %s", APP_NAME, exc)

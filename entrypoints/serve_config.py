@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from dsv4ray.cluster.placement import DEVICES, check_accelerator, resolve_accelerator, stage_bundle
-from dsv4ray.engine.config import EngineConfig
+from dsv4ray.engine.config import INTERNAL_OPTIONS, EngineConfig
 from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model
 from dsv4ray.entrypoints.openai.server import ServerOptions
 
@@ -40,7 +40,8 @@ ROUTERS = {  # routing -> the engine deployment's request router (None: Serve's 
 _KEY_KEYS = ("model", "api_key", "api_key_file")  # resolved by from_config
 _PLACEMENT_KEYS = ("accelerator", "stage_resources")
 _DEPLOYMENT_KEYS = ("num_replicas", "autoscaling_config")
-ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig) if f.name != "model")
+ENGINE_KEYS = tuple(f.name for f in dataclasses.fields(EngineConfig)
+                    if f.name not in ("model", *INTERNAL_OPTIONS))  # fmt: skip
 CONFIG_KEYS = (*_KEY_KEYS, *_SERVE_KEYS, *_PLACEMENT_KEYS, *_DEPLOYMENT_KEYS, *ENGINE_KEYS)
 
 
@@ -77,8 +78,9 @@ class ServeSettings:
             raise ValueError(f"routing must be one of {sorted(ROUTERS)}, got {self.routing!r}")
         if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
             raise ValueError("api_key must be a non-empty string or None")
-        if not self.served_model_name:
-            raise ValueError("served_model_name must be a non-empty string")
+        if not isinstance(self.served_model_name, str) or not self.served_model_name:
+            raise ValueError(f"served_model_name must be a non-empty string, got "
+                             f"{self.served_model_name!r}")  # fmt: skip
         if self.accelerator not in DEVICES:
             raise ValueError(
                 f"accelerator must be resolved to cpu or gpu, got {self.accelerator!r}"
@@ -95,6 +97,9 @@ class ServeSettings:
             raise ValueError(f"unknown serve config key {unknown[0]!r}")
         if "use_ray" in config and config["use_ray"] is not True:
             raise ValueError("use_ray: the Serve app always runs its stages as Ray actors")
+        if config.get("model") is not None and not isinstance(config["model"], str):
+            raise ValueError(f"model must be a checkpoint's path, got {config['model']!r}")
+        _check_autoscaling(config.get("autoscaling_config"))
         demo = not config.get("model") and not os.environ.get(DEFAULT_MODEL_ENV)
         model = os.path.abspath(config.get("model") or default_model())
         if demo:
@@ -108,7 +113,7 @@ class ServeSettings:
             model,
             engine_options=engine,
             accelerator=_accelerator(config.get("accelerator", "auto"), config.get("device")),
-            stage_resources=dict(config.get("stage_resources") or {}),
+            stage_resources=config.get("stage_resources") or {},
             demo_model=demo,
             deployment_overrides={k: config[k] for k in _DEPLOYMENT_KEYS if k in config},
             **serve_opts,
@@ -190,6 +195,22 @@ def _accelerator(accelerator: object, device: object) -> str:
     if accelerator not in ("auto", wanted):
         raise ValueError(f"device {device!r} contradicts accelerator {accelerator!r}; give one")
     return wanted
+
+
+def _check_autoscaling(scaling: object) -> None:
+    """Serve's AutoscalingConfig drops keys it does not know (``min_replica`` would leave the
+    default in place): each one is refused here by name."""
+    if scaling is None:
+        return
+    if not isinstance(scaling, Mapping):
+        raise ValueError(f"autoscaling_config must be a mapping, got {scaling!r}")
+    from ray.serve.config import AutoscalingConfig
+
+    known = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+    unknown = sorted(set(scaling) - set(known))
+    if unknown:
+        raise ValueError(f"autoscaling_config.{unknown[0]} is not one of Serve's autoscaling "
+                         f"options: {sorted(known)}")  # fmt: skip
 
 
 def _check_stage_resources(resources: object) -> None:

@@ -65,7 +65,9 @@ def read_serve_file(path: str) -> ServeFile:
 
 def _unknown_keys(path: str, raw: dict) -> None:
     """Keys that Serve's schema does not define (which its validation drops), at the top, in
-    http_options, in the application and in its deployments: a ValueError naming the first."""
+    http_options, in the application, in its deployments and in their autoscaling_config: a
+    ValueError naming the first."""
+    from ray.serve.config import AutoscalingConfig
     from ray.serve.schema import (
         DeploymentSchema,
         HTTPOptionsSchema,
@@ -86,7 +88,10 @@ def _unknown_keys(path: str, raw: dict) -> None:
     for i, app in enumerate(raw.get("applications") or []):
         check(app, ServeApplicationSchema, f"applications.{i}.")
         for j, entry in enumerate((app.get("deployments") or []) if isinstance(app, dict) else []):
-            check(entry, DeploymentSchema, f"applications.{i}.deployments.{j}.")
+            where = f"applications.{i}.deployments.{j}."
+            check(entry, DeploymentSchema, where)
+            scaling = entry.get("autoscaling_config") if isinstance(entry, dict) else None
+            check(scaling, AutoscalingConfig, where + "autoscaling_config.")
 
 
 def _refuse(path: str, keys: set, prefix: str) -> None:

@@ -83,16 +83,26 @@ def test_auto_asks_for_gpus_when_the_cluster_config_declares_them(ray_session, t
     assert resolve_accelerator("cpu", str(config)) == "cpu"
 
 
-def test_serve_yaml_autoscales_the_deployment_that_build_app_makes():
-    config = yaml.safe_load((ROOT / "deploy" / "serve.yaml").read_text())
+@pytest.mark.parametrize("name", ["serve.yaml", "serve-pd.yaml", "kuberay-rayservice.yaml"])
+def test_shipped_configs_autoscale_both_deployments_that_build_app_makes(name, tiny_ckpt):
+    """Serve applies a `deployments:` entry after build_app ran, to that deployment alone: the
+    manifests give autoscaling_config to build_app, which scales the engine and the ingress."""
+    from dsv4ray.entrypoints.serve_config import ServeSettings, ingress_options
+
+    config = yaml.safe_load((ROOT / "deploy" / name).read_text())
+    if "spec" in config:  # KubeRay: the Serve config is a string inside the RayService
+        config = yaml.safe_load(config["spec"]["serveConfigV2"])
     (app,) = config["applications"]
     assert app["import_path"] == "dsv4ray.entrypoints.serve:build_app"
-    (deployment,) = app["deployments"]
-    assert deployment["name"] == "OpenAIDeployment"
-    scaling = deployment["autoscaling_config"]
+    assert "deployments" not in app
+    args = {**app["args"], "model": tiny_ckpt, "accelerator": "cpu"}
+    engine = ServeSettings.from_config(args).deployment_options()
+    scaling = engine["autoscaling_config"]
     assert 1 <= scaling["min_replicas"] <= scaling["max_replicas"]
     assert scaling["target_ongoing_requests"] > 0
-    assert config["http_options"]["host"] == "127.0.0.1"
+    front = ingress_options(engine)["autoscaling_config"]
+    assert front["max_replicas"] == scaling["max_replicas"] and front["min_replicas"] >= 1
+    assert config.get("http_options", {}).get("host", "127.0.0.1") == "127.0.0.1"
 
 
 def test_cli_refuses_a_public_address_without_a_key(tiny_ckpt):
@@ -276,6 +286,29 @@ def test_a_gpu_app_built_without_gpus_asks_for_gpu_bundles(ray_session, free_por
         serve.shutdown()
 
 
+def test_an_app_whose_engine_cannot_start_fails_saying_why(ray_session, free_port, tmp_path):
+    """A checkpoint missing where the replicas run: the engine deployment fails, and the ingress,
+    which waits for an engine replica, fails with the engine's message instead of starting
+    for good (its HTTP routes would hang)."""
+    app = build_app({"model": str(tmp_path / "no-such-model"), "accelerator": "cpu"})
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": free_port()})
+        with pytest.raises(RuntimeError, match="OpenAIDeployment"):
+            serve.run(app, name="no-model", route_prefix="/no-model")
+        deadline = time.monotonic() + 90
+        while (ingress := _deployment("no-model", "OpenAIIngress")).status != "DEPLOY_FAILED":
+            assert time.monotonic() < deadline, ingress  # was: STARTING for good
+            time.sleep(1)
+        assert "the engine deployment failed" in ingress.message
+        assert "no config.json" in ingress.message
+    finally:
+        serve.shutdown()
+
+
+def _deployment(app: str, name: str):
+    return serve.status().applications[app].deployments[name]
+
+
 def _kill_replicas(app: str) -> None:
     """Kills an app's replica actors. A replica that never started (no GPU here) would hold
     serve.shutdown() for its whole graceful-shutdown timeout (20 s), waiting on no requests."""
@@ -287,3 +320,18 @@ def _kill_replicas(app: str) -> None:
 def _gpu_groups() -> list[dict]:
     table = ray.util.placement_group_table().values()
     return [g for g in table if g["state"] != "REMOVED" and "GPU" in g["bundles"].get(0, {})]
+
+
+def test_a_command_knows_whether_it_started_its_ray(ray_session):
+    """Only a Ray it started may `dsv4ray serve` / `dsv4ray job` stop and sweep: this session
+    started its own; a process that joins it (as ray.init joins a `ray start` by itself) did
+    not."""
+    from dsv4ray.cluster.placement import started_local_ray
+
+    assert started_local_ray()
+    env = dict(os.environ, RAY_ADDRESS=ray._private.worker._global_node.address)
+    code = ("from dsv4ray.cluster.placement import ensure_ray, started_local_ray; "
+            "ensure_ray(2); print(started_local_ray())")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+    assert done.stdout.strip().splitlines()[-1] == "False", done.stderr[-2000:]

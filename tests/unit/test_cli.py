@@ -109,7 +109,7 @@ def test_serve_config_file_is_read_with_serves_schema(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     shipped = read_serve_file(os.path.join(root, "deploy", "serve.yaml"))
     assert shipped.args["pp_size"] == 2 and shipped.args["accelerator"] == "auto"
-    assert shipped.deployment["autoscaling_config"]["max_replicas"] == 2
+    assert shipped.args["autoscaling_config"]["max_replicas"] == 2
     assert shipped.serve_options["http_options"] == {"host": "127.0.0.1", "port": 8000}
     bad = tmp_path / "bad.yaml"
     app = {"name": "dsv4ray", "import_path": "dsv4ray.entrypoints.serve:build_app"}

@@ -1,6 +1,7 @@
 """The ingress deployment's options follow the engine deployment's, and Ray's failures of the
 engine deployment become the API's errors (entrypoints/remote_engine.py)."""
 
+import json
 import pickle
 
 import pytest
@@ -14,6 +15,7 @@ from dsv4ray.entrypoints.serve_config import (
     INGRESS_CPUS,
     INGRESS_NAME,
     SHUTDOWN_POLL_S,
+    ServeSettings,
     ingress_options,
 )
 
@@ -83,3 +85,35 @@ def test_an_engine_side_value_error_stays_a_value_error_naming_its_field():
 def test_other_failures_pass_through():
     exc = RuntimeError("a bug")
     assert api_error(exc) is exc
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"served_model_name": 2024}, "served_model_name must be a non-empty string, got 2024"),
+        ({"served_model_name": ""}, "served_model_name must be a non-empty string"),
+        ({"model": 5}, "model must be a checkpoint's path, got 5"),
+        ({"stage_resources": ["a"]}, r"stage_resources must be a mapping, got \['a'\]"),
+        ({"autoscaling_config": {"min_replica": 1}},
+         "autoscaling_config.min_replica is not one of Serve's autoscaling options"),
+        ({"autoscaling_config": 3}, "autoscaling_config must be a mapping"),
+        ({"model_source": "s3://x"}, "unknown serve config key 'model_source'"),
+        ({"draft_rings": 2}, "unknown serve config key 'draft_rings'"),
+    ],
+)  # fmt: skip
+def test_a_bad_serve_config_value_is_refused_at_build_naming_its_key(tiny_ckpt, extra, message):
+    with pytest.raises(ValueError, match=message):
+        ServeSettings.from_config({"model": tiny_ckpt, "accelerator": "cpu", **extra})
+
+
+def test_a_misspelt_autoscaling_key_in_a_serve_file_is_named(tmp_path):
+    from dsv4ray.entrypoints.serve_file import read_serve_file
+
+    path = tmp_path / "serve.yaml"
+    scaling = {"min_replicas": 1, "target_ongoing_request": 4}
+    entry = {"name": "OpenAIDeployment", "autoscaling_config": scaling}
+    app = {"name": "dsv4ray", "import_path": "dsv4ray.entrypoints.serve:build_app",
+           "deployments": [entry]}  # fmt: skip
+    path.write_text(json.dumps({"applications": [app]}))
+    with pytest.raises(ValueError, match=r"deployments\.0\.autoscaling_config\.target_ongoing_req"):
+        read_serve_file(str(path))
