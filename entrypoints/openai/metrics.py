@@ -12,7 +12,6 @@ named series of ``GET /metrics`` (``vllm_metrics``), so the two exports agree.""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from ray.util.metrics import Counter, Gauge, Histogram
@@ -31,9 +30,6 @@ PD_STATS = {  # engine stats key (engine/pd/core.py) -> the counter it feeds
     "pd_local_prefills": "dsv4ray_pd_local_prefills",
     "pd_remote_prefills": "dsv4ray_pd_remote_prefills",
 }
-
-
-ENGINE_TAGS = ("model", "engine")  # an engine replica's gauges: each replica its own series
 
 
 @dataclass(frozen=True)
@@ -98,19 +94,14 @@ METRICS = (
             ("dsv4ray_pd_remote_prefills", "requests whose KV came from the prefill engine"),
         )
     ),
-    Metric("dsv4ray_running_requests", "gauge", "requests the engine is running", ENGINE_TAGS),
-    Metric(
-        "dsv4ray_waiting_requests", "gauge", "requests waiting for pages or budget", ENGINE_TAGS
-    ),
+    Metric("dsv4ray_running_requests", "gauge", "requests the engine is running"),
+    Metric("dsv4ray_waiting_requests", "gauge", "requests waiting for pages or budget"),
     Metric(
         "dsv4ray_kv_cache_usage",
         "gauge",
         "fraction of the device KV pages held by requests (0 to 1; cached prefixes count free)",
-        ENGINE_TAGS,
     ),
-    Metric(
-        "dsv4ray_free_kv_pages", "gauge", "KV pages free or held only by the cache", ENGINE_TAGS
-    ),
+    Metric("dsv4ray_free_kv_pages", "gauge", "KV pages free or held only by the cache"),
     Metric("dsv4ray_pending_http_requests", "gauge", "generation requests in the replica"),
 )
 BOUNDARIES = {
@@ -137,11 +128,6 @@ VLLM_NAMES = {
 }
 
 
-ENGINE_GAUGES = ("dsv4ray_running_requests", "dsv4ray_waiting_requests",
-                 "dsv4ray_kv_cache_usage", "dsv4ray_free_kv_pages")  # fmt: skip
-ENGINE_STALE_S = 60.0  # an engine replica no poll reached for this long is gone: its gauges go to 0
-
-
 class ServeMetrics:
     """One replica's metric objects (``self.m[name]``), its vLLM-named series (``self.vllm``,
     built by ``bind_engine``) and the events that update both."""
@@ -153,8 +139,6 @@ class ServeMetrics:
         # engine totals seen so far, per engine (``engine_id`` in the stats: an ingress polls
         # whichever engine replica answers, and a replaced replica counts from zero again)
         self._seen: dict[object, dict[str, float]] = {}
-        # per engine replica: (when a poll last reached it, its gauges, its pages)
-        self._engines: dict[str, tuple[float, dict[str, float], int]] = {}
 
     def bind_engine(self, max_model_len: int, speculative: bool) -> None:
         """Builds the vLLM-named series, which need the engine's context length (the buckets of
@@ -212,13 +196,10 @@ class ServeMetrics:
 
     def engine_stats(self, stats: dict, num_pending: int) -> None:
         free = stats["num_free_pages"] + stats["num_cached_pages"]
-        gauges = {
-            "dsv4ray_running_requests": stats["num_running"],
-            "dsv4ray_waiting_requests": stats["num_waiting"],
-            "dsv4ray_kv_cache_usage": 1.0 - free / max(1, stats["num_pages"]),
-            "dsv4ray_free_kv_pages": free,
-        }
-        self._engine_gauges(str(stats.get("engine_id") or "0"), gauges, stats["num_pages"])
+        self._set("dsv4ray_running_requests", stats["num_running"])
+        self._set("dsv4ray_waiting_requests", stats["num_waiting"])
+        self._set("dsv4ray_kv_cache_usage", 1.0 - free / max(1, stats["num_pages"]))
+        self.m["dsv4ray_free_kv_pages"].set(free)
         self.m["dsv4ray_pending_http_requests"].set(num_pending)
         seen = self._seen.setdefault(stats.get("engine_id"), {})
         self._inc("dsv4ray_preemptions", stats["num_preemptions"] - seen.get("preemptions", 0))
@@ -227,26 +208,6 @@ class ServeMetrics:
             if stats.get(key, 0) > seen.get(key, 0):
                 self.m[name].inc(float(stats[key] - seen.get(key, 0)))
                 seen[key] = stats[key]
-
-    def _engine_gauges(self, engine: str, gauges: dict[str, float], num_pages: int) -> None:
-        """Ray's gauges of one engine replica (tagged ``engine``: a dashboard sums replicas, and
-        ingress replicas that polled the same engine set the same series), a replica no poll
-        reached for ENGINE_STALE_S set to 0 and forgotten; the vLLM twins, this server's view,
-        the totals of the replicas it knows (KV usage over all their pages)."""
-        now = time.monotonic()
-        self._engines[engine] = (now, gauges, num_pages)
-        for name, value in gauges.items():
-            self.m[name].set(value, tags={"engine": engine})
-        for gone in [e for e, (seen, _, _) in self._engines.items() if now - seen > ENGINE_STALE_S]:
-            del self._engines[gone]
-            for name in ENGINE_GAUGES:
-                self.m[name].set(0.0, tags={"engine": gone})
-        known = [(g, pages) for _, g, pages in self._engines.values()]
-        pages = sum(p for _, p in known)
-        held = sum(g["dsv4ray_kv_cache_usage"] * p for g, p in known)
-        for name in ("dsv4ray_running_requests", "dsv4ray_waiting_requests"):
-            self.vllm.set(VLLM_NAMES[name], sum(g[name] for g, _ in known))
-        self.vllm.set(VLLM_NAMES["dsv4ray_kv_cache_usage"], held / max(1, pages))
 
     # one event, both exports: Ray's series and its vLLM twin (VLLM_NAMES), if it has one
     def _inc(self, name: str, count: float) -> None:
@@ -258,6 +219,10 @@ class ServeMetrics:
     def _observe(self, name: str, value: float) -> None:
         self.m[name].observe(value)
         self.vllm.observe(VLLM_NAMES[name], value)
+
+    def _set(self, name: str, value: float) -> None:
+        self.m[name].set(value)
+        self.vllm.set(VLLM_NAMES[name], value)
 
 
 def _between(start: float | None, end: float | None) -> float | None:
@@ -274,6 +239,6 @@ def _make(spec: Metric, model_name: str):
         metric = Histogram(
             spec.name, description=spec.description, boundaries=boundaries, tag_keys=spec.tags
         )
-    if spec.tags[0] == "model":  # the other tags come with each event
+    if spec.tags == ("model",):
         metric.set_default_tags({"model": model_name})
     return metric

@@ -170,38 +170,8 @@ class Recorder:
     def observe(self, value: float) -> None:
         self.total, self.count = self.total + value, self.count + 1
 
-    def set(self, value: float, tags=None) -> None:
+    def set(self, value: float) -> None:
         self.last = value
-        self.by_tags[tuple(sorted((tags or {}).items()))] = value
-
-
-def test_engine_gauges_are_per_engine_replica_and_their_vllm_twins_the_total(engine, monkeypatch):
-    """Polls reach the engine replicas in turn: each keeps its own series (a dashboard sums
-    them), the vLLM-named gauges are the totals, and a replica no poll reached for a minute
-    goes to 0."""
-    from dsv4ray.entrypoints.openai import metrics as metrics_module
-
-    server = make_server(engine)
-    server.metrics.m = {name: Recorder() for name in server.metrics.m}
-    now = [100.0]
-    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: now[0])
-    stats = {"num_running": 3, "num_waiting": 1, "num_pages": 16, "num_free_pages": 4,
-             "num_cached_pages": 4, "num_preemptions": 0}  # fmt: skip
-    server.metrics.engine_stats({**stats, "engine_id": "a"}, 0)
-    server.metrics.engine_stats({**stats, "engine_id": "b", "num_running": 2,
-                                 "num_free_pages": 16, "num_cached_pages": 0}, 0)  # fmt: skip
-    running = server.metrics.m["dsv4ray_running_requests"].by_tags
-    assert running == {(("engine", "a"),): 3, (("engine", "b"),): 2}
-    usage = server.metrics.m["dsv4ray_kv_cache_usage"].by_tags
-    assert usage == {(("engine", "a"),): 0.5, (("engine", "b"),): 0.0}
-    client = TestClient(server.app, base_url="http://127.0.0.1:8000")
-    s = scrape(client)
-    assert (s["vllm:num_requests_running"], s["vllm:num_requests_waiting"]) == (5, 2)
-    assert s["vllm:kv_cache_usage_perc"] == 0.25  # 8 of the two replicas' 32 pages held
-    now[0] += 61  # replica b is gone (scaled down): only a answers from now on
-    server.metrics.engine_stats({**stats, "engine_id": "a"}, 0)
-    assert running == {(("engine", "a"),): 3, (("engine", "b"),): 0}
-    assert scrape(client)["vllm:num_requests_running"] == 3
 
 
 def test_ray_series_and_their_vllm_twins_agree(engine):
