@@ -131,7 +131,6 @@ def run_job(
             # a local Ray is this machine: its view decides the device before Ray starts
             device = _device(job, options) if started_ray else None
             ensure_ray(_local_cpus(job, config, device) if started_ray else None)
-            started_ray = started_ray and started_local_ray()  # not a `ray start` it found
             sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
             engine = {**options, "use_ray": True, "device": device or _device(job, options)}
             shortfall = _shortfall(job, config, engine["device"])
@@ -150,7 +149,9 @@ def run_job(
         _stopped(stats, by_sigterm(exc))
     finally:
         with _signals_noted(stats, previous):  # the cleanup runs to its end
-            if started_ray:
+            # not a `ray start` on this machine, which ray.init joins by itself (a signal may
+            # have cut the start short anywhere after that)
+            if started_ray and not (ray.is_initialized() and not started_local_ray()):
                 stop_local_ray()
     if shortfall is not None:
         return usage_error(shortfall)

@@ -60,6 +60,7 @@ import signal
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import ray
 from ray import serve
@@ -206,9 +207,11 @@ async def _engine_info(engine: DeploymentHandle) -> dict:
             return await asyncio.wait_for(asyncio.shield(task), ENGINE_POLL_S)
         except asyncio.TimeoutError:
             failed = await asyncio.to_thread(_engine_failure)
-            if failed is not None:
-                task.cancel()
-                raise RuntimeError(f"the engine deployment failed: {failed}") from None
+        except Exception as exc:  # the handle gave up on the engine deployment
+            failed = await asyncio.to_thread(_engine_failure) or f"{type(exc).__name__}: {exc}"
+        if failed is not None:
+            task.cancel()
+            raise RuntimeError(f"the engine deployment failed: {failed}") from None
 
 
 async def _awaited(response):
@@ -272,15 +275,14 @@ def run_server(
             "--api-key-file (or set DSV4RAY_API_KEY_FILE or DSV4RAY_API_KEY), or bind 127.0.0.1"
         )
     joined = bool(os.environ.get("RAY_ADDRESS"))
-    deployed = None  # when this command's application was deployed (serve.status's stamp)
+    stamps = _Stamps()  # the app's deploy stamps: which one under APP_NAME is this command's
     _check_options(config, deployment)  # a bad value is one line, before any Ray starts
     stop = _stop_on_signals()
     try:
         ensure_ray()
-        joined = joined or not started_local_ray()  # ray.init joins a `ray start` by itself
         stop = _stop_on_signals(stop)  # again: Ray's init installs handlers of its own
         app = _application(config, deployment)  # accelerator "auto": the cluster's GPUs
-        info, (host, port), deployed = _start(app, serve_options, host, port)
+        info, (host, port) = _start(app, serve_options, host, port, stamps)
         # the handlers again: starting Serve may have installed its own meanwhile; serving
         # before the line that says so goes out, so a signal right after it only sets ``stop``
         stop = _stop_on_signals(stop)
@@ -298,8 +300,11 @@ def run_server(
     finally:
         with signals_held():  # the shutdown runs to its end (seconds)
             print("dsv4ray serve: stopping", flush=True)
+            # ray.init joins a `ray start` on this machine by itself (a signal may have cut
+            # the start short anywhere after that)
+            joined = joined or (ray.is_initialized() and not started_local_ray())
             if joined and ray.is_initialized():  # other applications keep running
-                _delete_app(deployed)
+                _delete_app(stamps)
             elif not joined:
                 # Serve's shutdown would start a Ray if a signal cut ray.init short
                 if ray.is_initialized():
@@ -348,9 +353,19 @@ def _bounded(fn, timeout_s: float, what: str) -> None:
         log.warning("%s did not finish in %.0f s; stopping without it", what, timeout_s)
 
 
-def _start(app, serve_options, host: str, port: int):
-    """Runs the application -> (its engine's info, the (host, port) it is served at, when it
-    was deployed: serve.status's stamp, which a later deploy of the same name changes)."""
+@dataclass
+class _Stamps:
+    """serve.status's last_deployed_time_s of APP_NAME just before this command deployed it,
+    and once it had (a later deploy under the name changes it)."""
+
+    before: float | None = None
+    ours: float | None = None
+    asked: bool = False  # serve.run was called
+
+
+def _start(app, serve_options, host: str, port: int, stamps: _Stamps):
+    """Runs the application -> (its engine's info, the (host, port) it is served at); records
+    the app's deploy stamps in ``stamps``."""
     options = dict(serve_options or {})
     http = {**options.pop("http_options", {}), "host": host, "port": port}
     try:
@@ -366,11 +381,13 @@ def _start(app, serve_options, host: str, port: int):
             f"{host}:{port}; serving there (serve shutdown first to move it)",
             file=sys.stderr,
         )
+    stamps.before, stamps.asked = _deployed_at(), True
     handle = serve.run(app, name=APP_NAME, route_prefix="/")
+    stamps.ours = _deployed_at()
     info = handle.info.remote().result()
     if info["demo_model"]:  # beside the line that says where it listens (the build logged it)
         print(f"dsv4ray serve: WARNING: {demo_warning(info['model'])}", file=sys.stderr)
-    return info, running or (host, port), _deployed_at()
+    return info, running or (host, port)
 
 
 def _running_http(host: str, port: int) -> tuple[str, int] | None:
@@ -393,13 +410,19 @@ def _deployed_at() -> float | None:
     return None if app is None else app.last_deployed_time_s
 
 
-def _delete_app(deployed: float | None) -> None:
-    """This command's application on a cluster it joined, as far as it got; not one deployed
-    under its name since (``serve deploy`` of a config that replaced it)."""
+def _delete_app(stamps: _Stamps) -> None:
+    """This command's application on a cluster it joined, as far as it got; not one it never
+    deployed (stopped before its deploy, or the deploy never changed the app under the name),
+    nor one deployed under its name since (``serve deploy`` of a config that replaced it)."""
     try:
-        if deployed is not None and _deployed_at() != deployed:
-            print(f"dsv4ray serve: the {APP_NAME} application was deployed again since this "
-                  "command started it: leaving that one running", flush=True)  # fmt: skip
+        now = _deployed_at() if stamps.asked else None
+        theirs = not stamps.asked or now is None or now == stamps.before
+        if stamps.ours is not None:
+            theirs = now != stamps.ours
+        if theirs:
+            if now is not None:
+                print(f"dsv4ray serve: the {APP_NAME} application there is not the one this "
+                      "command deployed: leaving it running", flush=True)  # fmt: skip
             return
         serve.delete(APP_NAME)
     except Exception as exc:  # interrupted before Serve ran on the cluster

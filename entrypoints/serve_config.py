@@ -200,11 +200,12 @@ def _accelerator(accelerator: object, device: object) -> str:
 def _check_autoscaling(scaling: object) -> None:
     """Serve's AutoscalingConfig drops keys it does not know (``min_replica`` would leave the
     default in place): each one is refused here by name."""
-    if scaling is None:
+    from ray.serve.config import AutoscalingConfig
+
+    if scaling is None or isinstance(scaling, AutoscalingConfig):  # Serve checked its fields
         return
     if not isinstance(scaling, Mapping):
         raise ValueError(f"autoscaling_config must be a mapping, got {scaling!r}")
-    from ray.serve.config import AutoscalingConfig
 
     known = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
     unknown = sorted(set(scaling) - set(known))

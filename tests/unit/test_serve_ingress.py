@@ -106,6 +106,15 @@ def test_a_bad_serve_config_value_is_refused_at_build_naming_its_key(tiny_ckpt, 
         ServeSettings.from_config({"model": tiny_ckpt, "accelerator": "cpu", **extra})
 
 
+def test_autoscaling_given_as_serves_own_object_is_taken(tiny_ckpt):
+    from ray.serve.config import AutoscalingConfig
+
+    scaling = AutoscalingConfig(min_replicas=1, max_replicas=3)
+    args = {"model": tiny_ckpt, "accelerator": "cpu", "autoscaling_config": scaling}
+    engine = ServeSettings.from_config(args).deployment_options()
+    assert ingress_options(engine)["autoscaling_config"]["max_replicas"] == 3
+
+
 def test_a_misspelt_autoscaling_key_in_a_serve_file_is_named(tmp_path):
     from dsv4ray.entrypoints.serve_file import read_serve_file
 
