@@ -90,11 +90,12 @@ class ChatTools:
         schema = {"type": "object"} if kind == "json_object" else schema_dict(spec["json"])
         text = dsml.calls_or_json_grammar(list(self.functions), not self.parallel, JSON_LAYOUT,
                                           schema)  # fmt: skip
-        return self._checked({"grammar": text})
+        return self._checked({"grammar": text}, answer=True)
 
-    def _checked(self, spec: dict) -> dict:
+    def _checked(self, spec: dict, answer: bool = False) -> dict:
         """spec, once the grammar compiler took it; else a ValueError naming the first tool
-        whose own call grammar it refuses."""
+        whose own call grammar it refuses, or (``answer``: beside a structured output) the
+        structured output when every tool's is fine."""
         try:
             grammar(spec)
         except ValueError as exc:
@@ -104,6 +105,9 @@ class ChatTools:
                 except ValueError as own:
                     raise ValueError(f"tools.{i}.function.parameters: no call grammar follows "
                                      f"this schema: {own}"[:500]) from None  # fmt: skip
+            if answer:
+                raise ValueError(f"structured_output.json: no grammar follows this schema beside "
+                                 f"the tools' calls: {exc}"[:500]) from None  # fmt: skip
             raise ValueError(f"tools: no call grammar follows these tools: {exc}"[:500]) from None
         return spec
 

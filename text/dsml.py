@@ -318,8 +318,9 @@ def parameters_of(schema: dict) -> dict[str, dict] | None:
     required names it does not declare, whose values are those of additionalProperties (any
     value when that is not a schema); None when the schema declares none."""
     props = schema.get("properties")
-    if not isinstance(props, dict):
+    if not isinstance(props, dict) and not schema.get("required"):
         return None
+    props = props if isinstance(props, dict) else {}
     out = {name: {} if prop is True else prop for name, prop in props.items() if prop is not False}
     extra = schema.get("additionalProperties")
     for name in schema.get("required") or ():
@@ -346,9 +347,12 @@ def _args_rule(index: int, schema: dict, layout: dict) -> tuple[str, list[str]]:
     return (body if required or not seq else f'({body} | "\\n")'), rules
 
 
-# string schemas the text form cannot keep to: their values are written as JSON strings, which
-# the grammar's %json holds to the schema (the parser reads a string="false" value as JSON)
-_STRING_CHECKS = ("pattern", "minLength", "maxLength", "const")
+# what a schema may hold for its strings to be written as text (string="true"): anything else
+# (a pattern, a length, const, anyOf / allOf / oneOf, $ref, ...) the text form cannot keep to, so
+# its values are JSON, which the grammar's %json holds to the schema (the parser reads a
+# string="false" value as JSON)
+_TEXT_KEYS = {"type", "enum", "description", "title", "default", "examples", "format", "$defs",
+              "definitions"}  # fmt: skip
 
 
 def _param_rule(name: str, schema: dict, layout: dict) -> str:
@@ -358,7 +362,7 @@ def _param_rule(name: str, schema: dict, layout: dict) -> str:
     kinds = schema.get("type")
     kinds = [kinds] if isinstance(kinds, str) else kinds
     forms = []
-    as_text = not any(check in schema for check in _STRING_CHECKS)
+    as_text = set(schema) <= _TEXT_KEYS
     if (kinds is None or "string" in kinds) and as_text:
         strings = [v for v in schema.get("enum") or () if isinstance(v, str)]
         value = f"({' | '.join(map(_lit, strings))}) {_lit(PARAM_END)}" if strings else "text"

@@ -540,9 +540,11 @@ def _check_message(index: int, message: ChatMessage, last: bool) -> None:
     if message.content is None and message.role != "assistant":
         raise bad_request(f"{where}.content: a {message.role} message needs content",
                           f"{where}.content")  # fmt: skip
-    if message.content is None and message.role == "assistant" and not message.tool_calls:
-        raise bad_request(f"{where}.content: an assistant message needs content unless it makes "
-                          "tool_calls", f"{where}.content")  # fmt: skip
+    said = message.tool_calls or message.reasoning_content is not None
+    if message.content is None and message.role == "assistant" and not said:
+        raise bad_request(f"{where}.content: an assistant message needs content unless it "
+                          "makes tool_calls or carries reasoning_content",
+                          f"{where}.content")  # fmt: skip
     if message.name is not None:
         raise bad_request(f"{where}.name: the DeepSeek-V4 chat format renders no participant "
                           "names", f"{where}.name")  # fmt: skip

@@ -403,6 +403,17 @@ def test_the_forced_grammar_writes_only_calls_that_validate(matcher_for):
             [_call(_param("x", "1", False)), _call(_param("x", "1", False),
                                                    _param("y", "2", False))],
         ),
+        "nested string checks": (
+            {"type": "object", "required": ["c"], "properties": {
+                "c": {"anyOf": [{"type": "string", "pattern": "^[A-Z]{3}$"}]}}},
+            [_call(_param("c", '"ABC"', False))],
+            [_call(_param("c", "abcd", True)), _call(_param("c", '"abcd"', False))],
+        ),
+        "required, no properties": (
+            {"type": "object", "required": ["q"]},
+            [_call(_param("q", "x", True))],
+            [_call()],
+        ),
         "string checks": (
             {"type": "object", "required": ["code", "short", "fixed"], "properties": {
                 "code": {"type": "string", "pattern": "^[A-Z]{3}$"},
@@ -442,6 +453,13 @@ def test_tools_beside_a_json_answer_allow_a_call_or_that_json(matcher_for):
         assert not matcher_for(spec, "Paris")
     content, calls, finish = tools().answer('{"answer": "Paris"}', "stop")
     assert (content, calls, finish) == ('{"answer": "Paris"}', [], "stop")
+    bad = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 5, "maximum": 1}},
+        "required": ["n"],
+    }
+    with pytest.raises(ValueError, match="^structured_output.json"):  # not the tools' fault
+        constrained(SamplingParams(structured_output={"json": bad}), tools(), False, None)
     with pytest.raises(ValueError, match="^structured_output: .* must be JSON, not regex"):
         constrained(SamplingParams(structured_output={"regex": "a+"}), tools(), False, None)
 

@@ -226,3 +226,15 @@ def test_a_boolean_subschema_is_a_parameter_of_any_value(client, engine, choice)
                    "</｜DSML｜invoke>\n</｜DSML｜tool_calls>")  # fmt: skip
     got = ask(client, False, tools=[tool], tool_choice=choice)
     assert got[2] == [("f", {"a": "x", "n": 3})] and got[4] == "tool_calls"
+
+
+def test_an_assistant_prefix_may_carry_only_its_reasoning(client, engine):
+    """The reasoning a prefix continues needs no content; a plain assistant turn without content
+    or calls is refused (above)."""
+    script(engine, "so it is sunny.")
+    prefix = {"role": "assistant", "reasoning_content": "Let me think", "prefix": True}
+    got = ask(client, False, messages=[*MESSAGES, prefix],
+              chat_template_kwargs={"thinking": True})  # fmt: skip
+    assert got[1] is not None and "sunny" in got[1] + (got[0] or "")
+    prompt = engine.tokenizer.decode(engine.requests[-1][0], skip_special_tokens=False)
+    assert prompt.endswith("Let me think")
