@@ -172,9 +172,10 @@ def rows(m: dict, ceiling: float, prompt_len: int, kv_dtype: str, gpu: bool) -> 
             f"KV checksums' share of TTFT with PD ({prompt_len} tokens)",
             stats["pd_checksum_seconds"] / max(1, stats["pd_remote_prefills"]), "s", pd_ttft,
             0.1, "<=",
-            "the prefill stages' CRC-32 per layer of the bytes they send, per handoff, over median "
-            "PD TTFT (the decode stages checksum what they received in a step of their own, not "
-            "counted here); no PERF.md target (informational)",
+            "the prefill stages' CRC-32 per layer of the bytes they send, summed over the stages "
+            "and averaged over the run's handoffs (the warm-up's included), over median PD TTFT "
+            "(the decode stages checksum what they received in a step of their own, not counted "
+            "here); no PERF.md target (informational)",
         ),
         result(
             "KV handoff bandwidth / raw Mooncake TCP write",

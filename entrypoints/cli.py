@@ -31,6 +31,8 @@ def cmd_make_tiny(args: argparse.Namespace) -> int:
         path = make_tiny(args.out, args.preset, args.seed, device, args.quantize, **over)
     except (OSError, RuntimeError) as exc:  # the output path; a device torch does not know
         raise SystemExit(f"dsv4ray make-tiny: {exc}") from None
+    except ValueError as exc:  # options the preset cannot take (too few --layers for it)
+        usage_exit(f"dsv4ray make-tiny: {exc}")
     layout = f", {args.quantize} release layout" if args.quantize else ""
     print(f"wrote the {args.preset!r} checkpoint (seed {args.seed}{layout}) to {path}")
     return 0

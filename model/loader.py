@@ -104,6 +104,10 @@ def keep_quantized(module: torch.nn.Module, path: str, cfg: ModelConfig, want=No
         old = getattr(parent, attr, None)
         if not isinstance(old, torch.nn.Linear):
             raise CheckpointError(f"tensor {name!r} is stored quantised but is no linear's weight")
+        if name == "head.weight":  # the head's logits are computed from its plain weight
+            raise CheckpointError("tensor 'head.weight' is stored quantised, which native weights "
+                                  "do not take for the head: load with "
+                                  "weight_format='dequantized'")  # fmt: skip
         groups = cfg.o_groups if attr == "wo_a" else 1  # the grouped output projection
         scale_bytes = kind == "fp4" or quant.scale_fmt == "ue8m0"
         layer = QuantLinear(old.in_features, old.out_features, kind, quant.weight_block_size,

@@ -46,8 +46,9 @@ class Tokenizer:
         if os.path.isfile(cfg_file):
             with open(cfg_file) as f:
                 cfg = json.load(f)
-        self.bos_token = _token_text(cfg.get("bos_token"))
-        self.eos_token = _token_text(cfg.get("eos_token"))
+        # tokenizer_config.json's special tokens, else the ids config.json gives the model
+        self.bos_token = _token_text(cfg.get("bos_token")) or self._model_token(path, "bos")
+        self.eos_token = _token_text(cfg.get("eos_token")) or self._model_token(path, "eos")
         self.add_bos = bool(cfg.get("add_bos_token", self.bos_token is not None))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -61,6 +62,11 @@ class Tokenizer:
         added = self._tok.get_added_tokens_decoder()
         self._special_ids = {idx for idx, token in added.items() if token.special}
         self._token_bytes: dict[int, bytes] = {}
+
+    def _model_token(self, path: str, which: str) -> str | None:
+        """The text of config.json's ``<which>_token_id`` in this vocabulary (None: none)."""
+        idx = _config_token_id(path, which)
+        return self._tok.id_to_token(idx) if idx is not None else None
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
@@ -148,6 +154,17 @@ class Tokenizer:
         if not chat_encoding.thinking_asked(chat_template_kwargs):
             return None, text
         return chat_encoding.split_reasoning(text)
+
+
+def _config_token_id(path: str, which: str) -> int | None:
+    """config.json's ``<which>_token_id`` (the first of a list), None when it gives none."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            value = json.load(f).get(f"{which}_token_id")
+    except (OSError, ValueError):
+        return None
+    value = value[0] if isinstance(value, list) and value else value
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _jinja_template(path: str, cfg: dict) -> str | None:

@@ -135,3 +135,28 @@ def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypat
     _, got = _serve(path, "native", prompts)
     _, want = _serve(path, "dequantized", prompts)
     assert got == want
+
+
+def test_a_head_stored_quantised_is_refused_by_native_weights_by_name(flash_ckpt, tmp_path):
+    """The head's logits come from its plain weight: native weights refuse an FP8 head by name
+    (its codes would be read unscaled), and dequantized weights take it."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dsv4ray.model.quant import quantize_fp8
+
+    shutil.copytree(flash_ckpt, tmp_path / "m")
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())
+    shard = tmp_path / "m" / index["weight_map"]["head.weight"]
+    tensors = load_file(str(shard))
+    tensors["head.weight"], tensors["head.scale"] = quantize_fp8(
+        tensors["head.weight"].float(), (128, 128), "ue8m0"
+    )
+    save_file(tensors, str(shard), {"format": "pt"})
+    index["weight_map"]["head.scale"] = index["weight_map"]["head.weight"]
+    (tmp_path / "m" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="'head.weight' is stored quantised.*dequantized"):
+        LLM(str(tmp_path / "m"), use_ray=False, weight_format="native")
+    assert _serve(str(tmp_path / "m"), "dequantized", _prompts([9]))[1][0]

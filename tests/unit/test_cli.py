@@ -295,3 +295,10 @@ def test_serve_checks_options_for_any_accelerator_before_ray(tiny_ckpt):
     with pytest.raises(SystemExit) as exit_info:
         _check_options({"model": tiny_ckpt, "memory_fraction": "0.5"}, None)
     assert exit_info.value.code == 2
+
+
+def test_make_tiny_options_the_preset_cannot_take_are_a_usage_error(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["make-tiny", "--out", str(tmp_path / "m"), "--layers", "1"])
+    assert exc.value.code == 2
+    assert "dsv4ray make-tiny: num_hash_layers" in capsys.readouterr().err

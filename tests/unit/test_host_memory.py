@@ -59,12 +59,16 @@ def test_the_least_memory_a_stage_of_the_machine_saw_is_what_they_share():
         pool_sizing.check_shared_host_memory(stages, SIZES)
 
 
-def test_a_worker_prices_its_pools_with_the_pad_slot_it_allocates(tiny_ckpt):
-    from dsv4ray.config import ModelConfig
-    from dsv4ray.worker.stage_worker import _with_pad_slot
+def test_a_worker_prices_exactly_the_pools_it_allocates(tiny_ckpt):
+    """The memory checks price the CPU pools with the pad slot allocate adds: what they count is
+    what the stages of a running engine hold."""
+    from dsv4ray import LLM
 
-    cfg = ModelConfig.from_hf(tiny_ckpt)
-    padded = _with_pad_slot(SIZES)
-    assert padded.num_state_slots == SIZES.num_state_slots + 1
-    more = pool_sizing.host_pool_bytes(cfg, 0, cfg.num_hidden_layers, padded, "fp8")
-    assert more > pool_sizing.host_pool_bytes(cfg, 0, cfg.num_hidden_layers, SIZES, "fp8") > 0
+    llm = LLM(tiny_ckpt, use_ray=False, pp_size=2, max_total_tokens=4096)
+    try:
+        pipe = llm.core.pipeline
+        sizes = pool_sizing.pool_sizes(pipe.capacity, llm.core.config.ring_scale)
+        for worker in pipe.workers:
+            assert worker.host_pool_bytes(sizes) == worker.pools.nbytes() > 0
+    finally:
+        llm.shutdown()

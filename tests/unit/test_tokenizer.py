@@ -220,3 +220,17 @@ def test_reasoning_survives_decoding(tok):
     text = tok.decode(ids)
     assert tok.parse_reasoning(text, {"thinking": True}) == ("hmm", "yes")
     assert tok.parse_reasoning(text, {}) == (None, "hmm</think>yes")
+
+
+def test_without_tokenizer_config_the_models_own_special_ids_count(tiny_ckpt, tmp_path):
+    """A checkpoint without tokenizer_config.json: config.json's bos / eos ids are the tokens a
+    prompt starts with and generation stops at (without them nothing would stop at eos)."""
+    import shutil
+
+    shutil.copy(f"{tiny_ckpt}/tokenizer.json", tmp_path / "tokenizer.json")
+    cfg = json.loads(open(f"{tiny_ckpt}/config.json").read())
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    full, bare = Tokenizer(tiny_ckpt), Tokenizer(str(tmp_path))
+    assert (bare.eos_token_id, bare.bos_token_id) == (cfg["eos_token_id"], cfg["bos_token_id"])
+    assert (bare.eos_token_id, bare.bos_token_id) == (full.eos_token_id, full.bos_token_id)
+    assert bare.encode("hi")[0] == cfg["bos_token_id"]
