@@ -12,6 +12,7 @@ again otherwise. Errors name the source.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -24,6 +25,7 @@ import time
 log = logging.getLogger("dsv4ray.model")
 
 CACHE_ENV = "DSV4RAY_MODEL_CACHE"
+CACHE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM)
 MANIFEST = ".dsv4ray-manifest.json"
 CHUNK = 8 << 20
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*://")
@@ -55,13 +57,45 @@ def fetch_model(source: str, cache: str | None = None) -> str:
     if not _SCHEME.match(source):
         return _from_hub(source, cache or cache_dir())
     dest = os.path.join(cache or cache_dir(), _folder_name(source))
-    os.makedirs(os.path.dirname(dest), exist_ok=True)
-    with _locked(dest + ".lock"):
-        if _complete(dest):
-            log.info("model %s: cached copy %s", source, dest)
-            return dest
-        _copy(source, dest)
+    if _complete(dest):  # a finished copy needs no lock (the cache may be a read-only volume)
+        log.info("model %s: cached copy %s", source, dest)
+        return dest
+    try:
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        with _locked(dest + ".lock"):
+            if _complete(dest):
+                log.info("model %s: cached copy %s", source, dest)
+                return dest
+            _remove_orphans(dest)
+            _copy(source, dest)
+    except OSError as exc:
+        if exc.errno in CACHE_ERRNOS:  # a full or read-only cache folder
+            raise ModelSourceError(
+                f"model source {source!r}: cannot copy it into the cache "
+                f"{os.path.dirname(dest)!r} ({exc.strerror}); set ${CACHE_ENV} to a writable "
+                "folder with room for it"
+            ) from None
+        raise ModelSourceError(f"model source {source!r}: the copy failed: {exc}") from None
     return dest
+
+
+def _remove_orphans(dest: str) -> None:
+    """Partial copies of processes that are gone (killed mid-copy: SIGKILL runs no cleanup)."""
+    folder, name = os.path.split(dest)
+    for entry in os.listdir(folder):
+        owner = entry.removeprefix(f"{name}.partial-")
+        if owner != entry and owner.isdigit() and not _alive(int(owner)):
+            shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _folder_name(source: str) -> str:

@@ -5,6 +5,7 @@ from a file:// URI gives the tokens of the folder; a bad source fails with its n
 import json
 import logging
 import os
+import shutil
 
 import pytest
 
@@ -96,3 +97,35 @@ def test_the_cli_passes_a_uri_on_to_the_engine():
     assert model_path("s3://bucket/ckpt") == "s3://bucket/ckpt"  # fetched where engines start
     problem = usage_problem("gs://bucket/ckpt", "in.jsonl", "out.jsonl", joined=False)
     assert problem is None or "checkpoint" not in problem  # only the input file may be missing
+
+
+def test_a_finished_copy_in_a_read_only_cache_is_used_and_a_dead_copys_leftovers_go(
+    tiny_ckpt, tmp_path
+):
+    """A shared, read-only model volume: its finished copy is used without taking the lock; a
+    partial copy of a process that was killed is removed by the next copy."""
+    cache, uri = tmp_path / "cache", f"file://{tiny_ckpt}"
+    dest = fetch_model(uri, str(cache))
+    os.remove(dest + ".lock")
+    os.chmod(cache, 0o555)
+    try:
+        assert fetch_model(uri, str(cache)) == dest
+        assert not os.path.exists(dest + ".lock")  # no lock taken (root writes despite modes)
+    finally:
+        os.chmod(cache, 0o755)
+    other = f"file://{tmp_path}/other"
+    os.symlink(tiny_ckpt, tmp_path / "other")
+    leftover = (
+        os.path.join(cache, os.path.basename(fetch_model(other, str(cache)))) + ".partial-999999999"
+    )
+    os.makedirs(leftover)
+    shutil.rmtree(fetch_model(other, str(cache)))  # the next fetch copies again
+    fetch_model(other, str(cache))
+    assert not os.path.exists(leftover)
+
+
+def test_a_cache_that_cannot_take_the_copy_is_one_error_naming_it(tiny_ckpt, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    with pytest.raises(ModelSourceError, match=r"the copy failed|cannot copy it into the cache"):
+        fetch_model(f"file://{tiny_ckpt}", str(blocker / "cache"))
