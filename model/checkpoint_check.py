@@ -6,7 +6,10 @@ is one ``CheckpointError`` (a ValueError) whose message names the file and what 
     tokenizer_config.json            a JSON object when present
     model.safetensors.index.json     a JSON object with a ``weight_map`` of tensor -> shard file;
                                      every shard it names exists, and no other shard lies beside
-    *.safetensors                    each header readable and the file as long as it declares
+    *.safetensors                    each header readable and the file as long as it declares;
+                                     no ``layers.N`` tensor past config.json's layers (a
+                                     config.json with fewer layers would drop them silently)
+    the tokenizer                    no token id past config.json's vocab_size
 """
 
 from __future__ import annotations
@@ -27,10 +30,16 @@ def check_checkpoint(path: str) -> None:
     """CheckpointError naming the first broken file of the folder ``path``."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a folder (a checkpoint is a folder with config.json)")
-    _check_config(path)
-    _check_tokenizer(path)
+    cfg = _check_config(path)
+    num_ids = _check_tokenizer(path)
+    if num_ids > cfg.vocab_size:
+        raise CheckpointError(
+            f"{os.path.join(path, 'tokenizer.json')}: token ids up to {num_ids - 1}, past the "
+            f"model's vocab_size {cfg.vocab_size} (config.json): prompts could hold ids it has no "
+            "embedding for"
+        )
     for shard in _shards(path):
-        _check_shard(shard)
+        _check_layers(shard, _check_shard(shard), cfg.num_hidden_layers)
 
 
 def _check_config(path: str) -> None:
@@ -39,7 +48,7 @@ def _check_config(path: str) -> None:
     file = os.path.join(path, "config.json")
     _json_object(file, "the model's config")
     try:
-        ModelConfig.from_hf(path)
+        return ModelConfig.from_hf(path)
     except (ValueError, TypeError, KeyError) as exc:  # a field missing or of the wrong type
         raise CheckpointError(f"{file}: {_one_line(exc)}") from None
 
@@ -51,12 +60,13 @@ def _check_tokenizer(path: str) -> None:
     if not os.path.isfile(file):
         raise CheckpointError(f"{file}: missing (the checkpoint's tokenizer)")
     try:
-        Tokenizer.from_file(file)
+        tokenizer = Tokenizer.from_file(file)
     except Exception as exc:  # tokenizers raises its own exception types
         raise CheckpointError(f"{file}: not a readable tokenizer ({_one_line(exc)})") from None
     config = os.path.join(path, "tokenizer_config.json")
     if os.path.exists(config):
         _json_object(config, "the tokenizer's config")
+    return max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1
 
 
 def _shards(path: str) -> list[str]:
@@ -87,17 +97,28 @@ def _shards(path: str) -> list[str]:
     return [os.path.join(path, shard) for shard in named]
 
 
-def _check_shard(file: str) -> None:
-    """The header parses and every tensor it declares lies inside the file."""
+def _check_shard(file: str) -> list[str]:
+    """The header parses and every tensor it declares lies inside the file; its tensor names."""
     from safetensors import safe_open
 
     try:
         with safe_open(file, framework="pt") as f:
-            f.keys()
+            return list(f.keys())
     except Exception as exc:  # SafetensorError, OSError, ...
         raise CheckpointError(
             f"{file}: not a readable safetensors file, truncated or corrupt ({_one_line(exc)})"
         ) from None
+
+
+def _check_layers(file: str, names: list[str], num_layers: int) -> None:
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "layers" and len(parts) > 1 and parts[1].isdigit():
+            if int(parts[1]) >= num_layers:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} belongs to layer {parts[1]}, but config.json has "
+                    f"num_hidden_layers {num_layers}"
+                )
 
 
 def _json_object(file: str, what: str) -> dict:

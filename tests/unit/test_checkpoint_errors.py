@@ -53,6 +53,13 @@ SINGLE = [
      lambda d: _append(f"{d}/tokenizer_config.json", "junk")),
     ("no weights", "", "no .safetensors file",
      lambda d: os.remove(f"{d}/model.safetensors")),
+    ("config with fewer layers", "model.safetensors", "but config.json has num_hidden_layers",
+     lambda d: _edit_json(f"{d}/config.json", lambda c: c.update(
+         num_hidden_layers=c["num_hidden_layers"] - 1,
+         compress_ratios=c["compress_ratios"][:-2] + c["compress_ratios"][-1:]))),
+    ("tokenizer past the vocabulary", "tokenizer.json", "past the model's vocab_size",
+     lambda d: _edit_json(f"{d}/tokenizer.json", lambda t: t["model"]["vocab"].update(
+         {"<big>": 100000}))),
 ]  # fmt: skip
 
 
