@@ -39,6 +39,7 @@ SCALE_SUFFIX = ".scale"
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.w[123]\.weight$")
 _FP8, _PACKED = ("F8_E4M3",), ("I8", "U8", "F4")
 _QUANTISED = _FP8 + _PACKED + ("F8_E5M2",)
+_SCALE_DTYPES = ("F32", "BF16", "F16", "U8", "F8_E8M0")  # safetensors' names
 
 
 def canonical_name(key: str) -> str:
@@ -164,6 +165,11 @@ def _check_scales(index: dict[str, _Entry], want) -> None:
         if weight is None or weight.dtype not in _QUANTISED:
             raise CheckpointError(
                 f"unexpected tensor {name!r} in the checkpoint: no quantised weight beside it"
+            )
+        if index[name].dtype not in _SCALE_DTYPES:
+            raise CheckpointError(
+                f"tensor {name!r} is stored as {index[name].dtype}: scales are F32, BF16, F16 "
+                "multipliers or U8 / F8_E8M0 exponent bytes"
             )
 
 

@@ -10,11 +10,13 @@ transformers' quantised load whatever ``dtype`` asks, so its model is cast to fp
 """
 
 import json
+import re
 
 import pytest
 import torch
 from safetensors import safe_open
 
+from dsv4ray import LLM
 from dsv4ray.__main__ import main
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
@@ -149,3 +151,22 @@ def test_make_tiny_command_writes_the_release_layout(tmp_path, capsys, monkeypat
     assert cfg["expert_dtype"] == "fp4" and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
     assert (out / "model.safetensors.index.json").is_file()
     assert load_reference(str(out)).cfg.quantization.expert_dtype == "fp4"
+
+
+def test_a_scale_stored_as_another_integer_type_is_refused_by_name(quant_ckpt, tmp_path):
+    """Exponent bytes relabelled I8, or multipliers stored as I32, would decode as other values:
+    the tensor is named instead."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(quant_ckpt, path)
+    file = checkpoint_files(str(path))[0]
+    tensors = load_file(file)
+    name = next(k for k in tensors if k.endswith(".scale"))
+    tensors[name] = tensors[name].view(torch.int8) if tensors[name].element_size() == 1 else (
+        tensors[name].to(torch.int32))  # fmt: skip
+    save_file(tensors, file, {"format": "pt"})
+    with pytest.raises(ValueError, match=f"tensor '{re.escape(name)}' is stored as I"):
+        LLM(str(path), use_ray=False, kv_cache_dtype="fp32")
