@@ -89,6 +89,7 @@ def _remove_orphans(dest: str) -> None:
 
 
 def _alive(pid: int) -> bool:
+    # the test of actors/processes.py's process_alive: this module sits below actors in the layers
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

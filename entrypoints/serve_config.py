@@ -207,7 +207,7 @@ def _check_autoscaling(scaling: object) -> None:
     if not isinstance(scaling, Mapping):
         raise ValueError(f"autoscaling_config must be a mapping, got {scaling!r}")
 
-    known = getattr(AutoscalingConfig, "model_fields", None) or AutoscalingConfig.__fields__
+    known = AutoscalingConfig.model_fields
     unknown = sorted(set(scaling) - set(known))
     if unknown:
         raise ValueError(f"autoscaling_config.{unknown[0]} is not one of Serve's autoscaling "
