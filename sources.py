@@ -100,7 +100,9 @@ def _alive(pid: int) -> bool:
 
 
 def _folder_name(source: str) -> str:
-    base = re.sub(r"[^A-Za-z0-9._-]+", "-", source.rstrip("/").rsplit("/", 1)[-1]) or "model"
+    """One folder per model: ``s3://b/m`` and ``s3://b/m/`` name the same copy."""
+    source = source.rstrip("/")
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", source.rsplit("/", 1)[-1]) or "model"
     return f"{base}-{hashlib.sha256(source.encode()).hexdigest()[:16]}"
 
 

@@ -20,6 +20,7 @@ ValueError (a 400 over HTTP), never a stage's failure.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 
@@ -27,7 +28,22 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 
 
 def grammar(spec: dict) -> str:
-    """The llguidance grammar of a constraint; ValueError naming what is wrong."""
+    """The llguidance grammar of a constraint; ValueError naming what is wrong. A request's
+    constraint is compiled where it is checked (HTTP layer, engine) and again by the last stage;
+    the same constraint text compiles once per process (agents resend one tool list per turn)."""
+    try:
+        key = json.dumps(spec, allow_nan=False)  # key order kept: it orders the JSON written
+    except (TypeError, ValueError):  # not JSON: compiled uncached, its error named there
+        return _compile(spec)
+    return _compiled(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(key: str) -> str:
+    return _compile(json.loads(key))
+
+
+def _compile(spec: dict) -> str:
     from llguidance import LLMatcher
 
     kind = next(k for k in spec if k != "after_token")

@@ -280,6 +280,12 @@ def _check_scale_shape(weight: QuantizedWeight) -> None:
             "format needs a multiple of 32 (one ue8m0 scale per 32)"
         )
     want = weight.expected_scale_shape()
+    finite = bool(scale_to_float(weight.scale).isfinite().all())
+    if tuple(weight.scale.shape) == want and not finite:
+        raise CheckpointError(  # every value of its block would decode to NaN or inf
+            f"scale tensor {scale_name!r} holds NaN or infinite scales (ue8m0 byte 255, or a "
+            "multiplier that is not finite)"
+        )
     if tuple(weight.scale.shape) != want:
         layout = (
             "one scale per 32 values of a row"

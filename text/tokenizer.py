@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import codecs
 import json
+import logging
 import os
 
 from dsv4ray.text import chat_encoding
-from dsv4ray.text.chat_template import render
+from dsv4ray.text.chat_template import ChatTemplateError, compile_template, render
 from dsv4ray.text.tokenizer_files import bytes_to_unicode
 
 DEFAULT_CHAT_TEMPLATE = (
@@ -57,6 +58,8 @@ class Tokenizer:
         self.chat_format = "jinja" if self.chat_template else ("dsv4" if dsv4 else "default")
         if self.chat_format == "default":
             self.chat_template = DEFAULT_CHAT_TEMPLATE
+        else:
+            _check_template(path, self.chat_template)
         # a ByteLevel decoder alone: streams decode each token's bytes (``token_bytes``)
         self.byte_level = type(self._tok.decoder) is decoders.ByteLevel
         added = self._tok.get_added_tokens_decoder()
@@ -181,6 +184,18 @@ def _jinja_template(path: str, cfg: dict) -> str | None:
         with open(file) as f:
             return f.read()
     return None
+
+
+def _check_template(path: str, template: str | None) -> None:
+    """A template that does not parse is said when the model loads, not first by a chat request
+    (completions still serve; every chat request is refused with the same message)."""
+    if template is None:
+        return
+    try:
+        compile_template(template)
+    except ChatTemplateError as exc:
+        logging.getLogger("dsv4ray.model").warning("%s: %s; chat requests will be refused",
+                                                   path, exc)  # fmt: skip
 
 
 def _token_text(tok) -> str | None:

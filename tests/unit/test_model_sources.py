@@ -33,6 +33,7 @@ def test_a_file_uri_is_copied_into_a_fresh_cache_then_reused(tiny_ckpt, tmp_path
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="dsv4ray.model"):
         assert fetch_model(uri, cache) == local  # from the cache: nothing copied
+        assert fetch_model(uri + "/", cache) == local  # the same folder, not a second copy
     said = [r.getMessage() for r in caplog.records]
     assert any("cached copy" in m for m in said) and not any(": copying" in m for m in said)
     assert os.stat(os.path.join(local, "config.json")).st_mtime_ns == stamp

@@ -170,3 +170,25 @@ def test_a_scale_stored_as_another_integer_type_is_refused_by_name(quant_ckpt, t
     save_file(tensors, file, {"format": "pt"})
     with pytest.raises(ValueError, match=f"tensor '{re.escape(name)}' is stored as I"):
         LLM(str(path), use_ray=False, kv_cache_dtype="fp32")
+
+
+@pytest.mark.parametrize("weight_format", ["dequantized", "native"])
+def test_a_scale_that_is_nan_or_infinite_is_refused_by_name(quant_ckpt, tmp_path, weight_format):
+    """A NaN scale (ue8m0 byte 255) turns its whole block into NaN weights: every later token
+    would be garbage, so the load names the tensor instead."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(quant_ckpt, path)
+    file = checkpoint_files(str(path))[0]
+    tensors = load_file(file)
+    name = next(k for k in tensors if k.endswith(".scale"))
+    scale = tensors[name].clone()
+    flat = scale.view(torch.uint8).view(-1) if scale.element_size() == 1 else scale.view(-1)
+    flat[-1] = 255 if scale.element_size() == 1 else float("nan")
+    tensors[name] = scale
+    save_file(tensors, file, {"format": "pt"})
+    with pytest.raises(ValueError, match=f"'{re.escape(name)}' holds NaN or infinite"):
+        LLM(str(path), use_ray=False, kv_cache_dtype="fp32", weight_format=weight_format)

@@ -3,6 +3,7 @@ definition in text/chat_encoding.py), jinja templates as transformers renders th
 reasoning split, and the tiny tokenizer's special tokens."""
 
 import json
+import logging
 
 import pytest
 
@@ -175,6 +176,16 @@ def test_jinja_template_raise_exception_is_a_clear_value_error(tmp_path):
     assert tok.chat_format == "jinja"
     with pytest.raises(ValueError, match="tool messages are not supported here"):
         tok.apply_chat_template([_user("a"), {"role": "tool", "content": "b"}])
+
+
+def test_a_template_that_does_not_parse_is_said_at_load_and_refuses_chats(tmp_path, caplog):
+    with caplog.at_level(logging.WARNING, logger="dsv4ray.model"):
+        tok = _byte_tokenizer(tmp_path, "{% for m in messages %}{{ m.content }")
+    said = [r.getMessage() for r in caplog.records]
+    assert any("does not parse" in m and str(tmp_path) in m for m in said), said
+    assert tok.decode(tok.encode("ab", add_bos=False)) == "ab"  # completions still work
+    with pytest.raises(ValueError, match="does not parse"):
+        tok.apply_chat_template([_user("a")])
 
 
 def test_jinja_loop_controls_tojson_and_kwargs(tmp_path):
