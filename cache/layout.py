@@ -152,7 +152,9 @@ def pow2_from_byte(exp_byte: torch.Tensor) -> torch.Tensor:
 
 
 def to_e4m3_bits(x: torch.Tensor) -> torch.Tensor:
-    """fp32 -> fp8 e4m3fn bytes, round-to-nearest-even, saturating to +-448."""
+    """fp32 -> fp8 e4m3fn bytes, round-to-nearest-even, saturating to +-448 (NaN too, by its
+    sign bit, as the kernels' ``f32_to_e4m3_bits``: the two write the same bytes)."""
+    x = torch.where(x.isnan(), torch.copysign(torch.full_like(x, FP8_MAX), x), x)
     return x.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 

@@ -153,7 +153,8 @@ def quantize_act_ref(x: torch.Tensor, group: int = ACT_GROUP):
     xf = torch.nn.functional.pad(x.float(), (0, num_groups * group - cols))
     xf = xf.view(num_rows, num_groups, group)
     e = ue8m0_exponent_byte(xf.abs().amax(-1).clamp_min(AMAX_FLOOR))
-    q = to_e4m3_bits(xf * pow2_from_byte(254 - e)[..., None]).view(num_rows, -1)[:, :cols]
+    q = to_e4m3_bits(xf * pow2_from_byte(254 - e)[..., None])
+    q = q.reshape(num_rows, num_groups * group)[:, :cols]  # reshape: 0 rows too
     return q.contiguous(), e.to(torch.uint8)
 
 

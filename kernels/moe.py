@@ -166,6 +166,7 @@ def _gate_up_kernel(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr,
+    OUT_BF16: tl.constexpr,
 ):
     # program (pair block, column block n * num_splits + split): h[pairs, n] for the pairs'
     # expert, or with K split, the split's gate and up sums at part[split, pairs, n | inter + n]
@@ -226,7 +227,7 @@ def _gate_up_kernel(
         mask = ok[:, None] & n_ok[None, :]
         if num_splits == 1:
             h = _swiglu(acc_rows(acc_g, SWAP), acc_rows(acc_u, SWAP), limit)
-            tl.store(h_ptr + pair[:, None] * inter + n[None, :], h.to(h_ptr.dtype.element_ty), mask)
+            store_rounded(h_ptr, pair[:, None] * inter + n[None, :], h, mask, OUT_BF16)
         else:
             row = part_ptr + (split.to(tl.int64) * num_pairs + pair[:, None]) * (2 * inter)
             tl.store(row + n[None, :], acc_rows(acc_g, SWAP), mask)
@@ -587,6 +588,7 @@ class _Call:
                               k13, split13, self.num_pairs, self.num_experts, hidden, inter,
                               self.num_slots, self.limit, layout[0], layout[1], layout[2], s_up,
                               layout[3], self.block[1], *window,
+                              OUT_BF16=self.h.dtype == torch.bfloat16,
                               **self._flags(fmt, s13, tiles))  # fmt: skip
         if split13 > 1:
             activate_splits(self.part, self.h, self.limit)

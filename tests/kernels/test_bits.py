@@ -43,7 +43,10 @@ def _e4m3_edge_values() -> torch.Tensor:
 
 def test_e4m3_bits_round_to_nearest_even_with_saturation(device):
     x = torch.cat((_e4m3_edge_values(), torch.randn(3000) * torch.logspace(-12, 3, 3000)))
+    nan = torch.tensor([float("nan")])
+    x = torch.cat((x, torch.tensor([float("inf"), -float("inf")]), nan, -nan))
     e4m3, _, _ = _encode(x.to(device))
+    assert e4m3[-4:].tolist() == [0x7E, 0xFE, 0x7E, 0xFE]  # +-inf and NaN saturate by sign
     assert torch.equal(e4m3.cpu(), to_e4m3_bits(x))
 
 

@@ -73,6 +73,8 @@ def test_no_rows_and_refusals(device):
     assert fp8_act.fp8_act_linear(x, weight, scale).shape == (0, 64)
     q, e = fp8_act.quantize_act(x)
     assert q.shape == (0, 256) and e.shape == (0, 2)
+    q_ref, e_ref = fp8_act.quantize_act_ref(x)
+    assert torch.equal(q.cpu(), q_ref.cpu()) and torch.equal(e.cpu(), e_ref.cpu())
     with pytest.raises(ValueError, match="bf16 or fp16"):
         fp8_act.fp8_act_linear(torch.zeros(4, 256, device=device), weight, scale)
     weight, scale = _weight(64, 256, block=(64, 64), device=device)

@@ -129,3 +129,20 @@ def test_fused_moe_of_no_tokens_is_empty(device):
     ids = torch.zeros(0, 3, dtype=torch.int64, device=device)
     out = fused_moe(x, ids, torch.zeros(0, 3, device=device), w13, w2, moe.limit)
     assert out.shape == (0, 64)
+
+
+def test_bf16_h_is_rounded_to_nearest_even(device):
+    """The gate-up epilogue stores h in bf16 rounded to nearest even, as the reference rounds it
+    (a plain cast truncates under the interpreter): with the down projection the identity the
+    output is h, each value within half a bf16 ulp of the fp64 h."""
+    g = torch.Generator().manual_seed(0)
+    hidden = inter = 64
+    w13 = (torch.randn(1, 2 * inter, hidden, generator=g) * 0.3).bfloat16().to(device)
+    w2 = torch.eye(hidden, inter)[None].bfloat16().contiguous().to(device)
+    x = torch.randn(1, hidden, generator=g).bfloat16().to(device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    out = fused_moe(x, ids, torch.ones(1, 1, device=device), w13, w2, 1e4)[0].double().cpu()
+    gu = w13[0].double().cpu() @ x[0].double().cpu()
+    h = torch.nn.functional.silu(gu[:inter]) * gu[inter:]
+    half_ulp = torch.exp2(torch.floor(torch.log2(h.abs())) - 8)
+    assert ((out - h).abs() <= half_ulp * 1.001 + 1e-6 * h.abs()).all()
