@@ -178,7 +178,12 @@ def _add_job(sub) -> None:
         "any URI pyarrow reads (s3://, gs://, ...)",
     )
     job.add_argument("--output", required=True, help="JSONL results, appended as they finish")
-    job.add_argument("--max-tokens", type=_positive_int, default=16, help="default per request")
+    job.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=16,
+        help="per request, where its line gives none [16]",
+    )
     job.add_argument(
         "--replicas",
         "--concurrency",
@@ -190,7 +195,7 @@ def _add_job(sub) -> None:
         "--accelerator",
         choices=ACCELERATORS,
         default="auto",
-        help="the stages' bundles; auto: gpu when the cluster has or declares GPUs",
+        help="the stages' bundles; auto: gpu when the cluster has or declares GPUs [auto]",
     )
     job.set_defaults(func=cmd_job)
 
