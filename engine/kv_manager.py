@@ -151,8 +151,12 @@ class KVCacheManager:
     def share_boundaries(self, req: Request, start: int) -> tuple[int, ...]:
         """Boundaries other requests are likely to resume from: the last one an identical prompt
         can match, and the one where this request leaves the cached path (a shared system
-        prompt). Keeping only the newest snapshot until release would lose both."""
-        if not self.prefix_caching:
+        prompt). Keeping only the newest snapshot until release would lose both. A request that
+        computes every position (use_prefix_cache=False) shares only at release: its pages may
+        duplicate a cached prefix, and shared mid-request they would hang under that prefix's
+        node, pinned there with it while the request runs (in a full pool it preempted itself,
+        was admitted again from 0, and shared again: it never finished)."""
+        if not self.prefix_caching or not req.use_prefix_cache:
             return ()
         max_pages = (req.num_tokens - 1) // self.page_size
         prompt_end = (req.prompt_len - 1) // self.page_size * self.page_size

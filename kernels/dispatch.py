@@ -15,6 +15,7 @@ import torch
 from dsv4ray.kernels import compress, hisparse_swap, indexer, sampler, token_mask, transfer
 from dsv4ray.kernels import sparse_mqa as _sparse_mqa
 from dsv4ray.kernels import store_kv as _store_kv
+from dsv4ray.kernels.bits import interpreting
 
 BACKENDS = ("torch", "triton")
 ENV_VAR = "DSV4RAY_KERNELS"
@@ -55,6 +56,21 @@ def use_backend(name: str):
         yield
     finally:
         _state["backend"] = previous
+
+
+def for_device(device: torch.device) -> None:
+    """A stage on a CPU device of a machine with CUDA takes the torch references (the Triton
+    kernels need device tensors; TRITON_INTERPRET=1 runs them on CPU tensors). An explicit
+    DSV4RAY_KERNELS=triton there is refused by name."""
+    if device.type == "cuda" or backend() != "triton" or interpreting():
+        return
+    if os.environ.get(ENV_VAR, "").strip().lower() == "triton":
+        raise ValueError(
+            f"{ENV_VAR}=triton runs Triton kernels, which need a CUDA device (this stage runs "
+            "on CPU); unset it or set TRITON_INTERPRET=1"
+        )
+    log.info("kernel backend: torch (a stage on the CPU of a machine with CUDA)")
+    set_backend("torch")
 
 
 def _pick(triton_fn, torch_fn):

@@ -59,6 +59,7 @@ class StageWorker:
         self.cfg = cfg or ModelConfig.from_hf(model_path)
         self.kv_cache_dtype = spec.kv_cache_dtype
         self.device = torch.device(spec.device)
+        dispatch.for_device(self.device)
         self.weight_format = ops.resolve_weight_format(spec.weight_format, self.cfg, self.device)
         self.model_path = model_path
         self.model = load_stage(model_path, start, end, spec.dtype or self.cfg.torch_dtype,

@@ -152,7 +152,7 @@ def test_an_interrupted_generate_leaves_no_request_behind(llm, monkeypatch):
     _assert_nothing_held(llm)
 
 
-def _interrupt_on(llm, monkeypatch, where: str) -> None:
+def _interrupt_on(llm, monkeypatch, where: str, nth_call: int = 2) -> None:
     """Ctrl-C while a generate queues its prompts, while it waits for a step, or (a real
     SIGINT) in the middle of admitting a request, where the scheduler holds half of its ids."""
     calls = []
@@ -173,7 +173,8 @@ def _interrupt_on(llm, monkeypatch, where: str) -> None:
     if where == "queueing":
         monkeypatch.setattr(core, "add_request", nth(core.add_request, 2, interrupt))
     elif where == "collect":
-        monkeypatch.setattr(core.pipeline, "collect", nth(core.pipeline.collect, 2, interrupt))
+        collect = nth(core.pipeline.collect, nth_call, interrupt)
+        monkeypatch.setattr(core.pipeline, "collect", collect)
     else:
         kv = core.scheduler.kv
         signal_now = lambda: signal.raise_signal(signal.SIGINT)  # noqa: E731
@@ -230,7 +231,7 @@ def test_ctrl_c_while_a_dead_stage_is_found_still_rebuilds_before_the_next_call(
 
 
 def test_an_interrupted_score_leaves_nothing_held(llm, monkeypatch):
-    _interrupt_on(llm, monkeypatch, "collect")
+    _interrupt_on(llm, monkeypatch, "collect", nth_call=1)  # both prompts score in one step
     with pytest.raises(KeyboardInterrupt):
         llm.score([PROMPTS[0], PROMPTS[1]])
     monkeypatch.undo()

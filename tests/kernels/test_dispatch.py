@@ -62,3 +62,28 @@ def test_both_backends_store_the_same_bytes(device):
         with dispatch.use_backend(name):
             dispatch.store_kv(x, pages[name], slots, lay)
     assert torch.equal(pages["torch"], pages["triton"])
+
+
+def test_a_cpu_stage_on_a_machine_with_cuda_takes_the_references(monkeypatch):
+    """The auto backend follows torch.cuda.is_available(); a stage whose device is the CPU of
+    such a machine (device="cpu") must not launch Triton kernels on CPU tensors."""
+    previous = dispatch._state["backend"]
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        dispatch.set_backend(None)
+        assert dispatch.backend() == "triton"
+        dispatch.for_device(torch.device("cuda"))
+        assert dispatch.backend() == "triton"
+        dispatch.for_device(torch.device("cpu"))
+        assert dispatch.backend() == "torch"
+        monkeypatch.setenv(dispatch.ENV_VAR, "triton")
+        dispatch.set_backend(None)
+        with pytest.raises(ValueError, match="DSV4RAY_KERNELS=triton .* CUDA device"):
+            dispatch.for_device(torch.device("cpu"))
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter runs them on CPU tensors
+        dispatch.for_device(torch.device("cpu"))
+        assert dispatch.backend() == "triton"
+    finally:
+        dispatch.set_backend(previous)

@@ -250,6 +250,24 @@ def test_preempted_request_recomputes_and_finishes_with_the_same_tokens():
     assert finished["old"].output_token_ids == reference(list(range(12)), params)[0]
 
 
+@pytest.mark.parametrize("num_pages", [3, 4])
+def test_a_request_computing_every_position_finishes_beside_its_cached_prefix(num_pages):
+    """A request that does not read the prefix cache (prompt logprobs, scoring) in a pool it
+    fills with a copy of a cached prefix: shared while it ran, its pages hung under the cached
+    prefix and pinned it, so it preempted itself and started over forever."""
+    config = small_config(
+        num_pages=num_pages, max_model_len=8 * num_pages, max_num_batched_tokens=8
+    )
+    sched, stage = Scheduler(config), FakeStage(config)
+    prompt = [(k * 5 + 3) % VOCAB for k in range(8 * num_pages - 4)]
+    sched.add_request("cached", prompt[:12], SamplingParams(max_tokens=1))
+    drive(sched, stage)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sched.add_request("whole", prompt, params, use_prefix_cache=False)
+    out = drive(sched, stage, max_steps=200)["whole"]
+    assert out.output_token_ids == reference(prompt, params)[0] and out.num_cached_tokens == 0
+
+
 def test_abort_and_finish_release_everything_and_tell_the_stages():
     sched = Scheduler(small_config())
     stage = FakeStage(sched.config)

@@ -43,6 +43,7 @@ from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import BatchEntry, DraftResult, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
+from dsv4ray.kernels import dispatch
 from dsv4ray.model.loader import load_draft
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import HostStage, build_batch, slotted_rows
@@ -74,6 +75,7 @@ class DraftWorker:
             raise ValueError("a DSA-style draft layer needs a C4 layer's top-k to reuse")
         self.num_steps, self.kv_cache_dtype = num_steps, kv_cache_dtype
         self.device = torch.device(device)
+        dispatch.for_device(self.device)
         self.model = load_draft(spec.model, spec.dtype or self.cfg.torch_dtype, device, self.cfg)
         self.block = self.model.block
         ops.bind_few_row_kernels(self.block)
