@@ -200,15 +200,21 @@ ENGINE_POLL_S = 5.0  # how often a waiting ingress asks Serve whether the engine
 async def _engine_info(engine: DeploymentHandle) -> dict:
     """The engine's info once a replica is up; a RuntimeError with the engine deployment's own
     message once Serve gives up on it (a missing checkpoint, say): the ingress fails with it
-    instead of starting forever, so the application fails and says why."""
+    instead of starting forever, so the application fails and says why. A call that fails
+    while Serve has not given up (an engine replica that died starting, being replaced) is
+    asked again."""
     task = asyncio.ensure_future(_awaited(engine.info.remote()))
     while True:
         try:
             return await asyncio.wait_for(asyncio.shield(task), ENGINE_POLL_S)
         except asyncio.TimeoutError:
             failed = await asyncio.to_thread(_engine_failure)
-        except Exception as exc:  # the handle gave up on the engine deployment
-            failed = await asyncio.to_thread(_engine_failure) or f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # the handle gave up on this call
+            failed = await asyncio.to_thread(_engine_failure)
+            if failed is None:
+                log.warning("engine not ready (%s: %s); asking again", type(exc).__name__, exc)
+                await asyncio.sleep(ENGINE_POLL_S)
+                task = asyncio.ensure_future(_awaited(engine.info.remote()))
         if failed is not None:
             task.cancel()
             raise RuntimeError(f"the engine deployment failed: {failed}") from None

@@ -126,3 +126,37 @@ def test_a_misspelt_autoscaling_key_in_a_serve_file_is_named(tmp_path):
     path.write_text(json.dumps({"applications": [app]}))
     with pytest.raises(ValueError, match=r"deployments\.0\.autoscaling_config\.target_ongoing_req"):
         read_serve_file(str(path))
+
+
+def test_the_ingress_asks_an_engine_again_until_serve_gives_up_on_it(monkeypatch):
+    """An engine call that fails while Serve still starts the engine deployment (a replica that
+    died starting is being replaced) is asked again; once Serve marks the deployment failed,
+    the ingress fails with the deployment's message."""
+    import asyncio
+
+    from dsv4ray.entrypoints import serve as serve_module
+
+    class Handle:
+        def __init__(self, answers):
+            self.answers, self.info = answers, self
+
+        def remote(self):
+            item = self.answers.pop(0)
+
+            async def answer():
+                if isinstance(item, Exception):
+                    raise item
+                return item
+
+            return answer()
+
+    failures = [None, None, "replica constructor failed: no config.json"]
+    monkeypatch.setattr(serve_module, "ENGINE_POLL_S", 0.01)
+    monkeypatch.setattr(serve_module, "_engine_failure", lambda: None)
+    died = ray.exceptions.ActorDiedError()
+    assert asyncio.run(serve_module._engine_info(Handle([died, died, {"model": "m"}]))) == {
+        "model": "m"
+    }
+    monkeypatch.setattr(serve_module, "_engine_failure", lambda: failures.pop(0))
+    with pytest.raises(RuntimeError, match="engine deployment failed: replica constructor"):
+        asyncio.run(serve_module._engine_info(Handle([died] * 3)))
