@@ -130,8 +130,13 @@ def run_job(
             started_ray = not joined and not ray.is_initialized()
             # a local Ray is this machine: its view decides the device before Ray starts
             device = _device(job, options) if started_ray else None
-            ensure_ray(_local_cpus(job, config, device) if started_ray else None)
+            cpus = _local_cpus(job, config, device) if started_ray else None
+            ensure_ray(cpus)
             sigterm_interrupts()  # again: starting Ray installs its own SIGTERM handler
+            if started_ray and not started_local_ray():  # it joined a `ray start` here
+                device = None  # that cluster's view decides, as for any joined cluster
+            elif cpus is not None:
+                _say_shared_cores(job, config, device, cpus)
             engine = {**options, "use_ray": True, "device": device or _device(job, options)}
             shortfall = _shortfall(job, config, engine["device"])
             if shortfall is None:
@@ -174,12 +179,17 @@ def _local_cpus(job: JobOptions, config: EngineConfig, device: str) -> int:
     task, the replicas and their stages' bundles ask for when that is more (two replicas on a
     2-core machine would otherwise hold every CPU, and the read task would wait for ever)."""
     need = sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
+    return max(os.cpu_count() or 1, math.ceil(need))
+
+
+def _say_shared_cores(job: JobOptions, config: EngineConfig, device: str, cpus: int) -> None:
+    """A local Ray given more logical CPUs than the machine's cores (``_local_cpus``) is said."""
+    need = sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
     cores = os.cpu_count() or 1
-    if need > cores:
+    if cpus > cores:
         print(f"dsv4ray job: the read task, {job.replicas} replicas and their stages ask for "
-              f"{need:g} CPUs; the local Ray gets {math.ceil(need)} on this {cores}-core "
-              "machine, and they share its cores", file=sys.stderr)  # fmt: skip
-    return max(cores, math.ceil(need))
+              f"{need:g} CPUs; the local Ray gets {cpus} on this {cores}-core machine, and "
+              "they share its cores", file=sys.stderr)  # fmt: skip
 
 
 def _shortfall(job: JobOptions, config: EngineConfig, device: str) -> str | None:

@@ -205,7 +205,9 @@ def test_a_local_ray_has_the_cpus_its_job_asks_for(replicas, pp, cores, expected
 
     monkeypatch.setattr(os, "cpu_count", lambda: cores)
     config = EngineConfig.build("unused", check_model=False, use_ray=True, pp_size=pp)
-    assert job._local_cpus(job.JobOptions(replicas=replicas), config, "cpu") == expected
+    options = job.JobOptions(replicas=replicas)
+    assert job._local_cpus(options, config, "cpu") == expected
+    job._say_shared_cores(options, config, "cpu", expected)  # said once the local Ray started
     said = capsys.readouterr().err
     assert (f"the local Ray gets {expected} on this {cores}-core machine" in said) == (
         expected > cores
