@@ -281,7 +281,8 @@ class Scheduler:
                 decodes -= 1
             start = req.num_computed_tokens
             num_tokens = self._chunk_len(req, start, step.budget)
-            num_drafts = spec.draft_len(req, step.budget, self.config.max_model_len)
+            page = self.config.page_size if self.kv.prefix_caching else None
+            num_drafts = spec.draft_len(req, step.budget, self.config.max_model_len, page)
             if num_drafts and not self.kv.grow(req, 1 + num_drafts):
                 num_drafts = 0  # no room for the drafts: decode without them
             if num_drafts or (num_tokens and self._grow_or_preempt(req, num_tokens, step)):

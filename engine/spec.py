@@ -107,19 +107,24 @@ class SpecConfig:
             )
 
 
-def draft_len(req: Request, budget: int, max_model_len: int) -> int:
+def draft_len(req: Request, budget: int, max_model_len: int, page_size: int | None = None) -> int:
     """Drafts a running decode schedules behind its last token: no more than it holds, the
     budget left after its last token, the tokens it may still generate after the bonus one,
     or the room left below max_model_len; none when penalties count its tokens (a draft's
     penalties would count the drafts before it). A grammar's drafts are verified under the
-    mask that follows the drafts before them (worker/sampling/grammar.py)."""
+    mask that follows the drafts before them (worker/sampling/grammar.py).
+    page_size (with prefix caching): a step ends at the next page boundary at the latest, so
+    the request reaches each boundary with a step that ends there and whose drafts were all
+    accepted; that step's snapshot caches the page (a step across a boundary takes none, and
+    one that ends there but rejects a draft drops it: decoded pages were almost never cached)."""
     if req.num_tokens - req.num_computed_tokens != 1 or not req.draft_token_ids:
         return 0
     if req.sampling.penalizes:
         return 0
     left = req.sampling.max_tokens - req.num_output_tokens - 1
     room = max_model_len - req.num_tokens - 1
-    return max(0, min(len(req.draft_token_ids), budget - 1, left, room))
+    to_page = page_size - 1 - req.num_computed_tokens % page_size if page_size else room
+    return max(0, min(len(req.draft_token_ids), budget - 1, left, room, to_page))
 
 
 def append_verified(

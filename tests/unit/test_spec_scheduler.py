@@ -107,9 +107,10 @@ def spec_config(**overrides):
     return small_config(num_speculative_steps=3, **overrides)
 
 
+@pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("depth", [1, 2])
 @pytest.mark.parametrize("num_steps", [1, 3])
-def test_outputs_equal_plain_decoding_with_rejections(num_steps, depth):
+def test_outputs_equal_plain_decoding_with_rejections(num_steps, depth, caching):
     prompt = [3, 1, 4, 1, 5]
     free_run = reference(prompt, SamplingParams(max_tokens=30))[0]
     eos, stop_id = free_run[9], free_run[6]
@@ -122,7 +123,7 @@ def test_outputs_equal_plain_decoding_with_rejections(num_steps, depth):
     }
     prompts = {"long": [5] * 41, "eos": prompt, "stop_ids": prompt, "short": [2] * 9}
     prompts["cut"] = list(range(21))  # shares its first two pages with nothing; snapshots at 8, 16
-    config = spec_config(eos_token_id=eos, num_cached_state_slots=8)
+    config = spec_config(eos_token_id=eos, num_cached_state_slots=8, enable_prefix_caching=caching)
     sched, stage = Scheduler(config), VerifyingStage(config, num_steps)
     for name, prompt_ids in prompts.items():
         sched.add_request(name, prompt_ids, params[name])
@@ -132,7 +133,9 @@ def test_outputs_equal_plain_decoding_with_rejections(num_steps, depth):
         assert finished[name].output_token_ids == tokens, name
         assert finished[name].finish_reason == reason, name
     assert stage.rollbacks, "no draft was ever rejected: the rollback path went untested"
-    assert stage.num_cuts or num_steps == 1, "no page was cut"  # one draft never needs a cut
+    # one draft never needs a cut; with prefix caching a step ends at a page boundary at the
+    # latest, so drafts never reach a page that a rejection cuts
+    assert stage.num_cuts or num_steps == 1 or caching, "no page was cut"
     assert sched.kv.pages.num_in_use == 0 and sched.kv.state_slots.num_in_use == 0
 
 
@@ -167,7 +170,7 @@ def test_drafts_are_budget_and_stay_below_max_tokens():
     config = spec_config(max_num_batched_tokens=16)
     sched = Scheduler(config)
     stage = VerifyingStage(config, 3, p_wrong=0)
-    sched.add_request("a", [1] * 6, SamplingParams(max_tokens=6, ignore_eos=True))
+    sched.add_request("a", [1] * 8, SamplingParams(max_tokens=6, ignore_eos=True))
     plan = sched.schedule()
     sched.commit(plan, *stage.run(plan))
     assert sched.get_request("a").draft_token_ids  # proposals for the next step
@@ -253,3 +256,20 @@ def test_drafts_scheduled_before_they_reach_the_host_give_plain_decoding():
     for req_id, prompt in prompts.items():
         assert finished[req_id].output_token_ids == reference(prompt, params)[0]
     sched.keep_drafts({"a": [1, 2, 3]})  # a finished request waits for nothing
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_pages_filled_while_drafting_enter_the_prefix_cache(depth):
+    """Every page a drafting request fills is cached as plain decoding caches it: a step ends
+    at each page boundary with all its drafts accepted (a step across it, or one that rejects
+    a draft there, takes no snapshot), so the whole context is reused by the next turn."""
+    config = spec_config(num_cached_state_slots=16)
+    sched, stage = Scheduler(config), VerifyingStage(config, 3)
+    prompt, params = [3, 1, 4, 1, 5], SamplingParams(max_tokens=40, ignore_eos=True)
+    sched.add_request("turn1", prompt, params)
+    out = drive_spec(sched, stage, depth)["turn1"].output_token_ids
+    assert out == reference(prompt, params)[0] and stage.rollbacks
+    context = prompt + out
+    sched.add_request("turn2", context, SamplingParams(max_tokens=1))
+    done = drive_spec(sched, stage, depth)["turn2"]
+    assert done.num_cached_tokens == (len(context) - 1) // 8 * 8  # every full page but the last
