@@ -5,8 +5,10 @@ and the torch reference that runs elsewhere.
 int64 column of the largest ``values + G(key, vocab id)`` (the first on ties); ``gumbel_argmax_ref``
 is the same in torch. G is ``gumbel_noise``: a 32-bit hash (``mix32``, which also makes the
 sampler's row keys) of the key and the vocab id, as the odd multiples of 2**-24 in (0, 1). The
-kernel's uint32 arithmetic wraps as the int64 torch version masks, so only fp32 log's last bit
-can differ between the two. ``dispatch.gumbel_argmax`` picks by the tensors' device.
+kernel's uint32 arithmetic wraps as the int64 torch version masks, so for finite and -inf values
+only fp32 log's last bit can differ between the two. NaN values are outside the contract (the
+kernel passes over them, torch's argmax takes them): the sampler fails a row with a non-finite
+maximum before its draw counts. ``dispatch.gumbel_argmax`` picks by the tensors' device.
 """
 
 from __future__ import annotations
