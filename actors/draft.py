@@ -22,6 +22,7 @@ from dsv4ray.actors.timeline import MethodTimeline
 from dsv4ray.cache.pools import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.sources import fetch_model
+from dsv4ray.worker.pool_sizing import available_host_memory
 from dsv4ray.worker.stage_spec import DraftSpec
 
 
@@ -57,6 +58,15 @@ class DraftActor:
 
     def link_peer(self, handles: list) -> None:
         self.worker.link_peer(handles)
+
+    def host_memory(self, sizes: dict) -> dict:
+        """As StageActor.host_memory, for the draft layer's pools."""
+        return {
+            "node": ray.get_runtime_context().get_node_id(),
+            "name": "the draft layer",
+            "need": self.worker.host_pool_bytes(PoolSizes(**sizes)),
+            "have": available_host_memory(),
+        }
 
     def stats(self) -> dict:
         return dict(self.worker.stats)

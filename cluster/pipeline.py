@@ -133,8 +133,9 @@ class RayPipeline:
         pools = pool_sizes(self.capacity, ec.ring_scale)
         sizes = dataclasses.asdict(pools)
         if not self.use_gpu:  # stages allocate at once: each alone would see the machine free
-            check_shared_host_memory(self._get([a.host_memory.remote(sizes) for a in self.actors]),
-                                     pools)  # fmt: skip
+            check_shared_host_memory(
+                self._get([a.host_memory.remote(sizes) for a in self._all_actors]), pools
+            )
         self._get([a.allocate.remote(sizes) for a in self._all_actors])
         graphs = graph_shapes(ec, self.cfg, self.capacity)
         if graphs is not None:  # every stage (and the draft worker) on CUDA

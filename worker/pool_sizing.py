@@ -115,8 +115,8 @@ def check_host_memory(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
 def check_shared_host_memory(stages: list[dict], sizes: PoolSizes) -> None:
     """A ValueError naming the options when CPU stages that share a machine need more memory for
     their pools together than it has available. stages: one dict per stage, {"node", "start",
-    "end", "need": pool bytes, "have": available bytes on its node or None}; stages allocate at
-    once, so each alone would see the whole machine free."""
+    "end" (or "name": the draft layer), "need": pool bytes, "have": available bytes on its node
+    or None}; stages allocate at once, so each alone would see the whole machine free."""
     by_node: dict[str, list[dict]] = {}
     for stage in stages:
         by_node.setdefault(stage["node"], []).append(stage)
@@ -125,7 +125,8 @@ def check_shared_host_memory(stages: list[dict], sizes: PoolSizes) -> None:
         known = [stage["have"] for stage in group if stage["have"] is not None]
         if len(group) < 2 or not known or need <= min(known):
             continue
-        ranges = ", ".join(f"[{stage['start']}, {stage['end']})" for stage in group)
+        ranges = ", ".join(stage.get("name") or f"[{stage['start']}, {stage['end']})"
+                           for stage in group)  # fmt: skip
         raise ValueError(
             f"stages {ranges} share one machine: their KV pools need {need / 2**30:.1f} GiB "
             f"together, more than the {min(known) / 2**30:.1f} GiB of memory it has available "

@@ -52,6 +52,14 @@ def test_stages_on_machines_of_their_own_or_fitting_together_pass():
         pool_sizing.check_shared_host_memory(stages, SIZES)
 
 
+def test_the_draft_layers_pools_count_with_the_stages_beside_it():
+    draft = {"node": "a", "name": "the draft layer", "need": 2 * 2**30, "have": 9 * 2**30}
+    stages = [_stage("a", 0, 2, 4, 10), _stage("a", 2, 4, 4, 10)]
+    pool_sizing.check_shared_host_memory(stages, SIZES)  # 8 GiB of 9: they fit alone
+    with pytest.raises(ValueError, match=r"\[0, 2\), \[2, 4\), the draft layer share .* 10\.0"):
+        pool_sizing.check_shared_host_memory([*stages, draft], SIZES)
+
+
 def test_the_least_memory_a_stage_of_the_machine_saw_is_what_they_share():
     # each stage measured the machine at its own moment: the lower figure is the safe one
     stages = [_stage("a", 0, 1, 3, 9), _stage("a", 1, 2, 3, 5), _stage("b", 2, 3, 1, 1)]
@@ -70,5 +78,17 @@ def test_a_worker_prices_exactly_the_pools_it_allocates(tiny_ckpt):
         sizes = pool_sizing.pool_sizes(pipe.capacity, llm.core.config.ring_scale)
         for worker in pipe.workers:
             assert worker.host_pool_bytes(sizes) == worker.pools.nbytes() > 0
+    finally:
+        llm.shutdown()
+
+
+def test_the_draft_worker_prices_exactly_the_pools_it_allocates(tiny_ckpt):
+    from dsv4ray import LLM
+
+    llm = LLM(tiny_ckpt, use_ray=False, speculative_num_steps=2, max_total_tokens=4096)
+    try:
+        pipe = llm.core.pipeline
+        sizes = pool_sizing.pool_sizes(pipe.capacity, llm.core.config.ring_scale)
+        assert pipe.draft.host_pool_bytes(sizes) == pipe.draft.pools.nbytes() > 0
     finally:
         llm.shutdown()

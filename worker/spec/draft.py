@@ -94,6 +94,10 @@ class DraftWorker:
         self.in_link: DeviceLink | None = None
         self._ticket = None
 
+    def host_pool_bytes(self, sizes: PoolSizes) -> int:
+        """Bytes the CPU pools ``allocate`` would take for these sizes."""
+        return DraftPools(self.cfg, sizes, self.kv_cache_dtype, torch.device("meta")).nbytes()
+
     def allocate(self, sizes: PoolSizes) -> int:
         self.pools = DraftPools(self.cfg, sizes, self.kv_cache_dtype, self.device)
         log.info(
