@@ -22,6 +22,8 @@ import re
 import shutil
 import time
 
+from dsv4ray.pids import process_alive
+
 log = logging.getLogger("dsv4ray.model")
 
 CACHE_ENV = "DSV4RAY_MODEL_CACHE"
@@ -84,19 +86,8 @@ def _remove_orphans(dest: str) -> None:
     folder, name = os.path.split(dest)
     for entry in os.listdir(folder):
         owner = entry.removeprefix(f"{name}.partial-")
-        if owner != entry and owner.isdigit() and not _alive(int(owner)):
+        if owner != entry and owner.isdigit() and not process_alive(int(owner)):
             shutil.rmtree(os.path.join(folder, entry), ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    # the test of actors/processes.py's process_alive: this module sits below actors in the layers
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process
-        return True
-    return True
 
 
 def _folder_name(source: str) -> str:

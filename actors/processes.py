@@ -6,16 +6,7 @@ import os
 import signal
 import time
 
-
-def process_alive(pid: int) -> bool:
-    """Whether a process with this id exists on this node (another user's counts as alive)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
+from dsv4ray.pids import process_alive  # the other modules of actors/ and above take it here
 
 
 def process_running(pid: int) -> bool:

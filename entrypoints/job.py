@@ -178,14 +178,16 @@ def _local_cpus(job: JobOptions, config: EngineConfig, device: str) -> int:
     """Logical CPUs for the local Ray this job starts: the machine's cores, or what the read
     task, the replicas and their stages' bundles ask for when that is more (two replicas on a
     2-core machine would otherwise hold every CPU, and the read task would wait for ever)."""
-    need = sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
-    return max(os.cpu_count() or 1, math.ceil(need))
+    return max(os.cpu_count() or 1, math.ceil(_cpus_asked(job, config, device)))
+
+
+def _cpus_asked(job: JobOptions, config: EngineConfig, device: str) -> float:
+    return sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
 
 
 def _say_shared_cores(job: JobOptions, config: EngineConfig, device: str, cpus: int) -> None:
     """A local Ray given more logical CPUs than the machine's cores (``_local_cpus``) is said."""
-    need = sum(bundle.get("CPU", 0.0) for bundle in _job_bundles(job, config, device))
-    cores = os.cpu_count() or 1
+    need, cores = _cpus_asked(job, config, device), os.cpu_count() or 1
     if cpus > cores:
         print(f"dsv4ray job: the read task, {job.replicas} replicas and their stages ask for "
               f"{need:g} CPUs; the local Ray gets {cpus} on this {cores}-core machine, and "
