@@ -117,6 +117,7 @@ class HiRadixIndex(RadixIndex):
                 self.page_alloc.cache_adopt([n.page_id])
                 self.ops.loads.append((n.host_page, n.page_id))
                 loaded += self.page_size
+                self._offer(n)  # resident again: a candidate once its path is unlocked
         if node.snapshot is None:
             window, slot = self.window_alloc.alloc(1)[0], self.state_alloc.alloc(1)[0]
             self.window_alloc.cache_adopt([window])
@@ -194,13 +195,11 @@ class HiRadixIndex(RadixIndex):
         self._drop_device(node, result)
 
     def _device_evictable(self, node: RadixNode) -> bool:
-        return (
-            node is not self._root
-            and node.page_id >= 0
-            and node.lock_ref == 0
-            and not any(c.page_id >= 0 for c in node.children.values())
-            and self._only_cached(node)
-        )
+        return node.lock_ref == 0 and self._candidate(node) and self._only_cached(node)
+
+    def _candidate(self, node: RadixNode) -> bool:
+        """A device-resident node none of whose children is: its device copy can go."""
+        return node.page_id >= 0 and not any(c.page_id >= 0 for c in node.children.values())
 
     def _drop_device(self, node: RadixNode, result: EvictResult) -> None:
         if node.host_page < 0:  # nothing left to serve it from: remove it and its subtree
@@ -208,6 +207,7 @@ class HiRadixIndex(RadixIndex):
             return
         result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
         node.page_id = -1
+        self._offer(node.parent)  # its last device-resident child may have gone
         self._release_snapshot(node, result)
 
     def _release_snapshot(self, node: RadixNode, result: EvictResult) -> None:
@@ -250,14 +250,14 @@ class HiRadixIndex(RadixIndex):
             self._free_resident(enough, pages=False)
         if keep_host_only:
             return
-        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if self._host_evictable(n)]
+        heap = [(n.tick, n.serial, n) for n in self._iter_nodes() if self._host_evictable(n)]
         heapq.heapify(heap)
         while heap and not enough():
             _, _, node = heapq.heappop(heap)
             parent = node.parent
             self._remove_subtree(node, EvictResult([], [], []))
             if self._host_evictable(parent):
-                heapq.heappush(heap, (parent.tick, id(parent), parent))
+                heapq.heappush(heap, (parent.tick, parent.serial, parent))
         self._free_resident(enough, pages=True)
 
     def _free_resident(self, enough, pages: bool) -> None:

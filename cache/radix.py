@@ -16,6 +16,13 @@ Ownership: the index holds one reference per page id, snapshot window page and c
 caller's allocators. Requests that use a node lock it and its ancestors (``lock``), which
 guarantees parent.lock_ref >= sum of children's lock_ref; only unlocked leaves are evicted, least
 recently used first.
+
+Eviction costs O(k log n) for k nodes dropped, not a walk of the whole index: a heap holds an
+entry (tick, serial, node) for every eviction candidate (a leaf; see ``_candidate``) with the
+node's current tick. Entries go stale when a node is touched again, gains a child or leaves the
+index; they are skipped when popped and dropped when the heap is rebuilt at twice the index's
+size. A candidate that cannot go yet (locked, or its pages still held by a running request) is
+put back after the eviction.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from dsv4ray.cache.allocator import PageAllocator
+
+_SERIALS = itertools.count()  # creation order: the LRU's tie-break among nodes of one tick
 
 
 @dataclass(frozen=True)
@@ -52,6 +61,7 @@ class RadixNode:
         "host_page",
         "host_snapshot",
         "hits",
+        "serial",
     )
 
     def __init__(self, key: tuple[int, ...], page_id: int, parent: RadixNode | None) -> None:
@@ -68,6 +78,7 @@ class RadixNode:
         self.host_page = -1
         self.host_snapshot = -1
         self.hits = 0
+        self.serial = next(_SERIALS)
 
 
 class InsertResult(NamedTuple):
@@ -105,6 +116,7 @@ class RadixIndex:
         self._root = RadixNode((), -1, None)
         self._clock = itertools.count(1)
         self._num_nodes = 0
+        self._lru: list[tuple[int, int, RadixNode]] = []  # candidates' entries (module doc)
 
     @property
     def num_nodes(self) -> int:
@@ -114,6 +126,33 @@ class RadixIndex:
         tick = next(self._clock)
         for node in nodes:
             node.tick = tick
+            self._offer(node)
+
+    def _candidate(self, node: RadixNode) -> bool:
+        """Whether the node is evicted when nothing else keeps it: a leaf."""
+        return not node.children
+
+    def _offer(self, node: RadixNode) -> None:
+        """An LRU entry for the node at its current tick, if it is a candidate."""
+        if node is self._root or not self._candidate(node):
+            return
+        heapq.heappush(self._lru, (node.tick, node.serial, node))
+        if len(self._lru) > 2 * self._num_nodes + 64:
+            self._rebuild_lru()
+
+    def _rebuild_lru(self) -> None:
+        self._lru = [(n.tick, n.serial, n) for n in self._iter_nodes() if self._candidate(n)]
+        heapq.heapify(self._lru)
+
+    def _current(self, tick: int, node: RadixNode) -> bool:
+        """Whether an LRU entry still stands for a candidate in the index at that tick."""
+        parent = node.parent
+        return (
+            node.tick == tick
+            and parent is not None
+            and parent.children.get(node.key) is node
+            and self._candidate(node)
+        )
 
     def _keys(self, token_ids: Sequence[int], num_pages: int) -> Iterator[tuple[int, ...]]:
         size = self.page_size
@@ -209,21 +248,26 @@ class RadixIndex:
     def _evict_lru(
         self, evictable, drop, num_pages: int, num_window_pages: int, num_state_slots: int
     ) -> EvictResult:
-        """Drops evictable nodes least recently used first (a parent becomes a candidate once
-        its last child went) until the requested numbers of ids went back, or none is left."""
-        heap = [(n.tick, id(n), n) for n in self._iter_nodes() if evictable(n)]
-        heapq.heapify(heap)
+        """Drops evictable candidates least recently used first (a parent becomes one once its
+        last child went: ``drop`` offers it) until the requested numbers of ids went back, or
+        none is left."""
         result = EvictResult([], [], [])
-        while heap and (
+        waiting: dict[int, tuple[int, int, RadixNode]] = {}  # candidates that cannot go yet
+        while self._lru and (
             len(result.page_ids) < num_pages
             or len(result.window_page_ids) < num_window_pages
             or len(result.state_slots) < num_state_slots
         ):
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            drop(node, result)
-            if evictable(parent):
-                heapq.heappush(heap, (parent.tick, id(parent), parent))
+            entry = heapq.heappop(self._lru)
+            tick, serial, node = entry
+            if not self._current(tick, node):
+                continue
+            if evictable(node):
+                drop(node, result)
+            else:
+                waiting[serial] = entry
+        for entry in waiting.values():
+            heapq.heappush(self._lru, entry)
         return result
 
     def _evictable(self, node: RadixNode) -> bool:
@@ -250,6 +294,7 @@ class RadixIndex:
     def _remove_leaf(self, node: RadixNode, result: EvictResult) -> None:
         del node.parent.children[node.key]
         self._num_nodes -= 1
+        self._offer(node.parent)
         if node.page_id >= 0:
             result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
         if node.snapshot is not None:
@@ -291,6 +336,9 @@ class RadixIndex:
                 raise RuntimeError("radix: a node with neither a device nor a host page")
             if len(node.key) != self.page_size or node.depth != node.parent.depth + 1:
                 raise RuntimeError(f"radix: malformed node of page {node.page_id}")
+        entered = {n.serial for tick, _, n in self._lru if self._current(tick, n)}
+        if any(self._candidate(n) and n.serial not in entered for n in nodes):
+            raise RuntimeError("radix: an eviction candidate has no entry in the LRU heap")
         pages, windows, states = self.held_ids()
         for alloc, ids in (
             (self.page_alloc, pages),

@@ -2,6 +2,7 @@
 intact (checked by a fake stage that moves tokens between device and host), for every write
 policy; the host allocators conserve their ids under random workloads."""
 
+import copy
 import random
 
 import pytest
@@ -18,6 +19,7 @@ from tests.unit.scheduler_harness import (
     reference,
     small_config,
 )
+from tests.unit.test_radix import scan_evict
 
 
 def _config(policy, **kw):
@@ -95,6 +97,39 @@ def test_random_workloads_conserve_host_ids(seed, policy, host):
     for req_id, done in drive(sched, stage).items():
         assert (done.output_token_ids, done.finish_reason) == expected.pop(req_id)
     sched.check_integrity()
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10**6), policy=st.sampled_from(WRITE_POLICIES), host=st.integers(2, 12))
+def test_device_eviction_follows_its_definition(seed, policy, host):
+    """Every device eviction under random workloads drops what a walk over the whole index
+    would (least recently used first among unlocked nodes without a device-resident child),
+    backing pages up to the host as it goes."""
+    rng = random.Random(seed)
+    sched = Scheduler(_config(policy, num_host_pages=host, num_host_snapshots=max(1, host // 3)))
+    index, evictions = sched.kv.radix, []
+    evict = index.evict
+
+    def checked(*want):
+        twin = copy.deepcopy(index)
+        expected = scan_evict(twin, twin._device_evictable, twin._evict_device, want)
+        got = evict(*want)
+        assert got == expected
+        evictions.append(got)
+        return got
+
+    index.evict = checked
+    stage = FakeStage(sched.config)
+    bases = [[rng.randrange(37) for _ in range(40)] for _ in range(3)]
+    for i in range(8):
+        # three prefixes of 24+ tokens each: more than the device's 8 pages hold together
+        prompt = bases[i % 3][: rng.randrange(24, 40)] + [rng.randrange(37)]
+        params = SamplingParams(max_tokens=rng.randrange(1, 6), ignore_eos=True)
+        sched.add_request(f"q{i}", prompt, params)
+        done = drive(sched, stage, depth=rng.choice([1, 2]))[f"q{i}"]
+        assert (done.output_token_ids, done.finish_reason) == reference(prompt, params)
+    sched.check_integrity()
+    assert any(e.page_ids for e in evictions)
 
 
 def test_lost_stage_forgets_unconfirmed_backups_and_device_copies():

@@ -1,5 +1,8 @@
 """Radix prefix index: page-granular matches ending at snapshots, locks, LRU eviction, ownership."""
 
+import copy
+import heapq
+import random
 from collections import Counter
 
 import pytest
@@ -7,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4ray.cache.allocator import PageAllocator
-from dsv4ray.cache.radix import RadixIndex, Snapshot
+from dsv4ray.cache.radix import EvictResult, RadixIndex, Snapshot
 
 PAGE = 4
 
@@ -179,8 +182,45 @@ def test_random_operations_conserve_every_allocator(ops):
             pages.decref(matched)
             index.unlock(node)
         elif op == "evict":
-            index.evict(num_pages=num, num_window_pages=int(flag), num_state_slots=int(flag))
+            twin = copy.deepcopy(index)
+            want = (num, int(flag), int(flag))
+            expected = scan_evict(twin, twin._evictable, twin._remove_leaf, want)
+            assert index.evict(*want) == expected
         _check(index, pages, windows, states, users)
+
+
+def scan_evict(index, evictable, drop, want) -> EvictResult:
+    """Eviction by its definition, over every node of the index: evictable nodes least
+    recently used first (ties in creation order), a parent joining once its last child went,
+    until want = (pages, window pages, state slots) went back."""
+    heap = [(n.tick, n.serial, n) for n in index._iter_nodes() if evictable(n)]
+    heapq.heapify(heap)
+    result = EvictResult([], [], [])
+    while heap and any(len(got) < n for got, n in zip(result, want)):
+        _, _, node = heapq.heappop(heap)
+        parent = node.parent
+        drop(node, result)
+        if evictable(parent):
+            heapq.heappush(heap, (parent.tick, parent.serial, parent))
+    return result
+
+
+def test_eviction_does_not_walk_the_whole_index():
+    """Evicting a page from an index of 16,000 cached pages pops candidates from the LRU heap:
+    it never visits every node (which took milliseconds a page at this size)."""
+    index, pages, windows, states = make_index(16000, 2000, 2000)
+    rng = random.Random(0)
+    for _ in range(2000):
+        cache_prefix(index, pages, windows, states, [rng.randrange(50) for _ in range(8 * PAGE)])
+
+    def walk():
+        raise AssertionError("eviction walked the whole index")
+
+    index._iter_nodes = walk
+    for _ in range(100):
+        assert len(index.evict(num_pages=1).page_ids) == 1
+    del index._iter_nodes
+    index.check_integrity()
 
 
 def _check(index, pages, windows, states, users):
