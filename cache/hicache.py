@@ -23,11 +23,17 @@ stages run backups before loads before the step's compute.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 
 from dsv4ray.cache.allocator import PageAllocator
-from dsv4ray.cache.radix import EvictResult, InsertResult, RadixIndex, RadixNode, Snapshot
+from dsv4ray.cache.radix import (
+    EvictResult,
+    InsertResult,
+    LruHeap,
+    RadixIndex,
+    RadixNode,
+    Snapshot,
+)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -61,6 +67,8 @@ class HiRadixIndex(RadixIndex):
                 f"hicache write policy must be one of {WRITE_POLICIES}, got {policy!r}"
             )
         super().__init__(page_alloc, window_alloc, state_alloc, page_size)
+        self._host_lru = LruHeap(self._host_candidate)  # host-only leaves (``evict_host``)
+        self._heaps.append(self._host_lru)
         self.host_pages, self.host_snapshots, self.policy = host_pages, host_snapshots, policy
         self.ops = HostOps()
         self.enabled = True
@@ -207,6 +215,7 @@ class HiRadixIndex(RadixIndex):
             return
         result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
         node.page_id = -1
+        self._offer(node)  # host only now: a leaf is a candidate of ``evict_host``
         self._offer(node.parent)  # its last device-resident child may have gone
         self._release_snapshot(node, result)
 
@@ -250,14 +259,11 @@ class HiRadixIndex(RadixIndex):
             self._free_resident(enough, pages=False)
         if keep_host_only:
             return
-        heap = [(n.tick, n.serial, n) for n in self._iter_nodes() if self._host_evictable(n)]
-        heapq.heapify(heap)
-        while heap and not enough():
-            _, _, node = heapq.heappop(heap)
-            parent = node.parent
-            self._remove_subtree(node, EvictResult([], [], []))
-            if self._host_evictable(parent):
-                heapq.heappush(heap, (parent.tick, parent.serial, parent))
+        self._host_lru.drop_lru(
+            self._host_evictable,
+            lambda node: self._remove_subtree(node, EvictResult([], [], [])),
+            lambda: not enough(),
+        )
         self._free_resident(enough, pages=True)
 
     def _free_resident(self, enough, pages: bool) -> None:
@@ -265,6 +271,8 @@ class HiRadixIndex(RadixIndex):
         enough(): their snapshots only, or with pages their pages and snapshots. A host id read
         by a load queued for this plan is never freed (a backup running before that load in
         the same plan would rewrite it)."""
+        if enough():
+            return
         loading = {h for h, _ in self.ops.loads}
         loading_snaps = {hs for hs, _, _ in self.ops.snapshot_loads}
         for node in sorted(self._iter_nodes(), key=lambda n: n.tick):
@@ -284,9 +292,10 @@ class HiRadixIndex(RadixIndex):
 
     def _host_evictable(self, node: RadixNode) -> bool:
         """A host-only leaf nobody uses (a locked node is on some request's matched path)."""
-        return (
-            node is not self._root and node.page_id < 0 and not node.children and node.lock_ref == 0
-        )
+        return node.lock_ref == 0 and self._host_candidate(node)
+
+    def _host_candidate(self, node: RadixNode) -> bool:
+        return node.page_id < 0 and not node.children
 
     # ------------------------------------------------------------------ failures
     def drop_device_residency(self) -> None:

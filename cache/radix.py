@@ -17,19 +17,19 @@ caller's allocators. Requests that use a node lock it and its ancestors (``lock`
 guarantees parent.lock_ref >= sum of children's lock_ref; only unlocked leaves are evicted, least
 recently used first.
 
-Eviction costs O(k log n) for k nodes dropped, not a walk of the whole index: a heap holds an
-entry (tick, serial, node) for every eviction candidate (a leaf; see ``_candidate``) with the
-node's current tick. Entries go stale when a node is touched again, gains a child or leaves the
-index; they are skipped when popped and dropped when the heap is rebuilt at twice the index's
-size. A candidate that cannot go yet (locked, or its pages still held by a running request) is
-put back after the eviction.
+Eviction costs O(k log n) for k nodes dropped, not a walk of the whole index: an ``LruHeap``
+holds an entry (tick, serial, node) for every eviction candidate (a leaf; see ``_candidate``)
+with the node's current tick. Entries go stale when a node is touched again, gains a child or
+leaves the index; they are skipped when popped and dropped when the heap is rebuilt at twice the
+index's size. A candidate that cannot go yet (locked, or its pages still held by a running
+request) is put back after the eviction.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -97,6 +97,54 @@ class EvictResult(NamedTuple):
     state_slots: list[int]
 
 
+class LruHeap:
+    """Entries (tick, serial, node), least recently used first, for every node of an index that
+    candidate(node) accepts, at its current tick (see the module doc)."""
+
+    def __init__(self, candidate: Callable[[RadixNode], bool]) -> None:
+        self.candidate = candidate
+        self.entries: list[tuple[int, int, RadixNode]] = []
+
+    def offer(self, node: RadixNode) -> None:
+        if self.candidate(node):
+            heapq.heappush(self.entries, (node.tick, node.serial, node))
+
+    def rebuild(self, nodes: Iterator[RadixNode]) -> None:
+        self.entries = [(n.tick, n.serial, n) for n in nodes if self.candidate(n)]
+        heapq.heapify(self.entries)
+
+    def current(self, tick: int, node: RadixNode) -> bool:
+        """Whether an entry still stands for a candidate in the index at that tick."""
+        parent = node.parent
+        return (
+            node.tick == tick
+            and parent is not None
+            and parent.children.get(node.key) is node
+            and self.candidate(node)
+        )
+
+    def drop_lru(self, evictable, drop, more: Callable[[], bool]) -> None:
+        """drop(node) for evictable candidates, least recently used first, while more(); a
+        drop offers what it makes a candidate (a parent whose last child went)."""
+        waiting: dict[int, tuple[int, int, RadixNode]] = {}  # candidates that cannot go yet
+        while self.entries and more():
+            entry = heapq.heappop(self.entries)
+            tick, serial, node = entry
+            if not self.current(tick, node):
+                continue
+            if evictable(node):
+                drop(node)
+            else:
+                waiting[serial] = entry
+        for entry in waiting.values():
+            heapq.heappush(self.entries, entry)
+
+    def missing(self, nodes: list[RadixNode]) -> bool:
+        """Whether a candidate among nodes has no current entry."""
+        entered = {n.serial for tick, _, n in self.entries if self.current(tick, n)}
+        return any(self.candidate(n) and n.serial not in entered for n in nodes)
+
+
 class RadixIndex:
     """Page-granular prefix index with snapshots, locks and LRU eviction of unlocked leaves."""
 
@@ -116,7 +164,8 @@ class RadixIndex:
         self._root = RadixNode((), -1, None)
         self._clock = itertools.count(1)
         self._num_nodes = 0
-        self._lru: list[tuple[int, int, RadixNode]] = []  # candidates' entries (module doc)
+        self._lru = LruHeap(self._candidate)  # device eviction's candidates (module doc)
+        self._heaps = [self._lru]
 
     @property
     def num_nodes(self) -> int:
@@ -133,26 +182,13 @@ class RadixIndex:
         return not node.children
 
     def _offer(self, node: RadixNode) -> None:
-        """An LRU entry for the node at its current tick, if it is a candidate."""
-        if node is self._root or not self._candidate(node):
+        """Entries for the node at its current tick where it is a candidate."""
+        if node is self._root:
             return
-        heapq.heappush(self._lru, (node.tick, node.serial, node))
-        if len(self._lru) > 2 * self._num_nodes + 64:
-            self._rebuild_lru()
-
-    def _rebuild_lru(self) -> None:
-        self._lru = [(n.tick, n.serial, n) for n in self._iter_nodes() if self._candidate(n)]
-        heapq.heapify(self._lru)
-
-    def _current(self, tick: int, node: RadixNode) -> bool:
-        """Whether an LRU entry still stands for a candidate in the index at that tick."""
-        parent = node.parent
-        return (
-            node.tick == tick
-            and parent is not None
-            and parent.children.get(node.key) is node
-            and self._candidate(node)
-        )
+        for heap in self._heaps:
+            heap.offer(node)
+            if len(heap.entries) > 2 * self._num_nodes + 64:
+                heap.rebuild(self._iter_nodes())
 
     def _keys(self, token_ids: Sequence[int], num_pages: int) -> Iterator[tuple[int, ...]]:
         size = self.page_size
@@ -248,26 +284,15 @@ class RadixIndex:
     def _evict_lru(
         self, evictable, drop, num_pages: int, num_window_pages: int, num_state_slots: int
     ) -> EvictResult:
-        """Drops evictable candidates least recently used first (a parent becomes one once its
-        last child went: ``drop`` offers it) until the requested numbers of ids went back, or
-        none is left."""
+        """Drops evictable candidates least recently used first until the requested numbers of
+        ids went back, or none is left."""
         result = EvictResult([], [], [])
-        waiting: dict[int, tuple[int, int, RadixNode]] = {}  # candidates that cannot go yet
-        while self._lru and (
-            len(result.page_ids) < num_pages
-            or len(result.window_page_ids) < num_window_pages
-            or len(result.state_slots) < num_state_slots
-        ):
-            entry = heapq.heappop(self._lru)
-            tick, serial, node = entry
-            if not self._current(tick, node):
-                continue
-            if evictable(node):
-                drop(node, result)
-            else:
-                waiting[serial] = entry
-        for entry in waiting.values():
-            heapq.heappush(self._lru, entry)
+        wanted = (num_pages, num_window_pages, num_state_slots)
+        self._lru.drop_lru(
+            evictable,
+            lambda node: drop(node, result),
+            lambda: any(len(got) < n for got, n in zip(result, wanted, strict=True)),
+        )
         return result
 
     def _evictable(self, node: RadixNode) -> bool:
@@ -336,9 +361,8 @@ class RadixIndex:
                 raise RuntimeError("radix: a node with neither a device nor a host page")
             if len(node.key) != self.page_size or node.depth != node.parent.depth + 1:
                 raise RuntimeError(f"radix: malformed node of page {node.page_id}")
-        entered = {n.serial for tick, _, n in self._lru if self._current(tick, n)}
-        if any(self._candidate(n) and n.serial not in entered for n in nodes):
-            raise RuntimeError("radix: an eviction candidate has no entry in the LRU heap")
+        if any(heap.missing(nodes) for heap in self._heaps):
+            raise RuntimeError("radix: an eviction candidate has no entry in its LRU heap")
         pages, windows, states = self.held_ids()
         for alloc, ids in (
             (self.page_alloc, pages),

@@ -3,6 +3,7 @@ intact (checked by a fake stage that moves tokens between device and host), for 
 policy; the host allocators conserve their ids under random workloads."""
 
 import copy
+import heapq
 import random
 
 import pytest
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4ray.cache.hicache import WRITE_POLICIES
+from dsv4ray.cache.radix import EvictResult
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.engine.scheduler import Scheduler
 from tests.unit.scheduler_harness import (
@@ -101,24 +103,38 @@ def test_random_workloads_conserve_host_ids(seed, policy, host):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10**6), policy=st.sampled_from(WRITE_POLICIES), host=st.integers(2, 12))
-def test_device_eviction_follows_its_definition(seed, policy, host):
-    """Every device eviction under random workloads drops what a walk over the whole index
-    would (least recently used first among unlocked nodes without a device-resident child),
-    backing pages up to the host as it goes."""
+def test_evictions_follow_their_definition(seed, policy, host):
+    """Every device and host eviction under random workloads leaves what a walk over the whole
+    index would: device copies go least recently used first among unlocked nodes without a
+    device-resident child (backed up to the host as they go), host-only leaves least recently
+    used first."""
     rng = random.Random(seed)
     sched = Scheduler(_config(policy, num_host_pages=host, num_host_snapshots=max(1, host // 3)))
     index, evictions = sched.kv.radix, []
-    evict = index.evict
+    evict, evict_host = index.evict, index.evict_host
+
+    def twin_of(index):
+        twin = copy.deepcopy(index)
+        del twin.evict, twin.evict_host  # the twin evicts by walking, through its own methods
+        return twin
 
     def checked(*want):
-        twin = copy.deepcopy(index)
+        twin = twin_of(index)
         expected = scan_evict(twin, twin._device_evictable, twin._evict_device, want)
         got = evict(*want)
         assert got == expected
+        assert _state(index) == _state(twin)
         evictions.append(got)
         return got
 
-    index.evict = checked
+    def checked_host(*want):
+        twin = twin_of(index)
+        _scan_evict_host(twin, *want)
+        evict_host(*want)
+        assert _state(index) == _state(twin)
+        evictions.append("host")
+
+    index.evict, index.evict_host = checked, checked_host
     stage = FakeStage(sched.config)
     bases = [[rng.randrange(37) for _ in range(40)] for _ in range(3)]
     for i in range(8):
@@ -129,7 +145,36 @@ def test_device_eviction_follows_its_definition(seed, policy, host):
         done = drive(sched, stage, depth=rng.choice([1, 2]))[f"q{i}"]
         assert (done.output_token_ids, done.finish_reason) == reference(prompt, params)
     sched.check_integrity()
-    assert any(e.page_ids for e in evictions)
+    assert any(e != "host" and e.page_ids for e in evictions)
+
+
+def _scan_evict_host(index, num_pages=0, num_snapshots=0, keep_host_only=False):
+    """evict_host by its definition, over every node of the index."""
+
+    def enough():
+        pages_ok = index.host_pages.num_free >= num_pages
+        return pages_ok and index.host_snapshots.num_free >= num_snapshots
+
+    if index.host_snapshots.num_free < num_snapshots:
+        index._free_resident(enough, pages=False)
+    if keep_host_only:
+        return
+    heap = [(n.tick, n.serial, n) for n in index._iter_nodes() if index._host_evictable(n)]
+    heapq.heapify(heap)
+    while heap and not enough():
+        _, _, node = heapq.heappop(heap)
+        parent = node.parent
+        index._remove_subtree(node, EvictResult([], [], []))
+        if index._host_evictable(parent):
+            heapq.heappush(heap, (parent.tick, parent.serial, parent))
+    index._free_resident(enough, pages=True)
+
+
+def _state(index):
+    """Each node's ids and the host allocators' free counts."""
+    nodes = sorted(index._iter_nodes(), key=lambda n: n.serial)
+    ids = [(n.serial, n.page_id, n.host_page, n.host_snapshot, n.snapshot) for n in nodes]
+    return ids, index.host_pages.num_free, index.host_snapshots.num_free
 
 
 def test_lost_stage_forgets_unconfirmed_backups_and_device_copies():
