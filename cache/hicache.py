@@ -205,6 +205,9 @@ class HiRadixIndex(RadixIndex):
     def _device_evictable(self, node: RadixNode) -> bool:
         return node.lock_ref == 0 and self._candidate(node) and self._only_cached(node)
 
+    def _keeps_parent(self, child: RadixNode) -> bool:
+        return child.page_id >= 0  # a host-only child leaves its device copy evictable
+
     def _candidate(self, node: RadixNode) -> bool:
         """A device-resident node none of whose children is: its device copy can go."""
         return node.page_id >= 0 and not any(c.page_id >= 0 for c in node.children.values())

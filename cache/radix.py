@@ -171,11 +171,19 @@ class RadixIndex:
     def num_nodes(self) -> int:
         return self._num_nodes
 
-    def _touch(self, nodes: Sequence[RadixNode]) -> None:
+    def _touch(self, path: Sequence[RadixNode]) -> None:
+        """Marks a path from the root as just used; entries for its candidates at the new tick
+        (a node whose child on the path keeps it from being one is passed over: long paths)."""
         tick = next(self._clock)
-        for node in nodes:
+        for node in path:
             node.tick = tick
-            self._offer(node)
+        for node, below in zip(path, [*path[1:], None]):
+            if below is None or not self._keeps_parent(below):
+                self._offer(node)
+
+    def _keeps_parent(self, child: RadixNode) -> bool:
+        """Whether a child alone keeps its parent from being an eviction candidate."""
+        return True
 
     def _candidate(self, node: RadixNode) -> bool:
         """Whether the node is evicted when nothing else keeps it: a leaf."""
