@@ -78,6 +78,18 @@ class Tokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def char_starts(self, text: str, ids: list[int]) -> list[int] | None:
+        """Where each of ids, ``encode(text)``'s tokens, starts in text, in characters (special
+        tokens' text included; a BOS that encode added at 0, the tokens of one character at
+        its start); None when ids are not text's tokens."""
+        enc = self._tok.encode(text, add_special_tokens=False)
+        added = len(ids) - len(enc.ids)  # a BOS encode put in front, or none
+        if added not in (0, 1) or list(ids[added:]) != enc.ids:
+            return None
+        if added and ids[0] != self.bos_token_id:
+            return None
+        return [0] * added + [start for start, _ in enc.offsets]
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -88,10 +88,11 @@ class TextOffsets:
     tokens add nothing, and the tokens of a character split across them all start where it
     does."""
 
-    def __init__(self, token_bytes: TokenBytes) -> None:
+    def __init__(self, token_bytes: TokenBytes, start: int = 0) -> None:
+        """start: the characters of the text before these tokens (an echoed prompt)."""
         self.token_bytes = token_bytes
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
+        self.chars = start
 
     def next(self, token_id: int) -> int:
         offset = self.chars
@@ -212,25 +213,38 @@ class _Format:
 
 class CompletionFormat(_Format):
     """echo: the prompt's text, which then opens the choice's text (its tokens open the
-    logprobs, the first with none)."""
+    logprobs, the first with none; ``set_echo``)."""
 
     prefix = "cmpl"
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, *args, echo: str | None = None, prompt_ids: list[int] = ()) -> None:
+    def __init__(self, *args) -> None:
         super().__init__(*args)
-        self.echo, self.prompt_ids = echo, list(prompt_ids)
+        self.echo: str | None = None
+        self.prompt_ids: list[int] = []
+        self.echo_offsets: list[int] = []  # where each prompt token starts in the echo
+        self.reset()
+
+    def set_echo(self, text: str, prompt_ids: list[int], offsets: list[int]) -> None:
+        """The choice's text opens with the prompt's text, whose tokens (prompt_ids) start at
+        offsets; the answer's then start after it."""
+        self.echo, self.prompt_ids, self.echo_offsets = text, list(prompt_ids), list(offsets)
         self.reset()
 
     def reset(self) -> None:
-        self.offsets = TextOffsets(self.token_bytes)  # a stream's text so far
+        self.offsets = self._answer_offsets()  # a stream's text so far
         self.opened = False  # a stream's first chunk (the echo, the prompt logprobs) went out
+
+    def _answer_offsets(self) -> TextOffsets:
+        """The answer's tokens' offsets: its text is decoded on its own, after the echo."""
+        return TextOffsets(self.token_bytes, len(self.echo or ""))
 
     def choice(self, output: RequestOutput) -> dict:
         extras = self._choice_extras(output, None)
         if self.echo is not None and extras["logprobs"] is not None:
+            prompt = self._prompt_steps()
             extras["logprobs"] = self.logprobs(
-                self._prompt_steps() + self._steps(output.token_ids, output.logprobs)
+                prompt + self._steps(output.token_ids, output.logprobs), prompt=len(prompt)
             )
         choice = {"index": self.index, "text": (self.echo or "") + output.text,
                   "finish_reason": output.finish_reason, **extras}  # fmt: skip
@@ -248,9 +262,10 @@ class CompletionFormat(_Format):
         if opening and self.echo is not None:
             text = self.echo + text
             if self.num_top is not None:
-                steps = self._prompt_steps() + self._steps(token_ids, logprobs)
-                self.offsets = TextOffsets(self.token_bytes)  # the prompt's tokens open them
-                extras["logprobs"] = self.logprobs(steps, stream=True)
+                prompt = self._prompt_steps()  # the prompt's tokens open them
+                steps = prompt + self._steps(token_ids, logprobs)
+                self.offsets = self._answer_offsets()  # not yet past this chunk's tokens
+                extras["logprobs"] = self.logprobs(steps, stream=True, prompt=len(prompt))
         choice = {"index": self.index, "text": text,
                   "finish_reason": output.finish_reason if output else None, **extras}  # fmt: skip
         if opening and self.show_prompt_logprobs is not None:
@@ -269,18 +284,19 @@ class CompletionFormat(_Format):
             steps.append((token_id, entries[0][1], best))
         return steps
 
-    def logprobs(self, steps: list, stream: bool = False) -> dict:
-        """text_offset indexes the choice's text: the echoed prompt's tokens, then the answer's
-        (a stream's offsets go on from its earlier chunks)."""
+    def logprobs(self, steps: list, stream: bool = False, prompt: int = 0) -> dict:
+        """text_offset indexes the choice's text: the echoed prompt's tokens (the first prompt
+        steps, at ``echo_offsets``), then the answer's (a stream's offsets go on from its
+        earlier chunks)."""
         tokens, token_logprobs, tops, offsets = [], [], [], []
-        at = self.offsets if stream else TextOffsets(self.token_bytes)
-        for token_id, logprob, best in steps:
+        at = self.offsets if stream else self._answer_offsets()
+        for i, (token_id, logprob, best) in enumerate(steps):
             text = self.legacy_token(token_id)
             tokens.append(text)
             token_logprobs.append(logprob)
             top = {**{self.legacy_token(t): lp for t, lp in best}, text: logprob}
             tops.append(None if logprob is None else top)
-            offsets.append(at.next(token_id))
+            offsets.append(self.echo_offsets[i] if i < prompt else at.next(token_id))
         return {
             "tokens": tokens,
             "token_logprobs": token_logprobs,

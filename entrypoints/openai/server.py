@@ -36,7 +36,12 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.api import build_api
 from dsv4ray.entrypoints.openai.edge import aborted, read_body
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request, refusal
-from dsv4ray.entrypoints.openai.format import ChatFormat, CompletionFormat, TokenBytes
+from dsv4ray.entrypoints.openai.format import (
+    ChatFormat,
+    CompletionFormat,
+    TextOffsets,
+    TokenBytes,
+)
 from dsv4ray.entrypoints.openai.format import usage as format_usage
 from dsv4ray.entrypoints.openai.metrics import STATUS_CLIENT_CLOSED, ServeMetrics
 from dsv4ray.entrypoints.openai.protocol import (
@@ -257,10 +262,19 @@ class OpenAIServer:
             )
             fmt = first.sibling(len(runs))
             if req.echo:
-                text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
-                fmt.echo, fmt.prompt_ids = text, prompt_ids
+                fmt.set_echo(*self._echo(prompt, prompt_ids))
             runs += self._runs(fmt, prompt_ids, params, req)
         return await self._generate("/v1/completions", runs, req)
+
+    def _echo(self, prompt: str | list[int], prompt_ids: list[int]):
+        """(text, prompt_ids, where each prompt token starts in text) of an echoed prompt: a
+        string as it was sent (special tokens' text included), token ids decoded."""
+        text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt_ids)
+        starts = self.engine.tokenizer.char_starts(prompt, prompt_ids) if text is prompt else None
+        if starts is None:  # decoded ids: each token's bytes in the decoded text
+            at = TextOffsets(self.token_bytes)
+            starts = [at.next(token_id) for token_id in prompt_ids]
+        return text, prompt_ids, starts
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)

@@ -113,6 +113,36 @@ def test_echo_opens_the_text_and_the_logprobs_with_the_prompt(client, engine):
     assert joined == logprobs
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_offsets_index_the_text_around_special_tokens_and_split_characters(
+    client, engine, stream
+):
+    """A prompt string that spells special tokens is echoed as sent (their text included), a
+    token-id prompt that ends inside a character is decoded on its own, as is the answer: in
+    both every token's text_offset points at it in the choice's text."""
+
+    def echoed(prompt) -> tuple[str, list[str], list[int]]:
+        fields = dict(prompt=prompt, echo=True, max_tokens=2, logprobs=0)
+        if not stream:
+            got = post(client, **fields)["choices"][0]
+            return got["text"], got["logprobs"]["tokens"], got["logprobs"]["text_offset"]
+        chunks = [c["choices"][0] for c in events(client, **fields)]
+        join = lambda key: sum((c["logprobs"][key] for c in chunks if c["logprobs"]), [])  # noqa: E731
+        return "".join(c["text"] for c in chunks), join("tokens"), join("text_offset")
+
+    engine.reply = engine.tokenizer.encode("zy", add_bos=False)
+    text, tokens, offsets = echoed("a<｜User｜>b")
+    assert text == "a<｜User｜>bzy"
+    assert offsets == [0, 0, 1, 9, 10, 11]  # the BOS encode added is not in the text
+    assert all(text[at : at + len(t)] == t for t, at in list(zip(tokens, offsets))[1:])
+
+    char = engine.tokenizer.encode("你", add_bos=False)  # three byte tokens
+    engine.reply = [char[2], *engine.tokenizer.encode("x", add_bos=False)]
+    text, tokens, offsets = echoed(engine.tokenizer.encode("h", add_bos=False) + char[:2])
+    assert text == "h\ufffd\ufffdx"  # the prompt's cut character, then the answer's
+    assert offsets == [0, 1, 1, 2, 3] and text[offsets[-1]] == "x"
+
+
 def test_prompt_logprobs_are_vllms_shape_once_per_prompt(client, engine):
     got = post(client, prompt_logprobs=2, n=2, max_tokens=1)
     prompt = engine.requests[0][0]
