@@ -157,8 +157,9 @@ class OutputProcessor:
         chunks.append((start, logits))
 
     def pop_logits(self, req_id: str) -> list:
-        """The [n, V] fp32 logits of a scoring request's positions, in order."""
-        return [logits for _, logits in self.logits.pop(req_id)]
+        """The [n, V] fp32 logits of a scoring request's positions, in order (none when it
+        ended before its first pass, aborted)."""
+        return [logits for _, logits in self.logits.pop(req_id, [])]
 
 
 def _stop_prefix(text: str, stops: tuple[str, ...]) -> int:

@@ -97,7 +97,9 @@ class LLM:
 
     def score(self, prompts: Sequence[Sequence[int]]) -> list:
         """Teacher-forced log-probabilities [len(prompt), V] (fp32) of every prompt position,
-        computed through the paged pipeline (chunked prefill, the configured page format)."""
+        computed through the paged pipeline (chunked prefill, the configured page format).
+        RuntimeError naming the prompt when a step computing it failed (never a partial result;
+        every request of the call is dropped first)."""
         if isinstance(prompts, (str, bytes)) or any(
             isinstance(p, (str, bytes)) or not isinstance(p, Sequence) for p in prompts
         ):
@@ -105,10 +107,14 @@ class LLM:
                              "prompt is [ids])")  # fmt: skip
         ids = self._prompt_ids([list(p) for p in prompts])
         req_ids = self._run(ids, [SamplingParams(max_tokens=1)] * len(ids), score=True)
-        logits = [torch.log_softmax(torch.cat(self.core.pop_logits(r)), dim=-1) for r in req_ids]
-        for r in req_ids:
-            self.core.pop_output(r)
-        return logits
+        chunks = [self.core.pop_logits(r) for r in req_ids]  # never raises: all are popped
+        outputs = [self.core.pop_output(r) for r in req_ids]
+        for number, (prompt, output, rows) in enumerate(zip(ids, outputs, chunks, strict=True)):
+            scored = sum(len(r) for r in rows)
+            if output.finish_reason == "abort" or scored != len(prompt):
+                why = output.error or f"{scored} of its {len(prompt)} positions were scored"
+                raise RuntimeError(_named(f"not scored: {why}", number, len(ids)))
+        return [torch.log_softmax(torch.cat(rows), dim=-1) for rows in chunks]
 
     def _prompt_ids(self, prompts: Sequence) -> list[list[int]]:
         """Each prompt's token ids; a refused one is named by its place in the call."""
@@ -151,6 +157,11 @@ def _for_prompt(exc: ValueError, req_id: str, number: int, num_prompts: int) -> 
     bare = without_request_id(message, req_id)
     named = f"prompt {number}: {bare}" if bare != message or num_prompts > 1 else message
     return RequestError(named, getattr(exc, "field", None))
+
+
+def _named(message: str, number: int, num_prompts: int) -> str:
+    """message about the call's prompt ``number`` (0-based), named when the call had several."""
+    return f"prompt {number}: {message}" if num_prompts > 1 else message
 
 
 def _per_prompt(sampling_params, n: int) -> list[SamplingParams]:

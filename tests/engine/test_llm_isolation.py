@@ -238,6 +238,37 @@ def test_an_interrupted_score_leaves_nothing_held(llm, monkeypatch):
     _assert_nothing_held(llm)
 
 
+@pytest.mark.parametrize("failing_pass", [1, 2])
+def test_a_score_whose_pass_failed_raises_and_leaves_nothing_held(
+    llm, tiny_ckpt, monkeypatch, failing_pass
+):
+    """A stage failure in a score's first pass, or in a later chunk of a long prompt, raises
+    naming the prompt, never a partial [n, V] result, and the engine keeps scoring."""
+    chunked = LLM(tiny_ckpt, kv_cache_dtype="fp32", max_num_batched_tokens=256)
+    try:
+        worker, passes = chunked.core.pipeline.workers[0], []
+        run = worker.run_layers
+
+        def run_failing(*args):
+            passes.append(1)
+            if len(passes) == failing_pass:
+                raise RuntimeError("injected compute failure")
+            return run(*args)
+
+        monkeypatch.setattr(worker, "run_layers", run_failing)
+        long = [5 + i % 200 for i in range(600)]  # three passes of 256 tokens
+        first = 0 if failing_pass == 1 else 1  # the first pass holds both prompts
+        with pytest.raises(RuntimeError, match=rf"^prompt {first}: not scored: .*pipeline stage"):
+            chunked.score([PROMPTS[0], long])
+        monkeypatch.undo()
+        _assert_nothing_held(chunked)
+        got = chunked.score([long])[0]
+        assert got.shape[0] == len(long)
+        torch.testing.assert_close(got, llm.score([long])[0], rtol=0, atol=1e-4)
+    finally:
+        chunked.shutdown()
+
+
 def test_a_refused_prompt_is_named_by_its_place_in_the_call(llm):
     too_long = [5] * (llm.core.max_model_len + 1)
     bad_bias = SamplingParams(max_tokens=2, logit_bias={10**6: 1.0})
