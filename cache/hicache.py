@@ -186,13 +186,15 @@ class HiRadixIndex(RadixIndex):
     ) -> EvictResult:
         """Drops device copies (LRU, unlocked, no device-resident child) until enough ids are
         free. Nodes with a host copy (made now under write_back) stay, host only."""
-        return self._evict_lru(
+        result = self._evict_lru(
             self._device_evictable,
             self._evict_device,
             num_pages,
             num_window_pages,
             num_state_slots,
         )
+        self._drop_snapshots(result, num_window_pages, num_state_slots)
+        return result
 
     def _evict_device(self, node: RadixNode, result: EvictResult) -> None:
         """A node leaving the device keeps a host copy: all of it under write_back, and under
@@ -221,14 +223,6 @@ class HiRadixIndex(RadixIndex):
         self._offer(node)  # host only now: a leaf is a candidate of ``evict_host``
         self._offer(node.parent)  # its last device-resident child may have gone
         self._release_snapshot(node, result)
-
-    def _release_snapshot(self, node: RadixNode, result: EvictResult) -> None:
-        if node.snapshot is not None:
-            result.window_page_ids.extend(
-                self.window_alloc.cache_release([node.snapshot.window_page_id])
-            )
-            result.state_slots.extend(self.state_alloc.cache_release([node.snapshot.state_slot]))
-            node.snapshot = None
 
     def _remove_subtree(self, node: RadixNode, result: EvictResult) -> None:
         for child in list(node.children.values()):

@@ -284,10 +284,51 @@ class RadixIndex:
         self, num_pages: int = 0, num_window_pages: int = 0, num_state_slots: int = 0
     ) -> EvictResult:
         """Evict unlocked leaves, least recently used first, until at least the requested
-        numbers of ids went back to the free lists (or nothing evictable is left)."""
-        return self._evict_lru(
+        numbers of ids went back to the free lists (or nothing evictable is left); then, if the
+        window or cached-state pool is still short, spare snapshots (``_drop_snapshots``)."""
+        result = self._evict_lru(
             self._evictable, self._remove_leaf, num_pages, num_window_pages, num_state_slots
         )
+        self._drop_snapshots(result, num_window_pages, num_state_slots)
+        return result
+
+    def _drop_snapshots(self, result: EvictResult, num_window_pages: int,
+                        num_state_slots: int) -> None:  # fmt: skip
+        """Snapshots no request uses, least recently used first, until the window and cached-
+        state pools got what was asked; their nodes stay, as path to deeper snapshots. Those
+        of a locked path are reclaimed this way: a request alone with a long cached path
+        would otherwise hold them while its next chunk waits for their window pages."""
+
+        def short() -> bool:
+            return (len(result.window_page_ids) < num_window_pages
+                    or len(result.state_slots) < num_state_slots)  # fmt: skip
+
+        if not short():
+            return
+        spare = [n for n in self._iter_nodes() if self._spare_snapshot(n)]
+        for node in sorted(spare, key=lambda n: (n.tick, n.serial)):
+            if not short():
+                return
+            self._release_snapshot(node, result)
+
+    def _spare_snapshot(self, node: RadixNode) -> bool:
+        """Whether the node's snapshot can go: no request's match ends at the node (a lock
+        there beyond its children's) and nothing but the index holds its ids."""
+        snap = node.snapshot
+        return (
+            snap is not None
+            and node.lock_ref == sum(c.lock_ref for c in node.children.values())
+            and self.window_alloc.refcount(snap.window_page_id) == 1
+            and self.state_alloc.refcount(snap.state_slot) == 1
+        )
+
+    def _release_snapshot(self, node: RadixNode, result: EvictResult) -> None:
+        if node.snapshot is not None:
+            result.window_page_ids.extend(
+                self.window_alloc.cache_release([node.snapshot.window_page_id])
+            )
+            result.state_slots.extend(self.state_alloc.cache_release([node.snapshot.state_slot]))
+            node.snapshot = None
 
     def _evict_lru(
         self, evictable, drop, num_pages: int, num_window_pages: int, num_state_slots: int
@@ -330,12 +371,7 @@ class RadixIndex:
         self._offer(node.parent)
         if node.page_id >= 0:
             result.page_ids.extend(self.page_alloc.cache_release([node.page_id]))
-        if node.snapshot is not None:
-            result.window_page_ids.extend(
-                self.window_alloc.cache_release([node.snapshot.window_page_id])
-            )
-            result.state_slots.extend(self.state_alloc.cache_release([node.snapshot.state_slot]))
-            node.snapshot = None
+        self._release_snapshot(node, result)
 
     def _iter_nodes(self) -> Iterator[RadixNode]:
         stack = list(self._root.children.values())

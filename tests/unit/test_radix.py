@@ -202,7 +202,40 @@ def scan_evict(index, evictable, drop, want) -> EvictResult:
         drop(node, result)
         if evictable(parent):
             heapq.heappush(heap, (parent.tick, parent.serial, parent))
+    # then snapshots no request uses, least recently used first, while windows or slots lack
+    for node in sorted(index._iter_nodes(), key=lambda n: (n.tick, n.serial)):
+        if all(len(got) >= n for got, n in list(zip(result, want))[1:]):
+            break
+        snap = node.snapshot
+        ends_a_match = node.lock_ref > sum(c.lock_ref for c in node.children.values())
+        if snap is None or ends_a_match:
+            continue
+        if index.window_alloc.refcount(snap.window_page_id) == 1:
+            if index.state_alloc.refcount(snap.state_slot) == 1:
+                result.window_page_ids.extend(
+                    index.window_alloc.cache_release([snap.window_page_id])
+                )
+                result.state_slots.extend(index.state_alloc.cache_release([snap.state_slot]))
+                node.snapshot = None
     return result
+
+
+def test_a_locked_path_gives_up_the_snapshots_no_match_ends_at():
+    """A request that matched the end of a long cached path locks it, but it needs only the
+    snapshot it matched: the window pages and cached-state slots of the snapshots before it
+    go back when those pools are short, and the path still leads to the match."""
+    index, pages, windows, states = make_index()
+    tokens = list(range(4 * PAGE))
+    for depth in (1, 2, 3):  # a conversation growing page by page: a snapshot at each end
+        cache_prefix(index, pages, windows, states, tokens[: depth * PAGE])
+    matched, node = index.match(tokens + [0], 3)
+    index.lock(node)
+    got = index.evict(num_window_pages=3, num_state_slots=3)
+    assert (len(got.window_page_ids), len(got.state_slots), got.page_ids) == (2, 2, [])
+    assert node.snapshot is not None and index.match(tokens + [0], 3) == (matched, node)
+    assert index.match(tokens[: 2 * PAGE] + [0], 2) == ([], None)  # no snapshot to end at
+    index.unlock(node)
+    index.check_integrity()
 
 
 def test_eviction_does_not_walk_the_whole_index():

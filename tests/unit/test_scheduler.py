@@ -268,6 +268,26 @@ def test_a_request_computing_every_position_finishes_beside_its_cached_prefix(nu
     assert out.output_token_ids == reference(prompt, params)[0] and out.num_cached_tokens == 0
 
 
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_next_turn_of_a_conversation_runs_in_a_pool_its_cached_turns_fill(depth):
+    """Each turn of a conversation leaves a snapshot on one cached path. A longer turn that
+    matches its end locks the path; in a window pool at its minimum the snapshots before the
+    match held the window pages its chunks need, and it preempted itself, or waited with
+    nothing running, for ever. They are reclaimed now: it runs to its reference tokens."""
+    config = small_config(num_window_pages=7, num_cached_state_slots=6)
+    assert config.num_window_pages == config.min_window_pages
+    sched, stage = Scheduler(config), FakeStage(config)
+    conversation = [(7 * k + 3) % VOCAB for k in range(90)]
+    for i, length in enumerate((17, 25, 33)):
+        sched.add_request(f"turn {i}", conversation[:length], SamplingParams(max_tokens=1))
+        drive(sched, stage, depth=depth)
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    sched.add_request("long", conversation, params)
+    out = drive(sched, stage, depth=depth, max_steps=100)["long"]
+    assert out.output_token_ids == reference(conversation, params)[0]
+    assert out.num_cached_tokens == 32
+
+
 def test_abort_and_finish_release_everything_and_tell_the_stages():
     sched = Scheduler(small_config())
     stage = FakeStage(sched.config)
