@@ -13,6 +13,7 @@ import logging
 import torch
 
 from dsv4ray.config import ModelConfig
+from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
 from dsv4ray.model.mtp import DraftModel, MTPBlock
 from dsv4ray.model.reference import DSV4Reference
@@ -98,9 +99,15 @@ def keep_quantized(module: torch.nn.Module, path: str, cfg: ModelConfig, want=No
     if quant is None:
         raise ValueError(f"weight_format 'native' needs a quantized checkpoint; {path!r} has none")
     kinds = quantized_weights(path, quant, want)
+    if not kinds and not quantized_weights(path, quant):
+        raise ValueError(f"weight_format 'native' needs quantised weights; {path!r} stores none "
+                         "(its config.json has a quantization_config)")  # fmt: skip
     for name, kind in kinds.items():
         parent_name, _, attr = name[: -len(".weight")].rpartition(".")
-        parent = module.get_submodule(parent_name)
+        try:
+            parent = module.get_submodule(parent_name)
+        except AttributeError:
+            raise CheckpointError(f"unexpected tensor {name!r} in the checkpoint") from None
         old = getattr(parent, attr, None)
         if not isinstance(old, torch.nn.Linear):
             raise CheckpointError(f"tensor {name!r} is stored quantised but is no linear's weight")
@@ -113,8 +120,30 @@ def keep_quantized(module: torch.nn.Module, path: str, cfg: ModelConfig, want=No
         layer = QuantLinear(old.in_features, old.out_features, kind, quant.weight_block_size,
                             scale_bytes, groups)  # fmt: skip
         setattr(parent, attr, layer)
+    _check_expert_formats(module)
     log.info("%d linear layers keep their quantised weights", len(kinds))
     return len(kinds)
+
+
+def _check_expert_formats(module: torch.nn.Module) -> None:
+    """The routed experts of a layer run as one stack, so native weights need them stored
+    alike (a dequantized load takes any mix)."""
+    for name, moe in module.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        first = _expert_format(moe.experts[0])
+        for i, expert in enumerate(moe.experts):
+            if _expert_format(expert) != first:
+                raise CheckpointError(
+                    f"the routed experts of {name!r} are stored in different formats (expert 0 "
+                    f"{first}, expert {i} {_expert_format(expert)}): native weights need one "
+                    "format for a layer's experts; load with weight_format='dequantized'"
+                )
+
+
+def _expert_format(expert: torch.nn.Module) -> tuple:
+    """The storage kind of an expert's w1, w2 and w3 ("fp8", "fp4" or "plain")."""
+    return tuple(getattr(getattr(expert, w), "kind", "plain") for w in ("w1", "w2", "w3"))
 
 
 def missing_draft_tensors(path: str, cfg: ModelConfig | None = None) -> list[str]:

@@ -110,6 +110,9 @@ def iter_tensors(
                     f"{name!r} ({entry.dtype})"
                 )
             data, scale = shards.read(entry), shards.read(index[scale_name])
+            if data.dim() != 2:
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(data.shape)}: a "
+                                      "quantised weight is a matrix [rows, columns]")  # fmt: skip
             item = QuantizedWeight(name, data, scale, kind, quant.weight_block_size)
         yield name, item
         del item  # the next tensor is read while this one could still be referenced
@@ -161,8 +164,12 @@ def _check_scales(index: dict[str, _Entry], want) -> None:
     for name in index:
         if not name.endswith(SCALE_SUFFIX) or (want is not None and not want(name)):
             continue
-        weight = index.get(name[: -len(SCALE_SUFFIX)] + ".weight")
-        if weight is None or weight.dtype not in _QUANTISED:
+        weight_name = name[: -len(SCALE_SUFFIX)] + ".weight"
+        weight = index.get(weight_name)
+        if weight is None:
+            raise CheckpointError(f"checkpoint is missing tensor {weight_name!r}, the weight "
+                                  f"of the scale {name!r}")  # fmt: skip
+        if weight.dtype not in _QUANTISED:
             raise CheckpointError(
                 f"unexpected tensor {name!r} in the checkpoint: no quantised weight beside it"
             )

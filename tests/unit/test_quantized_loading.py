@@ -117,6 +117,16 @@ def _fp8_experts(raw):
             None,
             r"scale tensor 'layers\.1\.attn\.wkv\.scale' has shape \(4, 3\)",
         ),
+        (
+            lambda t: t.pop("layers.1.attn.wq_b.weight"),
+            None,
+            r"missing tensor 'layers\.1\.attn\.wq_b\.weight', the weight of the scale",
+        ),
+        (
+            lambda t: t.update({"layers.1.attn.wq_b.weight": t["layers.1.attn.wq_b.weight"][None]}),
+            None,
+            r"'layers\.1\.attn\.wq_b\.weight' has shape \(1, \d+, \d+\): a quantised weight",
+        ),
     ],
     ids=[
         "missing-scale",
@@ -125,6 +135,8 @@ def _fp8_experts(raw):
         "orphan-scale",
         "expert-dtype",
         "scale-shape",
+        "missing-weight",
+        "weight-not-a-matrix",
     ],
 )
 def test_bad_quantised_checkpoints_name_the_tensor(release, tmp_path, tensors, config, match):
@@ -219,6 +231,51 @@ def test_stage_load_stays_within_1_2x_of_its_own_bytes(tmp_path):
     assert result["bfloat16"][0] and result["float32"][0], result
     assert not result["eager"][0], result
     assert result["bfloat16"][1] > 15e6  # large enough that 20% is far above allocator noise
+
+
+@pytest.mark.parametrize("weight_format", ["dequantized", "native"])
+def test_a_tensor_the_model_has_no_place_for_is_named_in_both_formats(
+    release, tmp_path, weight_format
+):
+    def extra_expert(t):  # the config has 4 routed experts
+        for suffix in (".weight", ".scale"):
+            t["layers.2.ffn.experts.4.w1" + suffix] = t[
+                "layers.2.ffn.experts.3.w1" + suffix
+            ].clone()
+
+    path = _edit(release, tmp_path, extra_expert)
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'layers\.2\.ffn\.experts\.4"):
+        load_stage(path, 0, 3, weight_format=weight_format)
+
+
+def _plain(t, base: str) -> None:
+    """The quantised weight ``base`` stored as plain bf16 instead (its scale gone)."""
+    kind = "fp4" if t[base + ".weight"].dtype == torch.int8 else "fp8"
+    weight = QuantizedWeight(base + ".weight", t[base + ".weight"], t[base + ".scale"], kind)
+    rows, cols = weight.shape
+    t[base + ".weight"] = torch.zeros(rows, cols, dtype=torch.bfloat16)
+    del t[base + ".scale"]
+
+
+def test_native_weights_refuse_a_layers_experts_stored_in_different_formats(release, tmp_path):
+    """A layer's routed experts run as one stack with native weights: one stored plain among
+    FP4 ones is refused at load naming the layer and the way out, which loads it."""
+    path = _edit(release, tmp_path, lambda t: _plain(t, "layers.2.ffn.experts.1.w1"))
+    with pytest.raises(CheckpointError, match=r"experts of 'layers\.2\.ffn'.*'dequantized'"):
+        load_stage(path, 0, 3, weight_format="native")
+    load_stage(path, 0, 3, weight_format="dequantized")
+
+
+def test_native_weights_on_a_checkpoint_that_stores_none_quantised_are_refused(release, tmp_path):
+    """A dequantized export that kept its quantization_config."""
+
+    def dequantized(t):
+        for name in [n for n in t if n.endswith(".scale")]:
+            _plain(t, name[: -len(".scale")])
+
+    path = _edit(release, tmp_path, dequantized)
+    with pytest.raises(ValueError, match=r"weight_format 'native' needs quantised weights"):
+        load_stage(path, 0, 3, weight_format="native")
 
 
 def test_fp4_scales_beyond_the_kernels_range_refuse_native_loading(release, tmp_path):
