@@ -20,13 +20,16 @@ from dsv4ray.entrypoints.model_path import DEFAULT_MODEL_ENV, default_model, mod
 def cmd_make_tiny(args: argparse.Namespace) -> int:
     import torch
 
-    from dsv4ray.model.tiny import STREAMED, make_tiny
+    from dsv4ray.model.tiny import PRESETS, STREAMED, make_tiny
 
     device = args.device or ("cuda" if args.preset in STREAMED and torch.cuda.is_available()
                              else "cpu")  # fmt: skip
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"dsv4ray make-tiny: --device {device}: this machine has no CUDA GPU")
-    over = {"num_hidden_layers": args.layers} if args.layers is not None else {}
+    over = {}
+    if args.layers is not None:  # the preset's hash-routed layers come first: at most all
+        hash_layers = PRESETS.get(args.preset, {}).get("num_hash_layers", 0)
+        over = {"num_hidden_layers": args.layers, "num_hash_layers": min(hash_layers, args.layers)}
     try:
         path = make_tiny(args.out, args.preset, args.seed, device, args.quantize, **over)
     except (OSError, RuntimeError) as exc:  # the output path; a device torch does not know
@@ -258,7 +261,10 @@ def _add_make_tiny(sub) -> None:
     )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
-        "--layers", type=_positive_int, default=None, help="num_hidden_layers (default: preset's)"
+        "--layers",
+        type=_positive_int,
+        default=None,
+        help="num_hidden_layers (default: the preset's; its hash-routed layers are at most N)",
     )
     tiny.add_argument(
         "--device",

@@ -25,6 +25,7 @@ import torch
 from dsv4ray.config import QuantConfig
 from dsv4ray.config_quant import RELEASE_LAYOUTS
 from dsv4ray.model.quant import quantize_fp4, quantize_fp8
+from dsv4ray.model.weights import clear_checkpoint
 
 _EXPERT = re.compile(r"(^|\.)experts\.\d+\.w[123]\.weight$")
 _BF16_LINEAR = re.compile(
@@ -82,6 +83,7 @@ def save_sharded(tensors: dict[str, torch.Tensor], path: str, num_shards: int = 
     size, plus the index that maps every tensor to its file."""
     from safetensors.torch import save_file
 
+    clear_checkpoint(path)  # in place of any checkpoint written there before
     sizes = {k: v.numel() * v.element_size() for k, v in tensors.items()}
     total = sum(sizes.values())
     per_shard = math.ceil(total / num_shards)

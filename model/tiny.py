@@ -23,7 +23,7 @@ from dsv4ray.config import ModelConfig
 from dsv4ray.model.mtp import MTPBlock
 from dsv4ray.model.reference import DSV4Reference
 from dsv4ray.model.release import release_quant_fields, release_tensors, save_sharded
-from dsv4ray.model.weights import save_state
+from dsv4ray.model.weights import clear_checkpoint, save_state
 from dsv4ray.text.tokenizer_files import write_byte_tokenizer
 
 log = logging.getLogger("dsv4ray.model")
@@ -114,7 +114,13 @@ def tiny_config(preset: str = "tiny", **overrides) -> ModelConfig:
         # the layers cycle the preset's pattern; MTP layers attend densely
         layers = [pattern[i % len(pattern)] for i in range(raw["num_hidden_layers"])]
         raw["compress_ratios"] = layers + [0] * raw.get("num_nextn_predict_layers", 1)
-    return ModelConfig.from_hf(raw)
+    cfg = ModelConfig.from_hf(raw)
+    # from_hf ignores keys it does not know (as a real config.json may hold): a misspelt
+    # override would be dropped without a word
+    unknown = sorted(set(overrides) - set(cfg.to_official_dict()) - {"compress_pattern"})
+    if unknown:
+        raise ValueError(f"unknown model option {unknown[0]!r} for the {preset!r} preset")
+    return cfg
 
 
 def make_tiny(
@@ -167,6 +173,7 @@ def write_streamed(out_dir: str, cfg: ModelConfig, seed: int, device: str) -> No
     gen = torch.Generator(device=device).manual_seed(seed)
     dtype = getattr(torch, cfg.torch_dtype)
     os.makedirs(out_dir, exist_ok=True)
+    clear_checkpoint(out_dir)  # in place of any checkpoint written there before
     shards: list[list[str]] = []
     shard: dict[str, torch.Tensor] = {}
     total = shard_bytes = 0

@@ -14,6 +14,7 @@ weight without its scale and a scale of the wrong shape fail with the tensor nam
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator
@@ -26,6 +27,8 @@ from dsv4ray.config import QuantConfig
 from dsv4ray.config_quant import FP4_MAX_SCALE_BYTE
 from dsv4ray.model.checkpoint_check import CheckpointError
 from dsv4ray.model.quant import QuantizedWeight, scale_to_float
+
+log = logging.getLogger("dsv4ray.model")
 
 _RENAMES = (
     (re.compile(r"^embed_tokens\.weight$"), "embed.weight"),
@@ -305,8 +308,30 @@ def _check_scale_shape(weight: QuantizedWeight) -> None:
         )
 
 
+STALE_FILES = ("model.safetensors", "model.safetensors.index.json", "training.json")
+
+
+def clear_checkpoint(path: str) -> None:
+    """Removes the weight files (one file, an index, shards) and training summary a checkpoint
+    written to ``path`` before left there: the loader prefers an index to a single file, so a
+    new checkpoint of the other layout would load the old one's shards."""
+    if not os.path.isdir(path):
+        return
+    stale = [f for f in os.listdir(path) if f in STALE_FILES or _SHARD.fullmatch(f)]
+    for name in stale:
+        os.remove(os.path.join(path, name))
+    if stale:
+        log.info("replaced the checkpoint in %s (removed %s)", path, ", ".join(sorted(stale)))
+
+
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+
+
 def save_state(tensors: dict[str, torch.Tensor], path: str) -> None:
+    """tensors into path/model.safetensors, in place of any checkpoint written there before."""
     from safetensors.torch import save_file
+
+    clear_checkpoint(path)
 
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},

@@ -67,9 +67,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = [f.name for f in dataclasses.fields(TrainConfig)]
     cfg = TrainConfig(**{n: getattr(args, n) for n in names})
+    # on CPU too: on several threads the compressor's position-bias gradient (an indexed
+    # accumulation) sums in a different order from run to run otherwise
+    torch.use_deterministic_algorithms(True, warn_only=True)
     if torch.device(cfg.device).type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = True  # the attention's fp32 einsums
     corpus = load_corpus(args.root)
     print(

@@ -156,7 +156,8 @@ class BiasBalancer:
 
 
 def lr_at(cfg: TrainConfig, step: int) -> float:
-    """Linear warmup, then cosine decay to min_lr_ratio * lr at the last step."""
+    """Linear warmup, then cosine decay toward min_lr_ratio * lr, which step ``steps`` (one
+    past the last) would take."""
     if step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
@@ -282,7 +283,10 @@ def _summary(cfg: TrainConfig, corpus: Corpus, losses, elapsed: float) -> dict:
             "held_out_files": corpus.held_out.num_files,
             "held_out_bytes": corpus.held_out.num_bytes,
         },
-        "final_train_loss_bits": [m / LN2 for m in losses[-1]],
+        # as the last progress line logged them: means of the last log_every steps
+        "final_train_loss_bits": [sum(v) / len(v) / LN2 for v in zip(*losses[-cfg.log_every :])],
+        "final_train_loss_note": f"mean of the last {min(cfg.log_every, len(losses))} steps "
+        "(main, MTP), as logged",
         "train_seconds": round(elapsed, 1),
     }
 

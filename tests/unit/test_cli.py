@@ -297,8 +297,20 @@ def test_serve_checks_options_for_any_accelerator_before_ray(tiny_ckpt):
     assert exit_info.value.code == 2
 
 
-def test_make_tiny_options_the_preset_cannot_take_are_a_usage_error(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["make-tiny", "--out", str(tmp_path / "m"), "--layers", "1"])
-    assert exc.value.code == 2
-    assert "dsv4ray make-tiny: num_hash_layers" in capsys.readouterr().err
+def test_make_tiny_with_fewer_layers_than_the_presets_hash_layers(tmp_path):
+    """The tiny preset routes its first 2 layers by hash; --layers 1 keeps one of them (it was
+    refused naming num_hash_layers, which no flag sets)."""
+    out = str(tmp_path / "m")
+    assert main(["make-tiny", "--out", out, "--layers", "1"]) == 0
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)
+    assert (written["num_hidden_layers"], written["num_hash_layers"]) == (1, 1)
+    assert load_reference(out, torch.float32)(torch.tensor([[0, 5, 6]])).isfinite().all()
+
+
+def test_a_misspelt_model_option_of_a_tiny_preset_is_refused_by_name():
+    from dsv4ray.model.tiny import tiny_config
+
+    with pytest.raises(ValueError, match=r"unknown model option 'hiden_size' for the 'tiny'"):
+        tiny_config("tiny", hiden_size=64)
+    assert tiny_config("tiny", hidden_size=64).hidden_size == 64

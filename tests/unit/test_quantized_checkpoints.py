@@ -10,6 +10,7 @@ transformers' quantised load whatever ``dtype`` asks, so its model is cast to fp
 """
 
 import json
+import os
 import re
 
 import pytest
@@ -151,6 +152,24 @@ def test_make_tiny_command_writes_the_release_layout(tmp_path, capsys, monkeypat
     assert cfg["expert_dtype"] == "fp4" and cfg["quantization_config"]["scale_fmt"] == "ue8m0"
     assert (out / "model.safetensors.index.json").is_file()
     assert load_reference(str(out)).cfg.quantization.expert_dtype == "fp4"
+
+
+@pytest.mark.parametrize("first,second", [(None, "fp8"), ("fp8", None)])
+def test_a_checkpoint_written_over_another_replaces_it(tmp_path, first, second):
+    """One file then shards, or shards then one file, into the same folder: the folder holds
+    the second checkpoint alone and loads as it (the loader prefers an index to one file)."""
+    out = str(tmp_path / "ckpt")
+    make_tiny(out, "tiny", seed=1, quantize=first, **SMALL)
+    make_tiny(out, "tiny", seed=2, quantize=second, **SMALL)
+    alone = make_tiny(str(tmp_path / "alone"), "tiny", seed=2, quantize=second, **SMALL)
+    assert sorted(os.listdir(out)) == sorted(os.listdir(alone))
+    ids = torch.tensor([[0, 74, 103, 55]])
+    torch.testing.assert_close(
+        load_reference(out, torch.float32)(ids),
+        load_reference(alone, torch.float32)(ids),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_a_scale_stored_as_another_integer_type_is_refused_by_name(quant_ckpt, tmp_path):

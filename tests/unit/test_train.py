@@ -1,7 +1,9 @@
 """The tiny trainer at micro scale on CPU: the loss falls, a seed fixes the run, and the checkpoint
 it writes loads in the reference and in the engine with the reference's greedy tokens."""
 
+import dataclasses
 import os
+import re
 import textwrap
 
 import pytest
@@ -119,3 +121,14 @@ def test_num_layers_repeats_the_ratio_pattern_and_is_checked():
     assert model.cfg.mtp_ratio == 0
     with pytest.raises(ValueError, match="num_layers must be >= 2"):
         TrainConfig(num_layers=1)
+
+
+def test_the_summary_final_loss_is_the_last_logged_window(corpus_root):
+    """training.json's final loss is the mean the last progress line logged (its note says so)."""
+    lines = []
+    cfg = dataclasses.replace(MICRO, steps=3, log_every=2)
+    _, summary = train(cfg, load_corpus(corpus_root), None, log_line=lines.append)
+    last = next(line for line in reversed(lines) if line.startswith("step 3/3"))
+    main, mtp = re.search(r"loss ([\d.]+) bits/byte  mtp ([\d.]+)", last).groups()
+    assert [f"{v:.3f}" for v in summary["final_train_loss_bits"]] == [main, mtp]
+    assert summary["final_train_loss_note"] == "mean of the last 2 steps (main, MTP), as logged"
