@@ -72,8 +72,10 @@ class AsyncEngine:
 
         ValueError (bad prompt, too long, ...) is raised before the first update.
         """
-        req_id = request_id or f"req-{next(self._ids)}"
+        req_id = request_id or self._new_id()
         ids = self.core.prompt_ids(prompt)
+        if self._closed:
+            raise RuntimeError(SHUT_DOWN)
         await self._released(req_id)
         if req_id in self._streams:  # the running request's stream stays its own
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -92,20 +94,29 @@ class AsyncEngine:
         try:
             while True:
                 update: RequestUpdate = await stream.get()
-                yield update
-                if update.output is not None:
+                if update.output is not None:  # the id is free once the end is handed out
                     finished = True
+                    self._streams.pop(req_id, None)
+                yield update
+                if finished:
                     return
-        finally:
-            if finished:
-                self._streams.pop(req_id, None)
-            else:
+        finally:  # a finished stream's id may already serve a new request: not touched
+            if not finished:
                 self._close(req_id, loop)
+
+    def _new_id(self) -> str:
+        """An id for a caller that gave none: never one a caller's request holds."""
+        while (req_id := f"req-{next(self._ids)}") in self._streams:
+            pass
+        return req_id
 
     def _close(self, req_id: str, loop: asyncio.AbstractEventLoop) -> None:
         """A stream its caller left: the id stays taken, and updates the engine still makes for
         it go nowhere, until the engine thread has aborted the request (``_apply``); a request
         that reuses the id meanwhile waits for that instead of receiving them."""
+        if self._closed:  # every request was aborted at shutdown: nothing runs under the id
+            self._streams.pop(req_id, None)
+            return
         self._streams[req_id] = (loop, asyncio.Event())
         self._commands.put(("abort", req_id, None))
 
@@ -114,6 +125,8 @@ class AsyncEngine:
         while (entry := self._streams.get(req_id)) is not None and isinstance(
             entry[1], asyncio.Event
         ):
+            if self._closed:  # the engine thread that would release it is gone
+                raise RuntimeError(SHUT_DOWN)
             if entry[0] is asyncio.get_running_loop():
                 await entry[1].wait()
             else:  # an event of another caller's loop cannot be awaited here
@@ -142,8 +155,19 @@ class AsyncEngine:
         self._commands.put(("stop", None))  # after every command already queued
         self._thread.join(timeout=30)
         self._stopped.set()  # a thread stuck in a step stops at its end
+        if not self._thread.is_alive():  # it ended every stream, unless it had died before
+            for update in self.core.abort_all(SHUT_DOWN):
+                self._deliver(update)
         self.core.shutdown()
         self._refuse_queued()
+        self._release_closed()
+
+    def _release_closed(self) -> None:
+        """Ids of streams their callers left, which no engine thread will release now."""
+        for req_id, (loop, target) in list(self._streams.items()):
+            if isinstance(target, asyncio.Event):
+                del self._streams[req_id]
+                _post(loop, target.set)
 
     def _refuse_queued(self) -> None:
         """Calls the stopped engine thread never took answer RuntimeError."""
@@ -223,7 +247,7 @@ class AsyncEngine:
             target = self._streams.get(args[0])
             if target is not None and isinstance(target[1], asyncio.Event):  # a closed stream
                 del self._streams[args[0]]
-                target[0].call_soon_threadsafe(target[1].set)
+                _post(target[0], target[1].set)
         elif kind == "stats":
             return self.core.stats()
         elif kind == "stop":
@@ -240,4 +264,17 @@ class AsyncEngine:
             self.core.pop_output(update.request_id)
         if target is not None and isinstance(target[1], asyncio.Queue):  # else its caller left
             loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, update)
+            if not _post(loop, stream.put_nowait, update) and update.output is None:
+                # the caller's event loop is closed: nobody reads this stream any more
+                self._streams.pop(update.request_id, None)
+                self._commands.put(("abort", update.request_id, None))
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
+    """callback(*args) on loop's thread; False when that loop is closed (its caller is gone:
+    the engine thread must not die of it)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True

@@ -345,6 +345,13 @@ class OpenAIServer:
     async def _generate(self, endpoint: str, runs: list[Run], req) -> Response:
         # every engine request of an admitted response counts from admission on: responses
         # admitted together must not pass the limit before their runs are submitted
+        if len(runs) > self.options.max_pending_requests:  # a retry would never be admitted
+            raise bad_request(
+                f"this request needs {len(runs)} generations at once (its prompts times n or "
+                f"best_of), and this server admits {self.options.max_pending_requests} at "
+                "most (max_pending_requests)",
+                "best_of" if getattr(req, "best_of", None) else "n",
+            )
         if self.num_pending + self.num_admitted + len(runs) > self.options.max_pending_requests:
             raise APIError(
                 503, "the server is overloaded; retry later", "server_error", code="overloaded"

@@ -400,6 +400,56 @@ def test_a_request_id_in_use_is_refused_and_a_left_ones_reuse_gets_only_its_own_
         engine.shutdown()
 
 
+def test_what_async_callers_leave_behind_never_blocks_another_request(tiny_ckpt, tiny_model):
+    """An anonymous request beside a caller's id shaped like the engine's own; an id reused at
+    once by a caller that left its stream on the final update (the old generator closing later
+    leaves the new stream alone); a caller whose event loop closed with its stream open (the
+    engine thread goes on serving); and that stream's id after shutdown (refused, not awaited)."""
+    from dsv4ray.entrypoints.async_engine import AsyncEngine
+
+    engine = AsyncEngine(tiny_ckpt, kv_cache_dtype="fp32", use_ray=False)
+    params, long = (SamplingParams(max_tokens=n, ignore_eos=True) for n in (4, 10_000))
+    want = reference_greedy(tiny_model, PROMPTS[1], 4)
+
+    async def tokens(stream) -> list[int]:
+        return [t async for u in stream for t in u.token_ids]
+
+    async def ids_reused():
+        held = engine.generate(PROMPTS[0], long, request_id="req-0")
+        await anext(held)
+        anonymous = await tokens(engine.generate(PROMPTS[1], params))
+        await held.aclose()
+        first = engine.generate(PROMPTS[1], params, request_id="job")
+        async for update in first:
+            if update.output is not None:
+                break
+        again = engine.generate(PROMPTS[1], params, request_id="job")
+        opened = (await anext(again)).token_ids
+        await first.aclose()
+        return anonymous, [*opened, *await tokens(again)]
+
+    def abandon_a_loop():
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(anext(engine.generate(PROMPTS[0], long, request_id="left")))
+        loop.close()
+
+    try:
+        assert asyncio.run(asyncio.wait_for(ids_reused(), timeout=60)) == (want, want)
+        caller = threading.Thread(target=abandon_a_loop)
+        caller.start()
+        caller.join(timeout=60)
+        served = asyncio.run(asyncio.wait_for(tokens(engine.generate(PROMPTS[1], params)), 60))
+        assert served == want and engine._thread.is_alive()
+    finally:
+        engine.shutdown()
+
+    async def reuse_after_shutdown():
+        await anext(engine.generate(PROMPTS[1], params, request_id="left"))
+
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(asyncio.wait_for(reuse_after_shutdown(), timeout=10))
+
+
 def test_an_async_engine_shut_down_ends_its_open_streams_and_refuses_calls(tiny_ckpt):
     from dsv4ray.entrypoints.async_engine import AsyncEngine
 

@@ -238,6 +238,16 @@ def test_a_full_server_answers_503_with_retry_after(engine):
     assert [r.status_code for r in done] == [200, 200] and after.status_code == 200
 
 
+def test_a_response_larger_than_the_limit_is_refused_not_told_to_retry(engine):
+    """n above max_pending_requests could never be admitted: 400 naming n, not a 503 whose
+    retries would all fail."""
+    client = TestClient(make_server(engine, max_pending_requests=4).app, base_url=LOCAL)
+    got = client.post("/v1/completions", json={**GOOD, "n": 5})
+    assert_error(got, 400, param="n")
+    assert "needs 5 generations" in got.json()["error"]["message"] and not engine.requests
+    assert client.post("/v1/completions", json={**GOOD, "n": 4}).status_code == 200
+
+
 def test_responses_admitted_together_stay_within_the_limit_with_all_their_choices(engine):
     """The limit counts every choice of an admitted response, before its choices start: three
     responses of n = 4 arriving together against a limit of 8 engine requests are two
