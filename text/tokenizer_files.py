@@ -3,8 +3,9 @@
 Ids: 0 = bos ``<｜begin▁of▁sentence｜>``, 1 = eos ``<｜end▁of▁sentence｜>``, byte b = token b + 2
 (2..257), then 258 ``<｜User｜>``, 259 ``<｜Assistant｜>``, 260 ``<think>``, 261 ``</think>``; the
 rest of a tiny vocab (up to 511) has no token. bos, eos and the role tokens are special (decoding
-skips them); the think tokens are not, so generated reasoning keeps its ``</think>``. There is no
-jinja template: the tokenizer renders chats in the DeepSeek-V4 format (``chat_encoding``).
+skips them); the think tokens are not, so generated reasoning keeps its ``</think>``. Encoding
+with special tokens puts bos first (transformers' tokenizer does so). There is no jinja
+template: the tokenizer renders chats in the DeepSeek-V4 format (``chat_encoding``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 def write_byte_tokenizer(out_dir: str) -> None:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 
     vocab = {BOS: 0, EOS: 1}
     vocab.update({ch: b + 2 for b, ch in bytes_to_unicode().items()})
@@ -43,6 +44,11 @@ def write_byte_tokenizer(out_dir: str) -> None:
     tok.add_special_tokens([BOS, EOS, USER, ASSISTANT])
     think = (THINK_START, THINK_END)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in think])
+    # bos first, as tokenizer_config.json's add_bos_token says: transformers' fast tokenizer
+    # adds what the post-processor adds (the engine encodes without it and adds bos itself)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B:1", special_tokens=[(BOS, 0)]
+    )
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     cfg = {
         "bos_token": BOS,

@@ -245,3 +245,14 @@ def test_without_tokenizer_config_the_models_own_special_ids_count(tiny_ckpt, tm
     assert (bare.eos_token_id, bare.bos_token_id) == (cfg["eos_token_id"], cfg["bos_token_id"])
     assert (bare.eos_token_id, bare.bos_token_id) == (full.eos_token_id, full.bos_token_id)
     assert bare.encode("hi")[0] == cfg["bos_token_id"]
+
+
+def test_transformers_encodes_the_tiny_tokenizer_as_the_engine_does(tok, tmp_path):
+    """tokenizer_config.json says add_bos_token: transformers' fast tokenizer puts bos first
+    as the engine does (its files wrote no post-processor, so it added none)."""
+    from transformers import AutoTokenizer
+
+    write_byte_tokenizer(str(tmp_path))
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    for text in ("def f(x):\n    return x", "<｜User｜>hi<｜Assistant｜>", "你好"):
+        assert hf(text)["input_ids"] == tok.encode(text)
