@@ -264,10 +264,12 @@ class AsyncEngine:
             self.core.pop_output(update.request_id)
         if target is not None and isinstance(target[1], asyncio.Queue):  # else its caller left
             loop, stream = target
-            if not _post(loop, stream.put_nowait, update) and update.output is None:
-                # the caller's event loop is closed: nobody reads this stream any more
-                self._streams.pop(update.request_id, None)
-                self._commands.put(("abort", update.request_id, None))
+            if not _post(loop, stream.put_nowait, update):  # the caller's loop is closed
+                if update.output is None:  # still running: left, as ``_close`` leaves one
+                    self._streams[update.request_id] = (loop, asyncio.Event())
+                    self._commands.put(("abort", update.request_id, None))
+                else:
+                    self._streams.pop(update.request_id, None)
 
 
 def _post(loop: asyncio.AbstractEventLoop, callback, *args) -> bool:
