@@ -186,15 +186,13 @@ class HiRadixIndex(RadixIndex):
     ) -> EvictResult:
         """Drops device copies (LRU, unlocked, no device-resident child) until enough ids are
         free. Nodes with a host copy (made now under write_back) stay, host only."""
-        result = self._evict_lru(
+        return self._evict_lru(
             self._device_evictable,
             self._evict_device,
             num_pages,
             num_window_pages,
             num_state_slots,
         )
-        self._drop_snapshots(result, num_window_pages, num_state_slots)
-        return result
 
     def _evict_device(self, node: RadixNode, result: EvictResult) -> None:
         """A node leaving the device keeps a host copy: all of it under write_back, and under

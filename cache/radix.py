@@ -286,11 +286,9 @@ class RadixIndex:
         """Evict unlocked leaves, least recently used first, until at least the requested
         numbers of ids went back to the free lists (or nothing evictable is left); then, if the
         window or cached-state pool is still short, spare snapshots (``_drop_snapshots``)."""
-        result = self._evict_lru(
+        return self._evict_lru(
             self._evictable, self._remove_leaf, num_pages, num_window_pages, num_state_slots
         )
-        self._drop_snapshots(result, num_window_pages, num_state_slots)
-        return result
 
     def _drop_snapshots(self, result: EvictResult, num_window_pages: int,
                         num_state_slots: int) -> None:  # fmt: skip
@@ -303,7 +301,13 @@ class RadixIndex:
             return (len(result.window_page_ids) < num_window_pages
                     or len(result.state_slots) < num_state_slots)  # fmt: skip
 
-        if not short():
+        # a spare snapshot's ids are held by the index alone: with none such in a short pool,
+        # there is nothing to walk the index for
+        windows_short = len(result.window_page_ids) < num_window_pages
+        states_short = len(result.state_slots) < num_state_slots
+        if not (windows_short and self.window_alloc.num_cached) and not (
+            states_short and self.state_alloc.num_cached
+        ):
             return
         spare = [n for n in self._iter_nodes() if self._spare_snapshot(n)]
         for node in sorted(spare, key=lambda n: (n.tick, n.serial)):
@@ -334,7 +338,8 @@ class RadixIndex:
         self, evictable, drop, num_pages: int, num_window_pages: int, num_state_slots: int
     ) -> EvictResult:
         """Drops evictable candidates least recently used first until the requested numbers of
-        ids went back, or none is left."""
+        ids went back, or none is left; then spare snapshots while a window or cached-state
+        pool is still short (``_drop_snapshots``)."""
         result = EvictResult([], [], [])
         wanted = (num_pages, num_window_pages, num_state_slots)
         self._lru.drop_lru(
@@ -342,6 +347,7 @@ class RadixIndex:
             lambda node: drop(node, result),
             lambda: any(len(got) < n for got, n in zip(result, wanted, strict=True)),
         )
+        self._drop_snapshots(result, num_window_pages, num_state_slots)
         return result
 
     def _evictable(self, node: RadixNode) -> bool:

@@ -308,7 +308,8 @@ def _check_scale_shape(weight: QuantizedWeight) -> None:
         )
 
 
-STALE_FILES = ("model.safetensors", "model.safetensors.index.json", "training.json")
+_STALE_FILES = ("model.safetensors", "model.safetensors.index.json", "training.json")
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
 def clear_checkpoint(path: str) -> None:
@@ -317,14 +318,11 @@ def clear_checkpoint(path: str) -> None:
     new checkpoint of the other layout would load the old one's shards."""
     if not os.path.isdir(path):
         return
-    stale = [f for f in os.listdir(path) if f in STALE_FILES or _SHARD.fullmatch(f)]
+    stale = [f for f in os.listdir(path) if f in _STALE_FILES or _SHARD.fullmatch(f)]
     for name in stale:
         os.remove(os.path.join(path, name))
     if stale:
         log.info("replaced the checkpoint in %s (removed %s)", path, ", ".join(sorted(stale)))
-
-
-_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 
 
 def save_state(tensors: dict[str, torch.Tensor], path: str) -> None:
@@ -332,7 +330,6 @@ def save_state(tensors: dict[str, torch.Tensor], path: str) -> None:
     from safetensors.torch import save_file
 
     clear_checkpoint(path)
-
     save_file(
         {k: v.contiguous() for k, v in tensors.items()},
         os.path.join(path, "model.safetensors"),

@@ -269,12 +269,14 @@ class OpenAIServer:
     def _echo(self, prompt: str | list[int], prompt_ids: list[int]):
         """(text, prompt_ids, where each prompt token starts in text) of an echoed prompt: a
         string as it was sent (special tokens' text included), token ids decoded."""
-        text = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt_ids)
-        starts = self.engine.tokenizer.char_starts(prompt, prompt_ids) if text is prompt else None
-        if starts is None:  # decoded ids: each token's bytes in the decoded text
-            at = TextOffsets(self.token_bytes)
-            starts = [at.next(token_id) for token_id in prompt_ids]
-        return text, prompt_ids, starts
+        tokenizer = self.engine.tokenizer
+        if isinstance(prompt, str):
+            starts = tokenizer.char_starts(prompt, prompt_ids)
+            if starts is not None:
+                return prompt, prompt_ids, starts
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
+        at = TextOffsets(self.token_bytes)  # each token's bytes in the decoded text
+        return text, prompt_ids, [at.next(token_id) for token_id in prompt_ids]
 
     async def chat(self, request: Request) -> Response:
         body = await read_body(request, self.options.max_body_bytes)
