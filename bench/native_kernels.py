@@ -123,7 +123,10 @@ def _experts(fmt: str):
         w2.append(d)
         s2.append(ds)
     stack = lambda ts: torch.stack(ts).contiguous()  # noqa: E731
-    return stack(w13), stack(w2), ((stack(s13), stack(s2)) if fmt != "dense" else None)
+    if fmt == "dense":
+        return stack(w13), stack(w2), None
+    # the scales stored as the worker stacks a layer's experts for serving
+    return stack(w13), stack(w2), tuple(moe.stored_scales(fmt, stack(s)) for s in (s13, s2))
 
 
 def _routing(m: int, seed: int):

@@ -44,8 +44,9 @@ def _dequant_kernel(
     stride_we,
     stride_wr,
     stride_se,
+    stride_sr,
+    stride_sc,
     stride_oe,
-    s_cols,
     block_n,
     block_k,
     FMT: tl.constexpr,
@@ -68,21 +69,24 @@ def _dequant_kernel(
         s_base = s_ptr + expert * stride_se
         o_row = out_ptr + e * stride_oe + r.to(tl.int64) * cols
         if FMT == 2:
-            _fp4_tile(w_row, s_base + r.to(tl.int64) * s_cols, o_row, r_ok, cols, BLOCK_C)
+            s_row = s_base + r.to(tl.int64) * stride_sr
+            _fp4_tile(w_row, s_row, stride_sc, o_row, r_ok, cols, BLOCK_C)
         else:  # FP8: e4m3 times its block's scale
             c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
             mask = r_ok[:, None] & (c < cols)[None, :]
             byte = tl.load(w_row[:, None] + c[None, :], mask=mask, other=0)
             value = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             s_ptrs = (
-                s_base + (r // block_n).to(tl.int64)[:, None] * s_cols + (c // block_k)[None, :]
+                s_base
+                + (r // block_n).to(tl.int64)[:, None] * stride_sr
+                + (c // block_k)[None, :] * stride_sc
             )
             store_rounded(o_row[:, None], c[None, :], value * load_scale(s_ptrs, mask, SCALE_BYTES),
                           mask, ROUND_BF16)  # fmt: skip
 
 
 @triton.jit
-def _fp4_tile(w_row, s_row, o_row, r_ok, cols, BLOCK_C: tl.constexpr):
+def _fp4_tile(w_row, s_row, stride_sc, o_row, r_ok, cols, BLOCK_C: tl.constexpr):
     """Columns [BLOCK_C) of program_id(2) of rows w_row -> o_row: byte j holds columns 2j (low
     nibble) and 2j + 1 (high nibble), joined side by side into one contiguous store. Each value
     is a power of two times a code of two significant bits, exact in bf16, so the plain cast
@@ -90,7 +94,8 @@ def _fp4_tile(w_row, s_row, o_row, r_ok, cols, BLOCK_C: tl.constexpr):
     j = tl.program_id(2) * (BLOCK_C // 2) + tl.arange(0, BLOCK_C // 2)
     mask = r_ok[:, None] & (2 * j < cols)[None, :]
     byte = tl.load(w_row[:, None] + j[None, :], mask=mask, other=0)
-    s_byte = tl.load(s_row[:, None] + (j // 16)[None, :], mask=mask, other=0).to(tl.int32)
+    s_ptrs = s_row[:, None] + (j // 16)[None, :] * stride_sc
+    s_byte = tl.load(s_ptrs, mask=mask, other=0).to(tl.int32)
     low, high = fp4_f32(byte, s_byte)
     value = tl.reshape(tl.join(low, high), (w_row.shape[0], BLOCK_C))
     c = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -108,7 +113,8 @@ def dequantize(
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. w and scale may be views with strided experts (rows within an
-    expert contiguous); out [n, rows, cols] (or [rows, cols] for a 2-D w) likewise."""
+    expert contiguous; the scales row- or group-major, `quant_tiles.k_major_scales`); out
+    [n, rows, cols] (or [rows, cols] for a 2-D w) likewise."""
     assert fmt in ("fp8", "fp4"), fmt
     w3, s3 = (w, scale) if w.dim() == 3 else (w[None], scale[None])
     o3 = out if out.dim() == 3 else out[None]
@@ -116,7 +122,7 @@ def dequantize(
     assert w3.shape[1] == rows and w3.shape[2] == (cols // 2 if fmt == "fp4" else cols), w.shape
     assert s3.shape[1:] == scale_shape(fmt, rows, cols, block), (scale.shape, w.shape, block)
     assert w3.stride(2) == 1 and w3.stride(1) == w3.shape[2], w.stride()
-    assert s3.stride(2) == 1 and s3.stride(1) == s3.shape[2], scale.stride()
+    assert s3.stride(2) == 1 or s3.stride(1) == 1, scale.stride()  # row- or group-major
     assert o3.stride(2) == 1 and o3.stride(1) == cols, out.stride()
     assert fmt != "fp4" or cols % FP4_GROUP == 0, cols
     if out.numel() == 0:
@@ -133,8 +139,9 @@ def dequantize(
         w3.stride(0),
         w3.stride(1),
         s3.stride(0),
+        s3.stride(1),
+        s3.stride(2),
         o3.stride(0),
-        s3.shape[2],
         block[0],
         block[1],
         FMT=FORMATS[fmt],

@@ -51,14 +51,15 @@ from dsv4ray.kernels.bits import interpreting, store_rounded
 from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.quant_tiles import (
     FORMATS,
-    FP4_GROUP,
     acc_rows,
     acc_zeros,
     dequantize_ref,
+    k_major_scales,
     k_tile,
     kernel_bytes,
     load_x,
     scale_shape,
+    scales_laid_out,
     split_k,
     sum_splits,
     weight_dot,
@@ -150,8 +151,9 @@ def _gate_up_kernel(
     num_slots,
     limit,
     stride_w,
-    stride_s,
-    s_per_expert,
+    stride_se,
+    stride_sr,
+    stride_sg,
     s_up,
     block_n,
     block_k,
@@ -179,7 +181,8 @@ def _gate_up_kernel(
         n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < inter
         w_rows = expert.to(tl.int64) * 2 * inter + n
-        s_rows = expert.to(tl.int64) * s_per_expert + n // block_n  # gate rows; up: + s_up
+        # element offsets of the gate rows' scales; the up rows' start s_up scale rows further
+        s_rows = expert.to(tl.int64) * stride_se + (n // block_n) * stride_sr
         x_rows = x_ptr + token[:, None] * hidden
         acc_g = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
         acc_u = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
@@ -197,13 +200,14 @@ def _gate_up_kernel(
                 stride_w,
                 s13_ptr,
                 s_rows,
-                stride_s,
+                1,
                 block_k,
                 FMT,
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
                 SWAP,
+                stride_sg,
             )
             acc_u += weight_dot(
                 xa,
@@ -215,14 +219,15 @@ def _gate_up_kernel(
                 n_ok,
                 stride_w,
                 s13_ptr,
-                s_rows + s_up,
-                stride_s,
+                s_rows + s_up * stride_sr,
+                1,
                 block_k,
                 FMT,
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
                 SWAP,
+                stride_sg,
             )
         mask = ok[:, None] & n_ok[None, :]
         if num_splits == 1:
@@ -251,8 +256,9 @@ def _down_kernel(
     hidden,
     inter,
     stride_w,
-    stride_s,
-    s_per_expert,
+    stride_se,
+    stride_sr,
+    stride_sg,
     block_n,
     block_k,
     expert_lo,
@@ -277,7 +283,7 @@ def _down_kernel(
         n = (tl.program_id(1) // num_splits) * BLOCK_N + tl.arange(0, BLOCK_N)
         n_ok = n < hidden
         w_rows = expert.to(tl.int64) * hidden + n
-        s_rows = expert.to(tl.int64) * s_per_expert + n // block_n
+        s_rows = expert.to(tl.int64) * stride_se + (n // block_n) * stride_sr  # element offsets
         h_rows = h_ptr + pair[:, None] * inter
         acc = acc_zeros(BLOCK_M, BLOCK_N, SWAP)
         k_start = tl.multiple_of(split * k_per_split, BLOCK_K)  # k_per_split: whole K steps
@@ -294,13 +300,14 @@ def _down_kernel(
                 stride_w,
                 s2_ptr,
                 s_rows,
-                stride_s,
+                1,
                 block_k,
                 FMT,
                 SCALE_BYTES,
                 BLOCK_K,
                 IEEE,
                 SWAP,
+                stride_sg,
             )
         w = tl.load(weight_ptr + pair, mask=ok, other=0.0)
         rows = split.to(tl.int64) * num_pairs + pair[:, None]
@@ -428,12 +435,26 @@ DEQUANT_SCRATCH_BYTES = 1 << 30
 FP32_FEW_PAIRS = 48  # fp32 listed calls over at most this many pairs take 16 x 16 tiles
 
 
+# FP4 over more pairs than this, with group-major scales (`stored_scales`), takes 128 weight
+# rows a program: at V4-Flash's expert shape on an H200 (a development sweep), 0.54 / 1.33 ms at
+# 16 / 64 tokens against 0.64 / 1.58 with 64 rows; 64 rows stay faster at one token (6 pairs), and
+# row-major scales make 128 rows slower (a tile's scales then cost one sector per weight row)
+FP4_WIDE_PAIRS = 16
+
+
+def stored_scales(fmt: str, scale: torch.Tensor) -> torch.Tensor:
+    """Stacked expert scales [E, rows, groups] in the storage `fused_moe` reads fastest: FP4's
+    per-row scales group-major (`k_major_scales`), FP8's block scales as they are."""
+    return k_major_scales(scale) if fmt == "fp4" else scale
+
+
 def small_pairs(num_experts: int) -> int:
     """The most pairs for which quantized experts take SMALL_TILES."""
     return max(SMALL_PAIRS, FEW_PER_EXPERT * num_experts)
 
 
-def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_experts: int = 1):
+def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_experts: int = 1,
+           group_major: bool = False):  # fmt: skip
     """Tile shapes: decode batches stream each expert's weights once (a 64-pair block is a whole
     expert's share of up to 64 tokens); prefills reuse wider tiles on tensor cores. Quantized
     weights over a few pairs per expert (decode batches of a model with many experts: 256
@@ -444,29 +465,31 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
     FP4 takes the same tiles: its codes decode to bf16 in about five instructions a value in
     the kernels' SASS for sm_90 (tests/kernels/test_hopper_build.py), against nineteen with
     16 x 32 output tiles and decoding through fp32; it reads 0.23 / 0.38 / 0.39 of the copy
-    ceiling there (0.08-0.10 before; bench/results/native-kernels-nvidia-h200.json), and a
-    sweep of 36 tile shapes on that H200 found none faster. fp32
+    ceiling there (bench/results/native-kernels-nvidia-h200.json) with row-major scales, and
+    takes 128 rows a program over more than FP4_WIDE_PAIRS pairs when its scales are
+    group-major (`stored_scales`). fp32
     products run on CUDA cores, where a tile's empty rows cost as much as full ones: 16-pair
     blocks, and 16 columns a program for a few pairs."""
     if listed and fp32 and fmt == "dense":
         block_n = 16 if num_pairs <= FP32_FEW_PAIRS else 64
         return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
     if listed and fmt in SMALL_TILES and num_pairs <= small_pairs(num_experts):
-        return dict(SMALL_TILES[fmt])
+        wide = fmt == "fp4" and group_major and num_pairs > FP4_WIDE_PAIRS
+        return dict(SMALL_TILES[fmt], **({"BLOCK_N": 128} if wide else {}))
     if listed:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3, SWAP=False)
     return dict(PREFILL_TILES.get(fmt, PREFILL_TILES["dense"]))
 
 
-def _layout(fmt: str, scale, rows: int, cols: int, block) -> tuple[int, int, int, int]:
-    """(stride_w, stride_s, s_per_expert, block_n) of a stacked weight of logical [E, rows, cols]:
-    elements (bytes) per weight row, scales per scale row, scale rows per expert, and the weight
-    rows one scale row covers."""
-    if fmt == "fp4":
-        return cols // 2, cols // FP4_GROUP, rows, 1
-    if fmt == "fp8":
-        return cols, scale.shape[2], scale.shape[1], block[0]
-    return cols, 0, 0, 1
+def _layout(fmt: str, scale, cols: int, block) -> tuple[int, int, int, int, int]:
+    """(stride_w, stride_se, stride_sr, stride_sg, block_n) of a stacked weight of logical
+    [E, rows, cols]: elements (bytes) per weight row, the scales' strides per expert, scale row
+    and scale column (any layout: `k_major_scales` stores FP4's columns outermost), and the
+    weight rows one scale row covers."""
+    if fmt == "dense":
+        return cols, 0, 0, 0, 1
+    se, sr, sg = scale.stride()
+    return (cols // 2, se, sr, sg, 1) if fmt == "fp4" else (cols, se, sr, sg, block[0])
 
 
 def _check(x, w13, w2, scales, fmt, block) -> int:
@@ -484,7 +507,7 @@ def _check(x, w13, w2, scales, fmt, block) -> int:
     assert w2.shape == (num_experts, hidden, inter // packed), w2.shape
     if fmt != "dense":
         s13, s2 = scales
-        assert s13.is_contiguous() and s2.is_contiguous()
+        assert scales_laid_out(s13) and scales_laid_out(s2), (s13.stride(), s2.stride())
         gate = scale_shape(fmt, inter, hidden, block)
         assert s13.shape == (num_experts, 2 * gate[0], gate[1]), s13.shape
         assert s2.shape == (num_experts, *scale_shape(fmt, hidden, inter, block)), s2.shape
@@ -514,8 +537,11 @@ def fused_moe(
     # the interpreter pays per program and op: it keeps the wide tiles
     fp32 = x.dtype == torch.float32 and not interpreting()
     dequant = _dequantize_first(fmt, listed, num_pairs, num_experts, x)
-    tiles = dict(PREFILL_TILES["dense"]) if dequant else _tiles(listed, fmt, num_pairs, fp32,
-                                                                 num_experts)  # fmt: skip
+    group_major = scales is not None and scales[0].stride(1) == 1 < scales[0].stride(2)
+    if dequant:
+        tiles = dict(PREFILL_TILES["dense"])
+    else:
+        tiles = _tiles(listed, fmt, num_pairs, fp32, num_experts, group_major)
     if fmt == "fp8":
         tiles["BLOCK_K"] = k_tile(tiles["BLOCK_K"], block[1])
     if listed:
@@ -580,14 +606,14 @@ class _Call:
     def gate_up(self, w13, s13, fmt: str, tiles: dict, window=(0, -1)) -> None:
         inter, hidden = self.inter, self.hidden
         s13 = kernel_bytes(s13) if s13 is not None else w13
-        layout = _layout(fmt, s13, 2 * inter, hidden, self.block)
+        layout = _layout(fmt, s13, hidden, self.block)
         s_up = {"fp4": inter, "fp8": s13.shape[1] // 2}.get(fmt, 0)  # first scale row of w3
         k13, split13 = self.split13
         grid = (self.num_blocks, triton.cdiv(inter, tiles["BLOCK_N"]) * split13)
         _gate_up_kernel[grid](self.x, kernel_bytes(w13), s13, *self.groups, self.h, self.part,
                               k13, split13, self.num_pairs, self.num_experts, hidden, inter,
-                              self.num_slots, self.limit, layout[0], layout[1], layout[2], s_up,
-                              layout[3], self.block[1], *window,
+                              self.num_slots, self.limit, *layout[:4], s_up, layout[4],
+                              self.block[1], *window,
                               OUT_BF16=self.h.dtype == torch.bfloat16,
                               **self._flags(fmt, s13, tiles))  # fmt: skip
         if split13 > 1:
@@ -595,7 +621,7 @@ class _Call:
 
     def down(self, w2, s2, fmt: str, tiles: dict, window=(0, -1)) -> None:
         s2 = kernel_bytes(s2) if s2 is not None else w2
-        layout = _layout(fmt, s2, self.hidden, self.inter, self.block)
+        layout = _layout(fmt, s2, self.inter, self.block)
         k2, split2 = self.split2
         grid = (self.num_blocks, triton.cdiv(self.hidden, tiles["BLOCK_N"]) * split2)
         _down_kernel[grid](self.h, kernel_bytes(w2), s2, *self.groups, self.weights, self.out,
@@ -657,7 +683,7 @@ def compile_variants(
     pairs, listed, sorted, and 16-bit prefills that decode their experts first), so that
     serving compiles nothing whatever batches arrive."""
     hidden, device = w2.shape[1], w13.device
-    counts = (small_pairs(w13.shape[0]), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    counts = (FP4_WIDE_PAIRS, small_pairs(w13.shape[0]), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
     if fmt != "dense" and dtype != torch.float32:  # prefills that decode the experts first
         counts += (DEQUANT_PAIRS_PER_EXPERT * w13.shape[0],)
     for num_tokens in (1, *(pairs // num_slots + 1 for pairs in counts)):

@@ -199,13 +199,15 @@ def weight_dot(
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,
     SWAP: tl.constexpr = False,
+    stride_g=1,
 ):
     """(xa, xb) from `load_x` times W[w_rows, k0:k0 + BLOCK_K]^T -> [BLOCK_M, BLOCK_N] fp32, or
     its transpose [BLOCK_N, BLOCK_M] with SWAP (see `times_x`; decode tiles of a few rows).
 
     w_rows [BLOCK_N] int64 weight rows (n_ok: in range), stride_w elements (bytes for FP8 and FP4)
-    per row; s_rows [BLOCK_N] int64 scale rows, stride_s scales per scale row; k0 a multiple of
-    BLOCK_K. Columns past K count as zero.
+    per row; s_rows [BLOCK_N] int64 scale rows, stride_s scales per scale row, stride_g per scale
+    column (a scale at s_rows * stride_s + column * stride_g); k0 a multiple of BLOCK_K. Columns
+    past K count as zero.
     """
     if FMT == 2:  # FP4: byte j holds columns 2j (low nibble) and 2j + 1 (high nibble)
         # masks on the byte and group indices (K % 32 == 0) keep the loads vectorised
@@ -213,7 +215,7 @@ def weight_dot(
         offs, wm = _tile(w_rows, stride_w, n_ok, j, j < K // 2, SWAP)
         byte = tl.load(w_ptr + offs, mask=wm, other=0)
         g = k0 // FP4_GROUP_C + tl.arange(0, BLOCK_K // FP4_GROUP_C)
-        s_offs, sm = _tile(s_rows, stride_s, n_ok, g, g < K // FP4_GROUP_C, SWAP)
+        s_offs, sm = _tile(s_rows, stride_s, n_ok, g * stride_g, g < K // FP4_GROUP_C, SWAP)
         s_byte = _per_byte(tl.load(s_ptr + s_offs, mask=sm, other=0).to(tl.int32), SWAP)
         if IEEE:  # exact fp32 values (the interpreter runs no inline assembly)
             lo, hi = fp4_f32(byte, s_byte)
@@ -230,7 +232,8 @@ def weight_dot(
                 w = w.to(tl.float32)
             else:
                 w = w.to(xa.dtype)
-            scale = load_scale(s_ptr + s_rows * stride_s + k0 // block_k, n_ok, SCALE_BYTES)
+            s_col = (k0 // block_k) * stride_g
+            scale = load_scale(s_ptr + s_rows * stride_s + s_col, n_ok, SCALE_BYTES)
             if SWAP:
                 out = times_x(xa, w, SWAP, IEEE) * scale[:, None]
             else:
@@ -335,6 +338,22 @@ def k_tile(preferred: int, block_k: int) -> int:
 def kernel_bytes(t: torch.Tensor) -> torch.Tensor:
     """1-byte tensors (fp8, packed fp4, ue8m0) as the uint8 bytes the kernels read; others as is."""
     return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def k_major_scales(scale: torch.Tensor) -> torch.Tensor:
+    """Stacked scales [E, rows, groups] as the same logical tensor stored with each group column
+    contiguous (strides (rows * groups, 1, rows)). A weight tile's scales are then a few
+    contiguous runs (one per group column of the K step) rather than one 32-byte sector per weight
+    row: FP4's per-row scales read 8x fewer sectors this way."""
+    return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+def scales_laid_out(scale: torch.Tensor) -> bool:
+    """Stacked scales [E, rows, groups] row-major (contiguous) or group-major (`k_major_scales`):
+    the layouts the kernels read through their strides."""
+    _, rows, groups = scale.shape
+    expert = scale.stride(0) == rows * groups or scale.shape[0] == 1
+    return expert and (scale.stride()[1:] in ((groups, 1), (1, rows)))
 
 
 def scale_float_ref(scale: torch.Tensor) -> torch.Tensor:

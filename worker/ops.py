@@ -94,19 +94,20 @@ def check_fp8_prefill(requested: bool, weight_format: str, cfg: ModelConfig,
 
 def prepare(blocks, dtype: torch.dtype | None = None, fp8_prefill: bool = False) -> None:
     """One-time weight layouts the fused ops read: each MoE's experts stacked (the experts'
-    parameters become views, so nothing is held twice), and FP8 linears kept quantised bound to
-    their kernel (with fp8_prefill, prefill-sized calls on FP8 activations); on CUDA the experts'
-    and the FP8 linears' kernel variants are compiled here for the model dtype, so serving
-    compiles nothing. Call before sizing pools."""
+    parameters become views, so nothing is held twice; scales stored as `stored_scales` lays
+    them out), and FP8 linears kept quantised bound to their kernel (with fp8_prefill,
+    prefill-sized calls on FP8 activations); on CUDA the experts' and the FP8 linears' kernel
+    variants are compiled here for the model dtype, so serving compiles nothing. Call before
+    sizing pools."""
     if not fused():
         return
     matmul = functools.partial(fp8_kernels.fp8_linear, act_fp8=None if fp8_prefill else False)
     for block in blocks:
         ffn = block.ffn
-        w13, w2 = ffn.stack_experts()
+        fmt, block_shape = ffn.expert_format
+        w13, w2 = ffn.stack_experts(functools.partial(moe_kernels.stored_scales, fmt))
         if w13.is_cuda and dtype is not None:
             num_slots = ffn.gate.k + int(ffn.shared_in_stack)
-            fmt, block_shape = ffn.expert_format
             moe_kernels.compile_variants(w13, w2, ffn.stacked_scales, fmt, block_shape,
                                          num_slots, dtype)  # fmt: skip
         stacked = list(ffn.experts) + ([ffn.shared_experts] if ffn.shared_in_stack else [])

@@ -87,17 +87,19 @@ class MoE(nn.Module):
         return (w1.kind, w1.block) if isinstance(w1, QuantLinear) else ("dense", (128, 128))
 
     @torch.no_grad()
-    def stack_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def stack_experts(self, scale_layout=None) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E', 2 * inter, hidden]: each expert's w1 rows then its w3 rows, w2 [E', hidden,
         inter]) with E' = E + 1 when the shared expert stacks last. The experts' parameters become
         views of these tensors, so the weights are held once. Idempotent. Quantised experts stack
         their stored bytes the same way (FP4: hidden / 2 and inter / 2 bytes per row), and their
-        scales into ``stacked_scales`` (s13: w1's scale rows then w3's, s2)."""
+        scales into ``stacked_scales`` (s13: w1's scale rows then w3's, s2), stored as
+        ``scale_layout(stacked)`` returns them when given (the same values in the storage a kernel
+        reads best; the experts' scales are views of that storage)."""
         if self.stacked is None:
             experts = list(self.experts) + ([self.shared_experts] if self.shared_in_stack else [])
             self.stacked = _stack(experts, "weight")
             if isinstance(experts[0].w1, QuantLinear):
-                self.stacked_scales = _stack(experts, "scale")
+                self.stacked_scales = _stack(experts, "scale", scale_layout)
         return self.stacked
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
@@ -129,12 +131,15 @@ def _storage(layer: nn.Module) -> list:
     return [(name, t.shape, t.dtype) for name, t in layer.state_dict().items()]
 
 
-def _stack(experts: list[Expert], name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stacks tensor ``name`` of the experts' linears into (w1 | w3 [E', 2 * rows, ...], w2) and
-    makes each expert's tensor a view of the stack."""
+def _stack(experts: list[Expert], name: str, layout=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacks tensor ``name`` of the experts' linears into (w1 | w3 [E', 2 * rows, ...], w2),
+    stored as ``layout`` returns a stack when given, and makes each expert's tensor a view of
+    the stack."""
     rows = getattr(experts[0].w1, name).shape[0]
     t13 = torch.stack([torch.cat([getattr(e.w1, name), getattr(e.w3, name)]) for e in experts])
     t2 = torch.stack([getattr(e.w2, name) for e in experts])
+    if layout is not None:
+        t13, t2 = layout(t13), layout(t2)
     for i, e in enumerate(experts):
         for layer, view in ((e.w1, t13[i, :rows]), (e.w3, t13[i, rows:]), (e.w2, t2[i])):
             if isinstance(getattr(layer, name), nn.Parameter):

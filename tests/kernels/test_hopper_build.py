@@ -16,17 +16,19 @@ HIDDEN, INTER = 4096, 2048  # V4-Flash's expert shape
 
 
 def _args(down: bool) -> dict:
+    """Arguments as serving passes them: the scales group-major (`moe.stored_scales`)."""
     common = dict(list_ptr="*i64", blocks_ptr="*i32", counts_ptr="*i32",
                   k_per_split=HIDDEN, num_splits=1, num_pairs=7, num_experts=256, hidden=HIDDEN,
                   inter=INTER, expert_lo=0, expert_hi=-1)  # fmt: skip
     if down:
         return dict(common, h_ptr="*bf16", w2_ptr="*u8", s2_ptr="*u8",
                     weight_ptr="*fp32", out_ptr="*fp32", stride_w=INTER // 2,
-                    stride_s=INTER // 32, s_per_expert=HIDDEN, block_n=1, block_k=128)  # fmt: skip
+                    stride_se=HIDDEN * INTER // 32, stride_sr=1, stride_sg=HIDDEN, block_n=1,
+                    block_k=128)  # fmt: skip
     return dict(common, x_ptr="*bf16", w13_ptr="*u8", s13_ptr="*u8",
                 h_ptr="*bf16", part_ptr="*fp32", num_slots=6, limit=10.0,
-                stride_w=HIDDEN // 2, stride_s=HIDDEN // 32, s_per_expert=2 * INTER, s_up=INTER,
-                block_n=1, block_k=128)  # fmt: skip
+                stride_w=HIDDEN // 2, stride_se=2 * INTER * HIDDEN // 32, stride_sr=1,
+                stride_sg=2 * INTER, s_up=INTER, block_n=1, block_k=128)  # fmt: skip
 
 
 def _loop_instructions(sass: str) -> int:
@@ -41,11 +43,12 @@ def _loop_instructions(sass: str) -> int:
 
 
 @pytest.mark.parametrize("down", [False, True], ids=["gate-up", "down"])
-@pytest.mark.parametrize("tiles", ["small", "prefill"])
+@pytest.mark.parametrize("tiles", ["small", "wide", "prefill"])
 def test_fp4_expert_kernels_build_for_hopper(down, tiles):
-    tile = dict(moe.SMALL_TILES["fp4"] if tiles == "small" else moe.PREFILL_TILES["fp4"])
+    pairs = {"small": 7, "wide": moe.FP4_WIDE_PAIRS + 1, "prefill": moe.LIST_MAX_PAIRS + 1}[tiles]
+    tile = moe._tiles(tiles != "prefill", "fp4", pairs, num_experts=256, group_major=True)
     warps, stages = tile.pop("num_warps"), tile.pop("num_stages")
-    flags = dict(LISTED=tiles == "small", E_PAD=256, FMT=2, SCALE_BYTES=True, IEEE=False, **tile)
+    flags = dict(LISTED=tiles != "prefill", E_PAD=256, FMT=2, SCALE_BYTES=True, IEEE=False, **tile)
     kernel = "dsv4ray.kernels.moe:" + ("_down_kernel" if down else "_gate_up_kernel")
     sass = build_for_hopper(kernel, _args(down), flags, warps, stages)
     assert "HMUL2" in sass  # the bf16 decode, not the fp32 one

@@ -11,13 +11,15 @@ from dsv4ray.kernels import moe as moe_kernels
 from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.dequant import dequantize
 from dsv4ray.kernels.moe import (
+    FP4_WIDE_PAIRS,
     FP32_FEW_PAIRS,
     LIST_MAX_PAIRS,
     fused_moe,
     fused_moe_ref,
     small_pairs,
+    stored_scales,
 )
-from dsv4ray.kernels.quant_tiles import dequantize_ref
+from dsv4ray.kernels.quant_tiles import dequantize_ref, k_major_scales, scale_float_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -104,18 +106,19 @@ def test_no_tokens(device):
 def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, fmt, device,
                                                                    monkeypatch):  # fmt: skip
     """The start-up compile runs each tile variant that some batch with num_slots slots per token
-    would take (few pairs, listed, sorted; fp32 experts: their few-pair and listed tiles), so no
-    batch size compiles a kernel while serving."""
+    would take (few pairs, FP4's wider few-pair tiles on group-major scales, listed, sorted; fp32
+    experts: their few-pair and listed tiles), so no batch size compiles a kernel while serving."""
     if fmt == "fp4":
         w13, w2, scales, _, _ = _stacks("fp4", "ue8m0", device)
+        scales = tuple(stored_scales(fmt, s) for s in scales)  # as the worker stacks them
     else:
         w13 = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=device)
         w2, scales = torch.randn(EXPERTS, HIDDEN, INTER, device=device), None
     taken, real = set(), moe_kernels._tiles
     fp32 = not interpreting()  # what fused_moe passes for fp32 inputs
 
-    def record(listed, fmt, num_pairs, fp32=False, num_experts=1):
-        tiles = real(listed, fmt, num_pairs, fp32, num_experts)
+    def record(listed, fmt, num_pairs, fp32=False, num_experts=1, group_major=fmt == "fp4"):
+        tiles = real(listed, fmt, num_pairs, fp32, num_experts, group_major)
         taken.add(tuple(sorted(tiles.items())))
         return tiles
 
@@ -123,13 +126,14 @@ def test_compile_variants_reaches_every_tile_shape_a_call_can_take(num_slots, fm
     moe_kernels.compile_variants(w13, w2, scales, fmt, (128, 128), num_slots, torch.float32)
     compiled = set(taken)
     taken.clear()
-    bounds = (small_pairs(EXPERTS), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
+    bounds = (FP4_WIDE_PAIRS, small_pairs(EXPERTS), FP32_FEW_PAIRS, LIST_MAX_PAIRS)
     for pairs in (1, *bounds, *(b + 1 for b in bounds)):
         tokens = -(-pairs // num_slots)
         record(tokens * num_slots <= LIST_MAX_PAIRS, fmt, tokens * num_slots, fp32, EXPERTS)
     assert taken <= compiled
-    if fmt == "fp4":
-        assert len(compiled) == (3 if num_slots <= small_pairs(EXPERTS) else 2)
+    if fmt == "fp4":  # few pairs (narrow, then wide), listed, sorted
+        assert small_pairs(EXPERTS) > FP4_WIDE_PAIRS
+        assert len(compiled) == (4 if num_slots <= FP4_WIDE_PAIRS else 3)
     else:  # few pairs, more listed pairs, sorted (the interpreter lists with one tile)
         assert len(compiled) == (3 if fp32 else 2)
 
@@ -314,3 +318,44 @@ def test_experts_decode_exactly(fmt, scale_fmt, device):
         assert torch.equal(one, dense13[1])  # fp32 out: the exact values
     none = torch.empty(0, HIDDEN, INTER, dtype=torch.bfloat16, device=device)
     assert dequantize(w2, s2, fmt, (128, 128), none, 5, counts).shape == none.shape
+
+
+# 5 tokens: the narrow listed tiles; 6: FP4's wide ones; 7: the 64-pair listed tiles; 400: sorted
+# pairs, in fp32 and, in bf16 with many pairs per expert, decoding the experts into a scratch first
+CASES = [(5, torch.float32), (6, torch.float32), (7, torch.float32), (400, torch.float32),
+         (400, torch.bfloat16)]  # fmt: skip
+
+
+@pytest.mark.parametrize("num_tokens,dtype", CASES)
+@pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
+def test_group_major_scales_give_the_same_bytes(fmt, scale_fmt, num_tokens, dtype, device,
+                                                monkeypatch):  # fmt: skip
+    """Scales stored group-major (`k_major_scales`, as stacked quantised experts hold them) are
+    read through their strides: every tile shape and the decode into a scratch give the bytes the
+    row-major scales give."""
+    monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
+    w13, w2, (s13, s2), _, _ = _stacks(fmt, scale_fmt, device)
+    x, ids, weights = _routing(num_tokens, device)
+    x = x.to(dtype)
+    major = (k_major_scales(s13), k_major_scales(s2))
+    assert major[0].stride()[1] == 1
+    assert torch.equal(scale_float_ref(major[0]), scale_float_ref(s13))
+    want = fused_moe(x, ids, weights, w13, w2, 1.0, (s13, s2), fmt)
+    got = fused_moe(x, ids, weights, w13, w2, 1.0, major, fmt)
+    if fmt == "fp4" and FP4_WIDE_PAIRS < ids.numel() <= small_pairs(EXPERTS):
+        # the wide tiles split K otherwise: the reference's values up to the sums' order
+        ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, major, fmt)
+        assert_close("moe fp4 wide tiles", got, ref, 1e-5, 1e-4)
+    else:
+        assert torch.equal(got, want)
+    ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, (s13, s2), fmt)
+    got_ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, major, fmt)
+    assert_close("reference on group-major scales", got_ref, ref, 1e-5, 1e-4)
+
+
+def test_scales_in_another_layout_are_refused(device):
+    w13, w2, (s13, s2), _, _ = _stacks("fp4", "ue8m0", device)
+    x, ids, weights = _routing(5, device)
+    odd = s13.transpose(0, 1).contiguous().transpose(0, 1)  # experts innermost
+    with pytest.raises(AssertionError):
+        fused_moe(x, ids, weights, w13, w2, 1.0, (odd, s2), "fp4")
