@@ -24,7 +24,12 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
-from dsv4ray.entrypoints.openai.edge import check_caller, internal_error, new_error_id
+from dsv4ray.entrypoints.openai.edge import (
+    ClientGone,
+    check_caller,
+    internal_error,
+    new_error_id,
+)
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request
 
 log = logging.getLogger("dsv4ray.serve")
@@ -124,8 +129,8 @@ class Edge:
             await self.app(scope, receive, counted_send)
         except APIError as err:  # the caller check; the routes' own go through _api_error
             await error_response(err)(scope, receive, counted_send)
-        except TaskCancelledError:  # Serve cancelled the call: its client went away
-            log.info("%s %s: the client went away", scope["method"], path)
+        except (TaskCancelledError, ClientGone):  # Serve cancelled the call, or the client
+            log.info("%s %s: the client went away", scope["method"], path)  # disconnected
         except Exception:  # a bug: answer it like the API would (no internals) and keep serving
             error_id = new_error_id()
             log.exception("%s %s failed (request %s)", scope["method"], path, error_id)

@@ -15,6 +15,7 @@ only).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import ipaddress
 import re
@@ -34,6 +35,54 @@ _INTERNALS = re.compile(
     r"|\b[0-9a-f]{16,}\b|\b\d{1,3}(?:\.\d{1,3}){3}\b|(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{1,4}",
     re.IGNORECASE,
 )
+
+
+class ClientGone(BaseException):
+    """The client disconnected while its answer was computed: the request is given up and
+    nothing is answered (a BaseException, as a cancellation, so that no handler answers it as a
+    server failure)."""
+
+
+async def unless_client_gone(receive, work):
+    """work's result, unless the ASGI server says the client disconnected first (an
+    ``http.disconnect`` message): then work is cancelled and ClientGone raised. Call once the
+    request body has been read: the next message is then the disconnect. A streamed answer
+    learns it from its sends; this is for answers sent whole, which send nothing until the
+    end."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnect(receive))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+        if not task.done() and not gone.result():  # another message: nothing more to learn
+            await asyncio.wait((task,))
+    except BaseException:  # this handler was cancelled: so is the work
+        await _cancel(task)
+        raise
+    finally:
+        gone.cancel()
+    if task.done():
+        return task.result()
+    await _cancel(task)
+    raise ClientGone()
+
+
+async def _cancel(task) -> None:
+    """Cancels task and waits until it ended: whatever it was reading is left alone after."""
+    task.cancel()
+    await asyncio.wait((task,))
+    if not task.cancelled():  # a cancelled gather ends with its children's CancelledError
+        task.exception()
+
+
+async def _disconnect(receive) -> bool:
+    """Whether the next message says the client left. After the body ASGI servers send nothing
+    else, and one that does is not listened to; nor is a receive that fails (under Ray Serve a
+    gone client's receive raises, and Serve cancels the handler itself)."""
+    try:
+        message = await receive()
+    except Exception:
+        return False
+    return message.get("type") == "http.disconnect"
 
 
 def is_loopback(host: str) -> bool:

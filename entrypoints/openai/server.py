@@ -10,8 +10,8 @@ that ``AsyncEngine`` implements. Routes: ``POST /v1/completions``, ``POST /v1/ch
 ``POST /detokenize`` (vLLM's; a prompt or messages become exactly the ids generation would feed
 the engine). Who may call is ``edge.py``'s rule (the key, else local clients only). Every
 failure is answered with OpenAI's error body and the server keeps serving; a 5xx names what
-failed, never internals. A client that disconnects mid-stream aborts its request, whose pages go
-back.
+failed, never internals. A client that disconnects aborts its request, whose pages go back: a
+stream learns it from its sends, an answer sent whole from the ASGI server's disconnect message.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.core import RequestUpdate
 from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.openai.api import build_api
-from dsv4ray.entrypoints.openai.edge import aborted, read_body
+from dsv4ray.entrypoints.openai.edge import aborted, read_body, unless_client_gone
 from dsv4ray.entrypoints.openai.errors import APIError, bad_request, refusal
 from dsv4ray.entrypoints.openai.format import (
     ChatFormat,
@@ -264,7 +264,7 @@ class OpenAIServer:
             if req.echo:
                 fmt.set_echo(*self._echo(prompt, prompt_ids))
             runs += self._runs(fmt, prompt_ids, params, req)
-        return await self._generate("/v1/completions", runs, req)
+        return await self._generate("/v1/completions", runs, req, request)
 
     def _echo(self, prompt: str | list[int], prompt_ids: list[int]):
         """(text, prompt_ids, where each prompt token starts in text) of an echoed prompt: a
@@ -300,7 +300,7 @@ class OpenAIServer:
             tools=tools,
         )
         runs = self._runs(fmt, prompt_ids, params, req)
-        return await self._generate("/v1/chat/completions", runs, req)
+        return await self._generate("/v1/chat/completions", runs, req, request)
 
     def _runs(self, fmt, prompt_ids: list[int], params: SamplingParams, req) -> list[Run]:
         """A prompt's engine requests: its leader, then the other choices (or best_of
@@ -344,7 +344,7 @@ class OpenAIServer:
             )
         return min(asked or default or room, room)
 
-    async def _generate(self, endpoint: str, runs: list[Run], req) -> Response:
+    async def _generate(self, endpoint: str, runs: list[Run], req, http: Request) -> Response:
         # every engine request of an admitted response counts from admission on: responses
         # admitted together must not pass the limit before their runs are submitted
         if len(runs) > self.options.max_pending_requests:  # a retry would never be admitted
@@ -361,16 +361,8 @@ class OpenAIServer:
         self.num_started += 1
         self.num_admitted += len(runs)
         answer = Answer(self.metrics, endpoint)
-        try:
-            await self._start(answer, [r for r in runs if r.leader], runs)
-            leader = None
-            for run in runs:  # the others of a prompt share its leader's prompt logprobs
-                leader = run if run.leader else leader
-                run.fmt.prompt_logprobs = leader.first.prompt_logprobs
-            # a stream goes out once the leaders have their first tokens; the other choices'
-            # first updates arrive in it (their prompts passed the engine's checks as the
-            # leaders': only the seed and prompt logprobs differ)
-            await self._start(answer, [r for r in runs if not r.leader], runs, not req.stream)
+        try:  # a client gone before the first tokens: its runs are aborted
+            await unless_client_gone(http.receive, self._start_all(answer, runs, req.stream))
         except BaseException as exc:  # _start answers (and releases for) its own failures
             if not isinstance(exc, Exception):  # the client went away before a first token
                 await _give_up([r for r in runs if r.tracked and not r.tracked.closed], exc)
@@ -382,9 +374,10 @@ class OpenAIServer:
             usage = StreamUsage(req.include_usage, req.continuous_usage, num_prompt)
             return SSEResponse(stream(runs, usage), cleanup=lambda: _cancel_all(runs),
                                media_type="text/event-stream")  # fmt: skip
-        try:
-            outputs = await asyncio.gather(
-                *(last_output(r.tracked, r.first, r.updates) for r in runs)
+        try:  # a client gone before the answer is whole: its runs are aborted
+            outputs = await unless_client_gone(
+                http.receive,
+                asyncio.gather(*(last_output(r.tracked, r.first, r.updates) for r in runs)),
             )
         except BaseException as exc:
             await _give_up(runs, exc)
@@ -400,6 +393,19 @@ class OpenAIServer:
         chosen = _best(runs, outputs, req.n)
         choices = [run.fmt.choice(output) for run, output in chosen]
         return JSONResponse(runs[0].fmt.response(choices, format_usage(outputs, leaders)))
+
+    async def _start_all(self, answer: Answer, runs: list[Run], stream: bool) -> None:
+        """Submits every run and waits for the leaders' first updates (and, for an answer sent
+        whole, the others')."""
+        await self._start(answer, [r for r in runs if r.leader], runs)
+        leader = None
+        for run in runs:  # the others of a prompt share its leader's prompt logprobs
+            leader = run if run.leader else leader
+            run.fmt.prompt_logprobs = leader.first.prompt_logprobs
+        # a stream goes out once the leaders have their first tokens; the other choices'
+        # first updates arrive in it (their prompts passed the engine's checks as the
+        # leaders': only the seed and prompt logprobs differ)
+        await self._start(answer, [r for r in runs if not r.leader], runs, not stream)
 
     async def _start(
         self, answer: Answer, runs: list[Run], every: list[Run], wait: bool = True

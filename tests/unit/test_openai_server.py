@@ -6,6 +6,7 @@ import gzip
 import inspect
 import json
 import logging
+import time
 
 import httpx
 import pytest
@@ -506,3 +507,82 @@ def test_a_call_serve_cancels_mid_stream_is_one_log_line(engine, caplog):
     assert server.num_pending == 0 and engine.aborted == [engine.requests[0][2]]
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert [r for r in caplog.records if "went away" in r.getMessage()]
+
+
+class SlowTokens(FakeEngine):
+    """Each token takes 10 ms: an answer sent whole is long in coming."""
+
+    async def _updates(self, ids, params, request_id: str):
+        async for update in super()._updates(ids, params, request_id):
+            await asyncio.sleep(0.01)
+            yield update
+
+
+def _whole_answer_with_disconnect(server, gone_after_s: float, gone) -> tuple[list, float]:
+    """Runs a non-streamed POST /v1/completions whose client disconnects gone_after_s after its
+    body was read (``gone``: the message the ASGI server then gives, or an exception its receive
+    raises) -> (messages sent, seconds the app took)."""
+    body = json.dumps({**GOOD, "max_tokens": 60}).encode()
+    sent, received = [], []
+
+    async def receive():
+        received.append(1)
+        if len(received) == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.sleep(gone_after_s)
+        if isinstance(gone, BaseException):
+            raise gone
+        return gone
+
+    async def send(message):
+        sent.append(message)
+
+    async def run() -> float:
+        start = time.monotonic()
+        await asyncio.wait_for(server.app(_completions_scope("2.4"), receive, send), 10)
+        return time.monotonic() - start
+
+    return sent, asyncio.run(run())
+
+
+def test_a_client_gone_before_a_whole_answer_aborts_its_request(fake_model_dir, caplog):
+    """An answer sent whole sends nothing until its last token: the server learns the client
+    left from the ASGI server, aborts the request at once (its pages go back) and answers
+    nothing; the log says so in one line."""
+    engine = SlowTokens(fake_model_dir)
+    engine.reply = engine.reply * 6  # 78 tokens at 10 ms: 0.6 s for the 60 asked
+    server = make_server(engine)
+    with caplog.at_level(logging.INFO, logger="dsv4ray"):
+        sent, took = _whole_answer_with_disconnect(server, 0.05, {"type": "http.disconnect"})
+    assert engine.aborted == [engine.requests[0][2]]
+    assert took < 0.4 and sent == [] and server.num_pending == 0
+    assert [r for r in caplog.records if "went away" in r.getMessage()]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+def test_a_client_gone_before_the_first_token_aborts_its_request(engine):
+    """A client that leaves while its prompt waits for its first token (here an engine that
+    never starts it) is given up as well: nothing stays pending."""
+    engine.gate = asyncio.Event()  # never set
+    server = make_server(engine)
+    sent, _ = _whole_answer_with_disconnect(server, 0.05, {"type": "http.disconnect"})
+    assert len(engine.requests) == 1 and sent == [] and server.num_pending == 0
+
+
+STAYS = {"disconnect after the answer": (30.0, {"type": "http.disconnect"}),
+         "receive fails": (0.05, RuntimeError()),
+         "another message": (0.05, {"type": "http.request", "body": b""})}  # fmt: skip
+
+
+@pytest.mark.parametrize("after", list(STAYS.values()), ids=list(STAYS))
+def test_a_client_that_stays_gets_its_whole_answer(fake_model_dir, after):
+    """Watching for a disconnect changes nothing for a client that waits: a receive that only
+    returns once the answer went out (as ASGI servers do), or one that fails or sends anything
+    but a disconnect, leaves the answer whole."""
+    engine = SlowTokens(fake_model_dir)
+    server = make_server(engine)
+    sent, _ = _whole_answer_with_disconnect(server, *after)
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 200
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert body["choices"][0]["text"] == engine.tokenizer.decode(engine.reply[:60])
+    assert engine.aborted == [] and server.num_pending == 0
