@@ -54,6 +54,11 @@ class _Step:
     """A plan under construction."""
 
     budget: int
+    # tokens the decodes leave to prefills: a step whose prompts could not start the step
+    # before (the decodes took all but less than a page) keeps a page for them
+    reserve: int = 0
+    prefilled: bool = False  # the step runs a prefill chunk
+    held: list[Request] = field(default_factory=list)  # decodes the reserve kept out
     entries: list[tuple[Request, int, int]] = field(default_factory=list)  # (req, start, n)
     admitted: list[Request] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
@@ -62,6 +67,11 @@ class _Step:
     def add(self, req: Request, start: int, num_tokens: int) -> None:
         self.entries.append((req, start, num_tokens))
         self.budget -= num_tokens
+        self.prefilled = self.prefilled or req.num_tokens - start > 1
+
+    @property
+    def decode_budget(self) -> int:
+        return self.budget - self.reserve
 
     def drop(self, req: Request) -> None:
         for i, (entry_req, _, num_tokens) in enumerate(self.entries):
@@ -86,6 +96,8 @@ class Scheduler:
         self._admit_seq = itertools.count()
         self._rng = random.Random()
         self.lookahead_steps = 0  # lookahead entries scheduled (engine/lookahead.py)
+        # the last step left a prompt waiting for a chunk: the next one reserves it a page
+        self._prefill_starved = False
 
     # ------------------------------------------------------------------ public API
     @property
@@ -144,10 +156,14 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """The next step, or None when nothing can run and there is nothing to report."""
-        step = _Step(budget=self.config.max_num_batched_tokens)
+        page = self.config.page_size if self._prefill_starved else 0
+        step = _Step(budget=self.config.max_num_batched_tokens, reserve=page)
         self._schedule_running(step)
         if not step.preempted_ids:  # a preemption means the pools are short: admit nobody
             self._admit_waiting(step)
+        if step.held and not step.prefilled:
+            self._schedule_held(step)
+        self._prefill_starved = not step.prefilled and self._prefill_waits()
         idle = not (step.entries or step.preempted_ids or self._finished_ids)
         if idle and not self.kv.has_pending_host_ops():
             return None
@@ -257,6 +273,15 @@ class Scheduler:
         return self._requests[req_id].num_cached_tokens or 0
 
     # ------------------------------------------------------------------ scheduling
+    def _prefill_waits(self) -> bool:
+        """A prompt waits for its first or next chunk. Chunks end on page boundaries, so decodes
+        that leave less than a page of the budget would hold it back for as long as they run:
+        the next step then keeps a page for it (steps alternate at worst, and both progress)."""
+        if self._waiting:
+            return True
+        return any(r.in_flight_step is None and r.num_tokens - r.num_computed_tokens > 1
+                   for r in self._running)  # fmt: skip
+
     def _chunk_len(self, req: Request, start: int, budget: int) -> int:
         """Tokens to run from start: all that remain if they fit, else up to a page boundary;
         a chunk also ends at a share boundary so that a snapshot can be taken there."""
@@ -275,22 +300,45 @@ class Scheduler:
                 self._look_ahead(req, step)
             if req.status is not Status.RUNNING or req.in_flight_step is not None:
                 continue  # preempted earlier in this loop, or its previous step is in flight
-            if req.num_tokens - req.num_computed_tokens == 1:
+            decode = req.num_tokens - req.num_computed_tokens == 1
+            if decode:
                 if decodes == 0:
                     continue  # the next plan in flight decodes it
                 decodes -= 1
-            start = req.num_computed_tokens
-            num_tokens = self._chunk_len(req, start, step.budget)
-            page = self.config.page_size if self.kv.prefix_caching else None
-            num_drafts = spec.draft_len(req, step.budget, self.config.max_model_len, page)
-            if num_drafts and not self.kv.grow(req, 1 + num_drafts):
-                num_drafts = 0  # no room for the drafts: decode without them
-            if num_drafts or (num_tokens and self._grow_or_preempt(req, num_tokens, step)):
-                step.add(req, start, num_tokens + num_drafts)
+                if step.decode_budget <= 0:  # the prefills' page: decoded after them if unused
+                    step.held.append(req)
+                    continue
+            self._schedule(req, step, step.decode_budget if decode else step.budget)
+
+    def _schedule_held(self, step: _Step) -> None:
+        """The decodes a page kept for prompts held back, when no prompt took the page (none
+        could be admitted): the whole budget is theirs again."""
+        step.reserve = 0
+        for req in step.held:
+            if req.in_flight_step is not None:
+                self._look_ahead(req, step)
+            elif req.status is Status.RUNNING:
+                self._schedule(req, step, step.budget)
+
+    def _schedule(self, req: Request, step: _Step, budget: int) -> None:
+        """req's next chunk or decode (with its drafts) within budget, growing its pages (or
+        preempting the newest requests for them)."""
+        start = req.num_computed_tokens
+        num_tokens = self._chunk_len(req, start, budget)
+        page = self.config.page_size if self.kv.prefix_caching else None
+        num_drafts = spec.draft_len(req, budget, self.config.max_model_len, page)
+        if num_drafts and not self.kv.grow(req, 1 + num_drafts):
+            num_drafts = 0  # no room for the drafts: decode without them
+        if num_drafts or (num_tokens and self._grow_or_preempt(req, num_tokens, step)):
+            step.add(req, start, num_tokens + num_drafts)
 
     def _look_ahead(self, req: Request, step: _Step) -> None:
         """A lookahead entry for a decode in flight, when the pools have room (engine/lookahead)."""
-        if self.config.lookahead and step.budget > 0 and lookahead.grow(req, self.kv, self.config):
+        if not self.config.lookahead or step.budget <= 0:
+            return
+        if step.decode_budget <= 0:
+            step.held.append(req)
+        elif lookahead.grow(req, self.kv, self.config):
             step.add(req, req.num_tokens, 1)
             step.lookahead.append(req)
             self.lookahead_steps += 1

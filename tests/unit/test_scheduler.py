@@ -78,6 +78,57 @@ def test_decodes_go_first_and_the_budget_caps_the_step():
     assert plan.new_requests[0].req_id == "b" and plan.diffs == []
 
 
+def _prompt_progress(sched, stage, prompt_id: str, steps: int) -> list[tuple[int, list[str]]]:
+    """(tokens the prompt computed in the step, requests decoded) of the next steps."""
+    out = []
+    for _ in range(steps):
+        plan = sched.schedule()
+        done = [e for e in plan.batch if e.req_id == prompt_id and not e.sample]
+        decoded = [e.req_id for e in plan.batch if e.req_id != prompt_id and e.num_tokens == 1]
+        out.append((sum(e.num_tokens for e in done), decoded))
+        sched.commit(plan, stage.run(plan))
+    return out
+
+
+@pytest.mark.parametrize("budget", [8, 9], ids=["one page", "a page and a token"])
+def test_decodes_that_take_the_budget_leave_prompts_a_page_every_other_step(budget):
+    """Prefill chunks end on page boundaries: decodes leaving less than a page of the budget
+    would hold a prompt (and every prompt queued behind it) back for as long as they run. A
+    step after one that left a prompt waiting keeps a page for it: both progress, and the
+    outputs still equal the reference."""
+    config = small_config(max_num_batched_tokens=budget, num_state_slots=4)
+    sched, stage = Scheduler(config), FakeStage(config)
+    for name in "abc":  # three decodes: with budget 9 they leave 6 tokens, less than a page
+        sched.add_request(name, [1, 2, 3], SamplingParams(max_tokens=60, ignore_eos=True))
+    while sched.num_waiting:
+        plan = sched.schedule()
+        sched.commit(plan, stage.run(plan))
+    sched.add_request("long", list(range(40)), SamplingParams(max_tokens=2, ignore_eos=True))
+    sched.add_request("next", [4, 5], SamplingParams(max_tokens=2, ignore_eos=True))
+    progress = _prompt_progress(sched, stage, "long", 10)
+    assert [n for n, _ in progress[:8]] == [0, 8] * 4  # a page every other step, 32 of 40
+    assert all(decoded == ["a", "b", "c"] for n, decoded in progress[:8] if n == 0)
+    outputs = drive(sched, stage)
+    assert "next" in outputs and "long" in outputs  # the queue behind the prompt moved on
+    for name in ("long", "next"):
+        prompt = outputs[name].prompt_token_ids
+        assert outputs[name].output_token_ids == reference(prompt, SamplingParams(
+            max_tokens=2, ignore_eos=True))[0]  # fmt: skip
+
+
+def test_a_budget_with_room_for_a_page_beside_the_decodes_holds_no_decode_back():
+    config = small_config(max_num_batched_tokens=16)
+    sched, stage = Scheduler(config), FakeStage(config)
+    for name in "abc":
+        sched.add_request(name, [1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True))
+    plan = sched.schedule()
+    sched.commit(plan, stage.run(plan))
+    sched.add_request("long", list(range(40)))
+    progress = _prompt_progress(sched, stage, "long", 4)
+    assert all(decoded == ["a", "b", "c"] for _, decoded in progress)
+    assert [n for n, _ in progress] == [8, 8, 8, 8]
+
+
 def test_running_decodes_go_before_running_prefills():
     config = small_config()
     sched, stage = Scheduler(config), FakeStage(config)
