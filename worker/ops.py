@@ -74,20 +74,23 @@ def check_fp8_prefill(requested: bool, weight_format: str, cfg: ModelConfig,
     if not requested:
         return False
     quant = cfg.quantization
-    if weight_format != "native" or quant is None:
-        raise ValueError(f"fp8_prefill needs a checkpoint with FP8 linears kept native "
-                         f"(weight_format {weight_format!r})")  # fmt: skip
+    if quant is None:
+        raise ValueError("fp8_prefill needs a checkpoint with FP8 linears; this checkpoint has "
+                         "no quantization_config (its weights are not quantised)")  # fmt: skip
+    if weight_format != "native":
+        raise ValueError(f"fp8_prefill needs the FP8 linears kept native (weight_format "
+                         f"'native'), got weight_format {weight_format!r}")  # fmt: skip
     if quant.weight_block_size[1] % fp8_act.ACT_GROUP:
         raise ValueError(f"fp8_prefill needs FP8 scale blocks of a multiple of "
                          f"{fp8_act.ACT_GROUP} columns, weight_block_size is "
                          f"{list(quant.weight_block_size)}")  # fmt: skip
-    if dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"fp8_prefill needs bf16 or fp16 compute, the model runs in {dtype}")
-    if not (fused() and fp8_act.supported(device)):
+    if not (fused() and fp8_act.supported(device)):  # first: no dtype helps on other devices
         raise ValueError(
             f"fp8_prefill needs a GPU with FP8 tensor cores (compute capability 8.9 or newer) "
             f"and the Triton backend; this stage runs on {device}"
         )
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"fp8_prefill needs bf16 or fp16 compute, the model runs in {dtype}")
     log.info("FP8 linears: prefill-sized calls on FP8 activations (1 x 128 blocks)")
     return True
 

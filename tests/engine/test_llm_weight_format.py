@@ -18,7 +18,7 @@ from safetensors import safe_open
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
-from dsv4ray.kernels import dispatch
+from dsv4ray.kernels import dispatch, fp8_act
 from dsv4ray.kernels import sparse_mqa as sparse_mqa_kernels
 from dsv4ray.model import tiny
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -92,17 +92,25 @@ def test_weight_format_is_validated_and_resolved(flash_ckpt, tmp_path):
     assert isinstance(stage.block(0).attn.wq_a, torch.nn.Linear)
 
 
-def test_fp8_prefill_is_refused_where_it_cannot_run(flash_ckpt):
-    """EngineConfig.fp8_prefill needs native FP8 linears, 16-bit compute and a GPU with FP8 tensor
-    cores: asked for elsewhere, the engine does not start and says what is missing."""
+def test_fp8_prefill_is_refused_where_it_cannot_run(flash_ckpt, tmp_path, monkeypatch):
+    """EngineConfig.fp8_prefill needs a quantised checkpoint, native FP8 linears, a GPU with FP8
+    tensor cores and 16-bit compute: asked for elsewhere, the engine does not start and names
+    what is missing, the device before the dtype (no dtype helps on a CPU)."""
     with pytest.raises(ValueError, match="fp8_prefill must be True or False"):
         EngineConfig.build(flash_ckpt, fp8_prefill="yes")
-    with pytest.raises(ValueError, match="FP8 linears kept native"):
+    plain = make_tiny(str(tmp_path), seed=5, **SMALL)
+    with pytest.raises(ValueError, match="no quantization_config"):
+        LLM(plain, fp8_prefill=True)
+    with pytest.raises(
+        ValueError, match="FP8 linears kept native .* got weight_format 'dequantized'"
+    ):
         LLM(flash_ckpt, fp8_prefill=True)  # CPU: "auto" dequantises at load
+    for dtype in ("float32", "bfloat16"):
+        with dispatch.use_backend("triton"), pytest.raises(ValueError, match="FP8 tensor cores"):
+            LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype=dtype)
+    monkeypatch.setattr(fp8_act, "supported", lambda device: True)  # as on an H100
     with dispatch.use_backend("triton"), pytest.raises(ValueError, match="bf16 or fp16 compute"):
         LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype="float32")
-    with dispatch.use_backend("triton"), pytest.raises(ValueError, match="FP8 tensor cores"):
-        LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype="bfloat16")
 
 
 def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypatch):
