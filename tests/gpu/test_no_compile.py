@@ -55,3 +55,23 @@ def test_indexer_variants_compiled_up_front_cover_every_step_shape(kv_dtype):
             bound = torch.randint(0, cols * 64 + 1, (num_tokens,), generator=g).cuda()
             indexer.indexer_scores(q, w, pages, table, req, bound, layout)
     assert compiled_variants() == ready
+
+
+def test_native_weights_compile_nothing_after_startup(tmp_path):
+    """Native FP8 linears and FP4 experts (group-major scales): decode batches of 1 to 12
+    requests and prefills of every size take each expert tile variant (narrow and wide few-pair
+    tiles, listed, sorted, decoded first) and every FP8 linear bucket, all compiled at startup."""
+    from dsv4ray.model.tiny import make_tiny
+
+    path = make_tiny(str(tmp_path / "q"), "tiny", seed=1, quantize="fp8+fp4-experts")
+    llm = LLM(path, weight_format="native", device="cuda", dtype="bfloat16",
+              max_running_requests=12, max_model_len=8192)  # fmt: skip
+    try:
+        ready = compiled_variants()
+        params = SamplingParams(max_tokens=6, ignore_eos=True)
+        for lengths in ([1], [2, 3], [9, 40, 7], [300, 5, 1, 2, 17, 64, 3, 3, 8, 120, 33, 2],
+                        [2500], [6000, 4]):  # fmt: skip
+            llm.generate(_prompts(lengths, seed=len(lengths)), params)
+        assert compiled_variants() == ready
+    finally:
+        llm.shutdown()
