@@ -17,6 +17,8 @@ Weight formats (kernels/quant_tiles.py decodes them in registers; x stays bf16, 
     ceil(hidden / bn), ceil(inter / bk)], fp32 or ue8m0, for block = (bn, bk);
   - "fp4": e2m1 pairs packed along K, w13 [E, 2 * inter, hidden / 2] and w2 [E, hidden, inter / 2]
     (int8 or uint8), ue8m0 s13 [E, 2 * inter, hidden / 32] and s2 [E, hidden, inter / 32].
+Scales are read through their strides, row-major or group-major (`stored_scales`: how the worker
+stacks FP4 experts' scales, each 32-column group's scales of all rows contiguous).
 
 Plan (no host synchronisation, so a CUDA graph can capture it; grids are fixed by the shapes and
 programs with no pairs exit at once): the pairs are grouped by expert, then `_gate_up_kernel`
