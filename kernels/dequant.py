@@ -113,7 +113,7 @@ def dequantize(
     counts: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """See the module docstring. w and scale may be views with strided experts (rows within an
-    expert contiguous; the scales row- or group-major, `quant_tiles.k_major_scales`); out
+    expert contiguous; the scales row- or group-major, `quant_tiles.group_major_scales`); out
     [n, rows, cols] (or [rows, cols] for a 2-D w) likewise."""
     assert fmt in ("fp8", "fp4"), fmt
     w3, s3 = (w, scale) if w.dim() == 3 else (w[None], scale[None])

@@ -56,10 +56,11 @@ from dsv4ray.kernels.quant_tiles import (
     acc_rows,
     acc_zeros,
     dequantize_ref,
-    k_major_scales,
+    group_major_scales,
     k_tile,
     kernel_bytes,
     load_x,
+    scale_layout,
     scale_shape,
     scales_laid_out,
     split_k,
@@ -446,8 +447,8 @@ FP4_WIDE_PAIRS = 16
 
 def stored_scales(fmt: str, scale: torch.Tensor) -> torch.Tensor:
     """Stacked expert scales [E, rows, groups] in the storage `fused_moe` reads fastest: FP4's
-    per-row scales group-major (`k_major_scales`), FP8's block scales as they are."""
-    return k_major_scales(scale) if fmt == "fp4" else scale
+    per-row scales group-major (`group_major_scales`), FP8's block scales as they are."""
+    return group_major_scales(scale) if fmt == "fp4" else scale
 
 
 def small_pairs(num_experts: int) -> int:
@@ -486,7 +487,7 @@ def _tiles(listed: bool, fmt: str, num_pairs: int, fp32: bool = False, num_exper
 def _layout(fmt: str, scale, cols: int, block) -> tuple[int, int, int, int, int]:
     """(stride_w, stride_se, stride_sr, stride_sg, block_n) of a stacked weight of logical
     [E, rows, cols]: elements (bytes) per weight row, the scales' strides per expert, scale row
-    and scale column (any layout: `k_major_scales` stores FP4's columns outermost), and the
+    and scale column (any layout: `group_major_scales` stores FP4's columns outermost), and the
     weight rows one scale row covers."""
     if fmt == "dense":
         return cols, 0, 0, 0, 1
@@ -539,7 +540,7 @@ def fused_moe(
     # the interpreter pays per program and op: it keeps the wide tiles
     fp32 = x.dtype == torch.float32 and not interpreting()
     dequant = _dequantize_first(fmt, listed, num_pairs, num_experts, x)
-    group_major = scales is not None and scales[0].stride(1) == 1 < scales[0].stride(2)
+    group_major = scales is not None and scale_layout(scales[0]) == "group"
     if dequant:
         tiles = dict(PREFILL_TILES["dense"])
     else:

@@ -340,7 +340,7 @@ def kernel_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def k_major_scales(scale: torch.Tensor) -> torch.Tensor:
+def group_major_scales(scale: torch.Tensor) -> torch.Tensor:
     """Stacked scales [E, rows, groups] as the same logical tensor stored with each group column
     contiguous (strides (rows * groups, 1, rows)). A weight tile's scales are then a few
     contiguous runs (one per group column of the K step) rather than one 32-byte sector per weight
@@ -348,12 +348,20 @@ def k_major_scales(scale: torch.Tensor) -> torch.Tensor:
     return scale.transpose(-1, -2).contiguous().transpose(-1, -2)
 
 
-def scales_laid_out(scale: torch.Tensor) -> bool:
-    """Stacked scales [E, rows, groups] row-major (contiguous) or group-major (`k_major_scales`):
-    the layouts the kernels read through their strides."""
+def scale_layout(scale: torch.Tensor) -> str | None:
+    """Stacked scales [E, rows, groups] -> "row" (contiguous), "group" (`group_major_scales`) or
+    None (another layout, which the kernels do not read)."""
     _, rows, groups = scale.shape
-    expert = scale.stride(0) == rows * groups or scale.shape[0] == 1
-    return expert and (scale.stride()[1:] in ((groups, 1), (1, rows)))
+    if scale.stride(0) != rows * groups and scale.shape[0] != 1:
+        return None
+    if scale.stride()[1:] == (groups, 1):
+        return "row"
+    return "group" if scale.stride()[1:] == (1, rows) else None
+
+
+def scales_laid_out(scale: torch.Tensor) -> bool:
+    """Whether the kernels read these stacked scales through their strides (row- or group-major)."""
+    return scale_layout(scale) is not None
 
 
 def scale_float_ref(scale: torch.Tensor) -> torch.Tensor:

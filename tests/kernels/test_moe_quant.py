@@ -19,7 +19,7 @@ from dsv4ray.kernels.moe import (
     small_pairs,
     stored_scales,
 )
-from dsv4ray.kernels.quant_tiles import dequantize_ref, k_major_scales, scale_float_ref
+from dsv4ray.kernels.quant_tiles import dequantize_ref, group_major_scales, scale_float_ref
 from dsv4ray.kernels.testing import assert_close
 from dsv4ray.model.layers.moe import MoE
 from dsv4ray.model.layers.quant_linear import QuantLinear
@@ -330,14 +330,14 @@ CASES = [(5, torch.float32), (6, torch.float32), (7, torch.float32), (400, torch
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
 def test_group_major_scales_give_the_same_bytes(fmt, scale_fmt, num_tokens, dtype, device,
                                                 monkeypatch):  # fmt: skip
-    """Scales stored group-major (`k_major_scales`, as stacked quantised experts hold them) are
+    """Scales stored group-major (`group_major_scales`, as stacked quantised experts hold them) are
     read through their strides: every tile shape and the decode into a scratch give the bytes the
     row-major scales give."""
     monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
     w13, w2, (s13, s2), _, _ = _stacks(fmt, scale_fmt, device)
     x, ids, weights = _routing(num_tokens, device)
     x = x.to(dtype)
-    major = (k_major_scales(s13), k_major_scales(s2))
+    major = (group_major_scales(s13), group_major_scales(s2))
     assert major[0].stride()[1] == 1
     assert torch.equal(scale_float_ref(major[0]), scale_float_ref(s13))
     want = fused_moe(x, ids, weights, w13, w2, 1.0, (s13, s2), fmt)
