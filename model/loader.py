@@ -162,14 +162,20 @@ def load_draft(
     dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     cfg: ModelConfig | None = None,
+    weight_format: str = "dequantized",
 ) -> DraftModel:
-    """Loads the draft worker's tensors: ``mtp.0.*``, ``embed.weight`` and ``head.weight``."""
+    """Loads the draft worker's tensors: ``mtp.0.*``, ``embed.weight`` and ``head.weight``;
+    weight_format as ``load_stage`` takes it (the MTP block's quantised linears and experts)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     dtype = _dtype(dtype)
     cfg = cfg or ModelConfig.from_hf(path)
     if cfg.mtp_layer is None:
         raise ValueError(f"the config of {path!r} has no MTP layer (num_nextn_predict_layers)")
     with torch.device("meta"):
         module = DraftModel(cfg, dtype)
+        if weight_format == "native":
+            keep_quantized(module, path, cfg, module.owns)
     _materialise(module, path, dtype, device, want=module.owns)
     return module
 

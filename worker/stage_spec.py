@@ -37,8 +37,9 @@ class DraftSpec:
     kv_cache_dtype: str = "fp8"
     dtype: str | None = None
     device: str = "cpu"
+    weight_format: str = "auto"  # EngineConfig.weight_format, as the stages take it
 
     @classmethod
     def of(cls, ec: EngineConfig, model: str | None = None) -> DraftSpec:
         return cls(model or ec.model, ec.speculative_num_steps, ec.speculative_eagle_topk,
-                   ec.kv_cache_dtype, ec.dtype, ec.device)  # fmt: skip
+                   ec.kv_cache_dtype, ec.dtype, ec.device, ec.weight_format)  # fmt: skip

@@ -68,6 +68,33 @@ def test_native_on_torch_equals_dequantized_bit_for_bit(flash_ckpt):
     assert nbytes(native.layers) < 0.6 * nbytes(dense.layers)  # fp32 compute dtype here
 
 
+def test_the_draft_layer_keeps_its_quantised_weights_and_drafts_the_same(flash_ckpt):
+    """The MTP draft worker loads its block as the stages do: FP8 linears and FP4 experts kept
+    (a V4-Flash MTP layer dequantised would hold ~4x the bytes), and on the torch backend its
+    proposals are those of the dequantised block, so every count matches bit for bit."""
+    prompts = _prompts([9, 40])
+    runs = {}
+    for fmt in ("native", "dequantized"):
+        llm = LLM(flash_ckpt, kv_cache_dtype="fp32", weight_format=fmt, use_ray=False,
+                  speculative_num_steps=2)  # fmt: skip
+        try:
+            block = llm.core.pipeline.draft.block
+            tokens = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+            stats = llm.core.stats()
+            runs[fmt] = block, tokens, [stats[k] for k in ("num_draft_tokens",
+                                                         "num_accepted_draft_tokens")]  # fmt: skip
+        finally:
+            llm.shutdown()
+    (native, got, got_counts), (dense, want, want_counts) = runs["native"], runs["dequantized"]
+    assert isinstance(native.e_proj, QuantLinear) and native.e_proj.kind == "fp8"
+    assert native.attn.wq_a.weight.dtype == torch.float8_e4m3fn
+    assert native.ffn.experts[0].w1.kind == "fp4"
+    assert isinstance(dense.e_proj, torch.nn.Linear)
+    assert got == want and got_counts == want_counts and got_counts[0] > 0
+    nbytes = lambda m: sum(t.nbytes for t in m.state_dict().values())  # noqa: E731
+    assert nbytes(native) < 0.6 * nbytes(dense)
+
+
 def test_native_triton_kernels_give_the_dequantized_tokens(flash_ckpt, monkeypatch):
     """The engine's FP8 linears (every attention projection, the grouped wo_a, the indexer's wq_b,
     the FP8 shared expert) and FP4 grouped experts on the Triton path. Attention itself runs its

@@ -76,8 +76,11 @@ class DraftWorker:
         self.num_steps, self.kv_cache_dtype = num_steps, kv_cache_dtype
         self.device = torch.device(device)
         dispatch.for_device(self.device)
-        self.model = load_draft(spec.model, spec.dtype or self.cfg.torch_dtype, device, self.cfg)
+        self.weight_format = ops.resolve_weight_format(spec.weight_format, self.cfg, self.device)
+        self.model = load_draft(spec.model, spec.dtype or self.cfg.torch_dtype, device, self.cfg,
+                                self.weight_format)  # fmt: skip
         self.block = self.model.block
+        ops.prepare([self.block], self.model.dtype)  # as the stages: experts stacked, kernels bound
         ops.bind_few_row_kernels(self.block)
         self.ropes = RopeTables([self.cfg.mtp_layer.rope], self.device)
         self.pools: DraftPools | None = None
