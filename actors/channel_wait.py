@@ -6,7 +6,9 @@ machine every waiting reader keeps a core busy: the driver while the stages comp
 stage actor between steps, an idle pipeline included (two idle stages kept both cores of a
 2-core machine busy). CPU pipelines therefore look at a channel without waiting and sleep
 between looks, POLL_FIRST_S at first, doubling up to POLL_MAX_S: a value is seen at most
-POLL_MAX_S late, against CPU steps of tens of milliseconds.
+POLL_MAX_S late, against CPU steps of tens of milliseconds. A reader that has waited IDLE_AFTER_S
+(an idle pipeline: no step for longer than any CPU step takes) looks every POLL_IDLE_S, so an
+idle stage costs a few wakeups a second and only the first step after a pause is seen late.
 """
 
 from __future__ import annotations
@@ -17,21 +19,23 @@ from collections.abc import Callable
 from ray.exceptions import RayChannelTimeoutError
 
 POLL_FIRST_S, POLL_MAX_S = 5e-5, 2e-3
+IDLE_AFTER_S, POLL_IDLE_S = 1.0, 0.02
 
 
 def poll(look: Callable[[], object], deadline: float | None):
     """look() until it returns -> its value. look reads without waiting and raises
     RayChannelTimeoutError while nothing is there; raised again once the deadline (monotonic
     seconds; None: none) passed. Other errors propagate at once."""
-    delay = POLL_FIRST_S
+    delay, idle_at = POLL_FIRST_S, time.monotonic() + IDLE_AFTER_S
     while True:
         try:
             return look()
         except RayChannelTimeoutError:
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise
         time.sleep(delay)
-        delay = min(delay * 2, POLL_MAX_S)
+        delay = POLL_IDLE_S if now >= idle_at else min(delay * 2, POLL_MAX_S)
 
 
 def sleep_between_reads() -> None:

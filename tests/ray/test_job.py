@@ -188,7 +188,7 @@ def test_a_replica_runs_two_chunks_at_once_so_a_slow_line_holds_back_no_other_ch
     """One replica, chunks of two lines, the first chunk holding a long request: the chunks
     after it finish (and are written) while it still decodes."""
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [{"id": "slow", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True}]
+    lines = [{"id": "slow", "prompt": "Hi", "max_tokens": 120, "ignore_eos": True}]
     lines += [{"id": f"fast{i}", "prompt": "Hi", "max_tokens": 2, "ignore_eos": True}
               for i in range(7)]  # fmt: skip
     src.write_text("".join(json.dumps(line) + "\n" for line in lines))

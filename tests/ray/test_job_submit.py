@@ -1,5 +1,5 @@
 """`ray job submit` against a local `ray start --head` runs `dsv4ray job --replicas 2` end to
-end: 200 requests resumed from an earlier run's output, both engines busy, the output complete."""
+end: 100 requests resumed from an earlier run's output, both engines busy, the output complete."""
 
 import json
 import os
@@ -128,12 +128,15 @@ def _prior_run(num_done: int) -> list[str]:
     return [json.dumps(r) + "\n" for r in [*done, aborted]] + [f'{{"id": "{num_done + 1}", "te']
 
 
-def test_ray_job_submit_runs_200_requests_on_two_replicas(ray_head, tiny_ckpt, tmp_path):
+NUM_LINES, NUM_DONE = 100, 25  # input lines; lines an earlier run finished
+
+
+def test_ray_job_submit_runs_100_requests_on_two_replicas(ray_head, tiny_ckpt, tmp_path):
     env, address = ray_head
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    lines = [json.dumps(_input_line(i)) for i in range(200)]
-    src.write_text("\n".join(lines[:100] + ["{broken"] + lines[100:]) + "\n")
-    prior = _prior_run(50)
+    lines = [json.dumps(_input_line(i)) for i in range(NUM_LINES)]
+    src.write_text("\n".join(lines[:50] + ["{broken"] + lines[50:]) + "\n")
+    prior = _prior_run(NUM_DONE)
     dst.write_text("".join(prior))
     cmd = [
         *(f"{BIN}/ray", "job", "submit", "--address", address, "--"),
@@ -146,12 +149,14 @@ def test_ray_job_submit_runs_200_requests_on_two_replicas(ray_head, tiny_ckpt, t
         if "No available agent to submit job" not in log:
             break
         time.sleep(2)
-    assert "line 101: not JSON" in log  # the broken line is reported with its number
-    assert "150 requests (0 failed, 1 bad lines, 50 already done, 1 retried)" in log, log[-3000:]
+    assert "line 51: not JSON" in log  # the broken line is reported with its number
+    todo = NUM_LINES - NUM_DONE
+    summary = f"{todo} requests (0 failed, 1 bad lines, {NUM_DONE} already done, 1 retried)"
+    assert summary in log, log[-3000:]
     # the log may show a line twice (streamed, then the job's logs): one count per replica
     per_replica = {name: int(n) for name, n in re.findall(r"replica (\S+): (\d+) requests", log)}
     assert len(per_replica) == 2 and min(per_replica.values()) > 0, log[-3000:]  # both busy
-    assert sum(per_replica.values()) == 150
+    assert sum(per_replica.values()) == todo
     assert proc.returncode != 0  # a bad line makes the job fail after the good ones ran
 
     text = dst.read_text()
@@ -163,8 +168,8 @@ def test_ray_job_submit_runs_200_requests_on_two_replicas(ray_head, tiny_ckpt, t
         except json.JSONDecodeError:
             continue  # the cut line of the earlier run
         last[row["id"]] = row
-    assert set(last) == {str(i) for i in range(200)}  # complete: the last line of each id
-    for i in range(50, 200):
+    assert set(last) == {str(i) for i in range(NUM_LINES)}  # complete: the last line of each id
+    for i in range(NUM_DONE, NUM_LINES):
         row, asked = last[str(i)], _input_line(i)["max_tokens"]
         assert row["finish_reason"] in ("length", "stop") and "error" not in row, row
         assert len(row["token_ids"]) == asked or row["finish_reason"] == "stop", row

@@ -273,7 +273,7 @@ def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ck
     assert got == reference_greedy(tiny_model, prompt, 5)
 
 
-IDLE_KILLS = 10  # stages killed between requests, each replaced before the next
+IDLE_KILLS = 2  # stages killed between requests (each stage once), each replaced before the next
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ from ray import serve
 from dsv4ray.entrypoints.serve import APP_NAME
 
 MODEL = "tiny-test"
-NUM_STREAMS = 32
-MAX_TOKENS = 1000  # in flight when the replica dies: 32 x 1000 fit the pool below
+NUM_STREAMS = 8
+MAX_TOKENS = 1000  # in flight when the replica dies: 8 x 1000 fit the pool below
 
 
 @pytest.fixture(scope="module")
