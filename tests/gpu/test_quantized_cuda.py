@@ -163,3 +163,26 @@ def test_native_serving_compiles_nothing_after_startup(quant_ckpt, cuda_graphs):
         assert compiled_variants() == ready
     finally:
         llm.shutdown()
+
+
+def test_native_drafts_give_the_tokens_of_plain_decoding_and_compile_nothing(quant_ckpt):
+    """MTP drafts from the draft layer's native weights (graphed verification and draft passes):
+    the tokens of the same engine without drafts (random weights: drafts verified, rarely
+    accepted), and no kernel compiled after startup by the draft layer's FP8 linears or
+    experts."""
+    prompts = _prompts([1, 129, 300], seed=3)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for k in (0, 2):
+        llm = LLM(quant_ckpt, kv_cache_dtype="fp32", device=DEVICE, weight_format="native",
+                  dtype="float32", speculative_num_steps=k, use_ray=False)  # fmt: skip
+        try:
+            ready = compiled_variants()
+            runs[k] = [o.token_ids for o in llm.generate(prompts, params)], llm.core.stats()
+            assert compiled_variants() == ready, k
+            if k:
+                assert llm.core.pipeline.draft.block.e_proj.kind == "fp8"
+        finally:
+            llm.shutdown()
+    assert runs[2][0] == runs[0][0]
+    assert runs[2][1]["num_draft_tokens"] > 0, runs[2][1]
