@@ -62,7 +62,6 @@ from dsv4ray.kernels.quant_tiles import (
     load_x,
     scale_layout,
     scale_shape,
-    scales_laid_out,
     split_k,
     sum_splits,
     weight_dot,
@@ -510,7 +509,7 @@ def _check(x, w13, w2, scales, fmt, block) -> int:
     assert w2.shape == (num_experts, hidden, inter // packed), w2.shape
     if fmt != "dense":
         s13, s2 = scales
-        assert scales_laid_out(s13) and scales_laid_out(s2), (s13.stride(), s2.stride())
+        assert scale_layout(s13) and scale_layout(s2), (s13.stride(), s2.stride())
         gate = scale_shape(fmt, inter, hidden, block)
         assert s13.shape == (num_experts, 2 * gate[0], gate[1]), s13.shape
         assert s2.shape == (num_experts, *scale_shape(fmt, hidden, inter, block)), s2.shape

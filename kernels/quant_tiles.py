@@ -359,11 +359,6 @@ def scale_layout(scale: torch.Tensor) -> str | None:
     return "group" if scale.stride()[1:] == (1, rows) else None
 
 
-def scales_laid_out(scale: torch.Tensor) -> bool:
-    """Whether the kernels read these stacked scales through their strides (row- or group-major)."""
-    return scale_layout(scale) is not None
-
-
 def scale_float_ref(scale: torch.Tensor) -> torch.Tensor:
     """Stored scales (fp32, float8_e8m0fnu or uint8 exponent bytes) -> fp32 multipliers."""
     if scale.element_size() == 1:

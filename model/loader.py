@@ -8,6 +8,7 @@ copy of the stage.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -80,12 +81,19 @@ def load_stage(
     ``QuantLinear`` holding the stored bytes and scale; "dequantized": all are dequantised into
     ``dtype``. Tensors stored in bf16 or fp32 load the same way in both.
     """
+    cfg = cfg or ModelConfig.from_hf(path)
+    build = functools.partial(StageModel, cfg, start, end)
+    return _load_in_format(build, path, dtype, device, cfg, weight_format)
+
+
+def _load_in_format(build, path, dtype, device, cfg: ModelConfig, weight_format: str):
+    """build(dtype) on meta (an owning module: ``owns(name)``), its quantised linears kept when
+    weight_format is "native", then its tensors loaded from path."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
     dtype = _dtype(dtype)
-    cfg = cfg or ModelConfig.from_hf(path)
     with torch.device("meta"):
-        module = StageModel(cfg, start, end, dtype)
+        module = build(dtype)
         if weight_format == "native":
             keep_quantized(module, path, cfg, module.owns)
     _materialise(module, path, dtype, device, want=module.owns)
@@ -166,18 +174,11 @@ def load_draft(
 ) -> DraftModel:
     """Loads the draft worker's tensors: ``mtp.0.*``, ``embed.weight`` and ``head.weight``;
     weight_format as ``load_stage`` takes it (the MTP block's quantised linears and experts)."""
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight_format must be one of {WEIGHT_FORMATS}, got {weight_format!r}")
-    dtype = _dtype(dtype)
     cfg = cfg or ModelConfig.from_hf(path)
     if cfg.mtp_layer is None:
         raise ValueError(f"the config of {path!r} has no MTP layer (num_nextn_predict_layers)")
-    with torch.device("meta"):
-        module = DraftModel(cfg, dtype)
-        if weight_format == "native":
-            keep_quantized(module, path, cfg, module.owns)
-    _materialise(module, path, dtype, device, want=module.owns)
-    return module
+    return _load_in_format(functools.partial(DraftModel, cfg), path, dtype, device, cfg,
+                           weight_format)  # fmt: skip
 
 
 def _materialise(module, path, dtype, device, want=None) -> None:

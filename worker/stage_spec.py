@@ -38,8 +38,10 @@ class DraftSpec:
     dtype: str | None = None
     device: str = "cpu"
     weight_format: str = "auto"  # EngineConfig.weight_format, as the stages take it
+    fp8_prefill: bool = False  # EngineConfig.fp8_prefill, likewise
 
     @classmethod
     def of(cls, ec: EngineConfig, model: str | None = None) -> DraftSpec:
         return cls(model or ec.model, ec.speculative_num_steps, ec.speculative_eagle_topk,
-                   ec.kv_cache_dtype, ec.dtype, ec.device, ec.weight_format)  # fmt: skip
+                   ec.kv_cache_dtype, ec.dtype, ec.device, ec.weight_format,
+                   ec.fp8_prefill)  # fmt: skip

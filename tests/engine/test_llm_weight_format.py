@@ -140,6 +140,23 @@ def test_fp8_prefill_is_refused_where_it_cannot_run(flash_ckpt, tmp_path, monkey
         LLM(flash_ckpt, weight_format="native", fp8_prefill=True, dtype="float32")
 
 
+def test_the_draft_layer_takes_fp8_prefill_as_the_stages_do(flash_ckpt, monkeypatch):
+    """fp8_prefill reaches the draft worker with the engine's weight_format: its FP8 linears
+    (e_proj among them) take FP8 activations in prefill-sized calls, as the stages' do."""
+    from dsv4ray.worker.spec.draft import DraftWorker
+    from dsv4ray.worker.stage_spec import DraftSpec
+
+    monkeypatch.setattr(fp8_act, "supported", lambda device: True)  # as on an H100
+    ec = EngineConfig.build(flash_ckpt, weight_format="native", fp8_prefill=True,
+                            dtype="bfloat16", speculative_num_steps=1, device="cpu")  # fmt: skip
+    spec = DraftSpec.of(ec)
+    assert (spec.weight_format, spec.fp8_prefill) == ("native", True)
+    with dispatch.use_backend("triton"):
+        block = DraftWorker(spec).block
+    assert block.e_proj.matmul.keywords["act_fp8"] is None  # None: FP8 from 64 rows up
+    assert block.attn.wq_a.matmul.keywords["act_fp8"] is None
+
+
 def test_streamed_preset_writes_a_sharded_release_checkpoint(tmp_path, monkeypatch):
     """dsv4-flash-layers is written a tensor at a time (shrunk here to the tiny preset's widths,
     its 6-of-N routing and C4 / C128 pattern kept): several shards of at most about SHARD_BYTES,

@@ -80,7 +80,10 @@ class DraftWorker:
         self.model = load_draft(spec.model, spec.dtype or self.cfg.torch_dtype, device, self.cfg,
                                 self.weight_format)  # fmt: skip
         self.block = self.model.block
-        ops.prepare([self.block], self.model.dtype)  # as the stages: experts stacked, kernels bound
+        fp8_prefill = ops.check_fp8_prefill(spec.fp8_prefill, self.weight_format, self.cfg,
+                                            self.device, self.model.dtype)  # fmt: skip
+        # as the stages: experts stacked, kernels bound and compiled before serving
+        ops.prepare([self.block], self.model.dtype, fp8_prefill)
         ops.bind_few_row_kernels(self.block)
         self.ropes = RopeTables([self.cfg.mtp_layer.rope], self.device)
         self.pools: DraftPools | None = None
