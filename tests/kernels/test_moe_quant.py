@@ -61,14 +61,32 @@ def _routing(num_tokens, device, seed=1):
     return x.to(device), ids.to(device), torch.rand(num_tokens, 3, generator=g).to(device)
 
 
+SORTED = "sorted"  # a num_tokens case: more pairs than LIST_MAX_PAIRS (`sorted_tokens`)
+
+
+@pytest.fixture
+def sorted_tokens(monkeypatch) -> int:
+    """Tokens whose pairs are sorted rather than listed: 400 (1,200 pairs) natively; under the
+    interpreter, which pays per program and op, 30 (90 pairs) with the list limit at 64 pairs."""
+    if not interpreting():
+        return 400
+    monkeypatch.setattr(moe_kernels, "LIST_MAX_PAIRS", 64)
+    return 30
+
+
+def _tokens(num_tokens, sorted_tokens: int) -> int:
+    return sorted_tokens if num_tokens == SORTED else num_tokens
+
+
 # 1 and 5 tokens group their pairs by list on the narrow tiles, 7 tokens (21 pairs) by list on the
-# 64-pair tiles; 400 tokens (1,200 pairs) sort them
-@pytest.mark.parametrize("num_tokens", [1, 5, 7, 400])
+# 64-pair tiles; SORTED sorts them
+@pytest.mark.parametrize("num_tokens", [1, 5, 7, SORTED])
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
-def test_quantized_experts_match_reference(fmt, scale_fmt, num_tokens, device):
+def test_quantized_experts_match_reference(fmt, scale_fmt, num_tokens, device, sorted_tokens):
     assert 400 * 3 > LIST_MAX_PAIRS >= 7 * 3 > small_pairs(EXPERTS) >= 5 * 3
+    assert sorted_tokens * 3 > moe_kernels.LIST_MAX_PAIRS >= 7 * 3
     w13, w2, scales, _, _ = _stacks(fmt, scale_fmt, device)
-    x, ids, weights = _routing(num_tokens, device)
+    x, ids, weights = _routing(_tokens(num_tokens, sorted_tokens), device)
     out = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
     ref = fused_moe_ref(x, ids, weights, w13, w2, 1.0, scales, fmt)
     assert_close(f"moe {fmt}", out, ref, 1e-5, 1e-4)  # fp32: reordered sums only
@@ -280,7 +298,7 @@ def test_k_split_partial_sums_equal_the_reference(fmt, device, monkeypatch):
 @pytest.mark.parametrize("chunk_experts", [EXPERTS, 2])
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
 def test_prefill_decodes_its_experts_first(
-    fmt, scale_fmt, chunk_experts, capturing, device, monkeypatch
+    fmt, scale_fmt, chunk_experts, capturing, device, monkeypatch, sorted_tokens
 ):
     """Sorted quantized calls with many pairs per expert decode their experts into a scratch (here
     in chunks of 2 experts as well as all at once) and multiply with the dense kernels: bit for
@@ -292,7 +310,7 @@ def test_prefill_decodes_its_experts_first(
     monkeypatch.setattr(moe_kernels, "_capturing", lambda x: capturing)
     per_expert = 3 * INTER * HIDDEN * 2  # bf16
     monkeypatch.setattr(moe_kernels, "DEQUANT_SCRATCH_BYTES", chunk_experts * per_expert)
-    x, ids, weights = _routing(400, device)  # 1,200 pairs: sorted
+    x, ids, weights = _routing(sorted_tokens, device)  # sorted pairs
     x, ids = x.bfloat16(), torch.where(ids == 4, 3, ids)  # expert 4 gets no pair
     got = fused_moe(x, ids, weights, w13, w2, 1.0, scales, fmt)
     want = fused_moe(x, ids, weights, dense13.bfloat16(), dense2.bfloat16(), 1.0)
@@ -320,22 +338,23 @@ def test_experts_decode_exactly(fmt, scale_fmt, device):
     assert dequantize(w2, s2, fmt, (128, 128), none, 5, counts).shape == none.shape
 
 
-# 5 tokens: the narrow listed tiles; 6: FP4's wide ones; 7: the 64-pair listed tiles; 400: sorted
-# pairs, in fp32 and, in bf16 with many pairs per expert, decoding the experts into a scratch first
-CASES = [(5, torch.float32), (6, torch.float32), (7, torch.float32), (400, torch.float32),
-         (400, torch.bfloat16)]  # fmt: skip
+# 5 tokens: the narrow listed tiles; 6: FP4's wide ones; 7: the 64-pair listed tiles; SORTED:
+# sorted pairs, in fp32 and, in bf16 with many pairs per expert, decoding the experts into a
+# scratch first
+CASES = [(5, torch.float32), (6, torch.float32), (7, torch.float32), (SORTED, torch.float32),
+         (SORTED, torch.bfloat16)]  # fmt: skip
 
 
 @pytest.mark.parametrize("num_tokens,dtype", CASES)
 @pytest.mark.parametrize("fmt,scale_fmt", LAYOUTS)
 def test_group_major_scales_give_the_same_bytes(fmt, scale_fmt, num_tokens, dtype, device,
-                                                monkeypatch):  # fmt: skip
+                                                monkeypatch, sorted_tokens):  # fmt: skip
     """Scales stored group-major (`group_major_scales`, as stacked quantised experts hold them) are
     read through their strides: every tile shape and the decode into a scratch give the bytes the
     row-major scales give."""
     monkeypatch.setattr(moe_kernels, "DEQUANT_PAIRS_PER_EXPERT", 4)
     w13, w2, (s13, s2), _, _ = _stacks(fmt, scale_fmt, device)
-    x, ids, weights = _routing(num_tokens, device)
+    x, ids, weights = _routing(_tokens(num_tokens, sorted_tokens), device)
     x = x.to(dtype)
     major = (group_major_scales(s13), group_major_scales(s2))
     assert major[0].stride()[1] == 1

@@ -6,9 +6,10 @@ shorter than k)."""
 import pytest
 import torch
 
+from dsv4ray.kernels import topk as topk_kernels
+from dsv4ray.kernels.bits import interpreting
 from dsv4ray.kernels.topk import (
     MASKED_SCORE,
-    NARROW,
     num_segments,
     ordered_int32_ref,
     topk_rows,
@@ -80,23 +81,34 @@ def _narrowing_row(group: int, num_cols: int, gen) -> torch.Tensor:
     return row.to(torch.int32)
 
 
-@pytest.mark.parametrize("group", [NARROW, NARROW + 1, 2 * NARROW])
-def test_rows_narrowed_to_their_candidates_match_the_reference(group, device):
+@pytest.fixture
+def narrow(monkeypatch) -> int:
+    """The kernel's NARROW: as shipped natively; under the interpreter, which pays per op on
+    tiles of NARROW entries, 256 (rows and k below scale with it)."""
+    if interpreting():
+        monkeypatch.setattr(topk_kernels, "NARROW", 256)
+    return topk_kernels.NARROW
+
+
+@pytest.mark.parametrize("extra", [0, 1, "double"])
+def test_rows_narrowed_to_their_candidates_match_the_reference(extra, narrow, device):
     """A range longer than NARROW narrows to the entries matching the select's digits once at
     most NARROW do, and finishes on those alone: the picks are the reference's whether the
     matching entries fit (group <= NARROW) or not, for a whole row, segments, lengths and
     second-pass candidate rows longer than NARROW."""
+    group = 2 * narrow if extra == "double" else narrow + extra
     gen = torch.Generator().manual_seed(group)
-    num_cols = 3 * NARROW + 7
+    num_cols = 3 * narrow + 7
     scores = torch.stack([_narrowing_row(group, num_cols, gen) for _ in range(3)])
-    scores[2, -NARROW:] = MASKED_SCORE  # masked padding inside a long row
+    scores[2, -narrow:] = MASKED_SCORE  # masked padding inside a long row
     scores = scores.to(device)
-    for topk in (64, 700):  # 700 x 4 segments: a candidate row of 2,800 entries
+    wide = narrow * 11 // 32  # x 4 segments: a candidate row of 1.4 NARROW entries
+    for topk in (64, wide):
         ref = topk_rows_ref(scores.cpu(), topk)
         for segments in (1, 4):
             got = topk_rows(scores, topk, segments=segments).cpu()
             assert torch.equal(got, ref), (topk, segments, (got != ref).nonzero()[:5].tolist())
-    lengths = torch.tensor([num_cols, 2 * NARROW + 1, NARROW + 3], dtype=torch.int64)
+    lengths = torch.tensor([num_cols, 2 * narrow + 1, narrow + 3], dtype=torch.int64)
     masked = scores.cpu().clone()
     masked[torch.arange(num_cols)[None, :] >= lengths[:, None]] = MASKED_SCORE
     got = topk_rows(scores, 64, lengths=lengths.to(device)).cpu()
