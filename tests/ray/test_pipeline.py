@@ -223,7 +223,9 @@ def test_a_pipeline_no_node_can_hold_fails_at_once_saying_what_it_asked(ray_sess
         LLM(tiny_ckpt, pp_size=2, device="cuda")
 
 
-def test_a_build_that_fails_says_which_timeout_and_gives_back_what_it_took(ray_session, tiny_ckpt):
+def test_a_build_that_fails_says_which_timeout_and_gives_back_what_it_took(
+    ray_session, tiny_ckpt, tiny_model
+):
     # stage actors cannot import torch and load weights within a second: the build fails, names
     # the option to raise, and leaves no placement group behind (each failure kept one, and a
     # few of them left no CPU for the next engine)
@@ -231,15 +233,19 @@ def test_a_build_that_fails_says_which_timeout_and_gives_back_what_it_took(ray_s
         return sum(pg["state"] != "REMOVED" for pg in ray.util.placement_group_table().values())
 
     before = groups()
-    for _ in range(2):
-        with pytest.raises(TimeoutError, match="startup_timeout_s=1 s"):
-            LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, use_ray=True, startup_timeout_s=1.0)
-        assert groups() == before
-    llm = LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, use_ray=True)
+    with pytest.raises(TimeoutError, match="startup_timeout_s=1 s"):
+        LLM(tiny_ckpt, kv_cache_dtype="fp32", pp_size=2, use_ray=True, startup_timeout_s=1.0)
+    assert groups() == before
+    # then one that starts in time, from a URI: the driver and each stage actor resolve it into
+    # their machine's cache
+    llm = LLM("file://" + os.path.abspath(tiny_ckpt), kv_cache_dtype="fp32", pp_size=2)
     try:
-        assert llm.generate([[5, 6, 7]], GREEDY)[0].token_ids
+        assert llm.core.config.model_source.startswith("file://")
+        prompt = _prompts([40], seed=5)[0]
+        got = llm.generate([prompt], GREEDY)[0].token_ids
     finally:
         llm.shutdown()
+    assert got == reference_greedy(tiny_model, prompt, 5)
 
 
 def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(ray_session):
@@ -259,18 +265,6 @@ def test_a_pipeline_waiting_for_busy_resources_gives_up_saying_what_is_free(ray_
     finally:
         remove_placement_group(pg)
         remove_placement_group(hold)
-
-
-def test_stage_actors_fetch_a_uri_checkpoint_where_they_run(ray_session, tiny_ckpt, tiny_model):
-    # the driver and each stage actor resolve the URI into their machine's cache
-    llm = LLM("file://" + os.path.abspath(tiny_ckpt), kv_cache_dtype="fp32", pp_size=2)
-    try:
-        assert llm.core.config.model_source.startswith("file://")
-        prompt = _prompts([40], seed=5)[0]
-        got = llm.generate([prompt], GREEDY)[0].token_ids
-    finally:
-        llm.shutdown()
-    assert got == reference_greedy(tiny_model, prompt, 5)
 
 
 IDLE_KILLS = 2  # stages killed between requests (each stage once), each replaced before the next
