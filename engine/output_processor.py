@@ -41,7 +41,8 @@ class OutputProcessor:
         self.params[req_id] = sp
         if sp.prompt_logprobs is not None:
             self.prompt_asking.add(req_id)
-        self.decoders[req_id] = StreamDecoder(self.tokenizer)
+        context = self.tokenizer.answer_context(prompt_ids)
+        self.decoders[req_id] = StreamDecoder(self.tokenizer, context)
         self.shown[req_id] = 0
         self.start[req_id] = time.perf_counter()
 
@@ -130,7 +131,8 @@ class OutputProcessor:
         out.metrics.num_host_cached_tokens = finished.num_host_cached_tokens
         out.metrics.e2e_s = time.perf_counter() - self.start[finished.req_id]
         if finished.req_id not in self.stopped_by_string:
-            out.text = self.tokenizer.decode(self._answer_ids(finished))
+            context = self.decoders[finished.req_id].context  # the answer follows its prompt
+            out.text = self.tokenizer.decode_after(context, self._answer_ids(finished))
         return out
 
     def _answer_ids(self, finished: FinishedRequest) -> list[int]:

@@ -31,6 +31,9 @@ DEFAULT_CHAT_TEMPLATE = (
 
 
 _BYTE_OF = {ch: b for b, ch in bytes_to_unicode().items()}  # a byte-level character's byte
+# prompt tokens an answer is decoded after (`Tokenizer.decode_after`): enough for a decoder's
+# word boundary, few enough that a token costs little to decode
+CONTEXT_TOKENS = 6
 
 
 class Tokenizer:
@@ -92,6 +95,29 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def answer_context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last CONTEXT_TOKENS tokens, after which its answer is decoded
+        (``decode_after``, ``StreamDecoder``): none for a byte-level tokenizer, and none when
+        their text ends in U+FFFD (an unfinished or invalid byte-fallback run, which the
+        answer's bytes would decode again)."""
+        if self.byte_level:
+            return []
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
+        return [] if self.decode(context).endswith("\ufffd") else context
+
+    def decode_after(self, context: list[int], ids: list[int]) -> str:
+        """The text ids add after ``context`` (the prompt's last tokens): ``decode(context +
+        ids)`` past ``decode(context)``. A byte-level decoder gives a token the same text
+        whatever precedes it, so there this is ``decode(ids)``; a SentencePiece-style decoder
+        strips the space of a text's first token, which an answer's first token keeps after
+        its prompt. Where the context's text is not a prefix of the whole (a byte-fallback run
+        the answer completes), the answer is decoded alone."""
+        if self.byte_level or not context:
+            return self.decode(ids)
+        head = self.decode(context)
+        full = self.decode([*context, *ids])
+        return full[len(head) :] if full.startswith(head) else self.decode(ids)
 
     def token_bytes(self, ids: list[int]) -> bytes:
         """The bytes a byte-level decoder turns ids into (``byte_level`` tokenizers only):
@@ -225,23 +251,31 @@ class StreamDecoder:
     holds back an unfinished UTF-8 sequence (a window ending in U+FFFD). Invariant,
     for decoders where a byte's text is fixed once its character is complete (byte-level BPE,
     as DeepSeek's): the deltas ``push`` returns, followed by ``flush()``, concatenate to
-    ``tokenizer.decode(ids)``. A byte-fallback decoder re-decodes a whole run of byte tokens as
-    U+FFFD when the run turns out invalid, which no stream can take back: there ``DecodeStream``
+    ``tokenizer.decode_after(context, ids)`` (``decode(ids)`` for byte-level ones). A
+    byte-fallback decoder re-decodes a whole run of byte tokens as U+FFFD when the run turns
+    out invalid, which no stream can take back: there ``DecodeStream``
     may refuse a window, and the stream then decodes all ids per token from that point on
     (callers take the final text from a whole decode).
     """
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None) -> None:
+        """context: the tokens the answer's text is decoded after (``answer_context``)."""
         from tokenizers.decoders import DecodeStream
 
         self.tokenizer = tokenizer
+        self.context = list(context or [])
         self.ids: list[int] = []
         self.num_chars = 0  # length of the text handed out so far
         # byte-level: each token's bytes through an incremental UTF-8 decoder; else DecodeStream
+        # seeded with the context
         self._utf8 = (
             codecs.getincrementaldecoder("utf-8")("replace") if tokenizer.byte_level else None
         )
-        self._stream = None if tokenizer.byte_level else DecodeStream(skip_special_tokens=True)
+        self._stream = (
+            None
+            if tokenizer.byte_level
+            else DecodeStream(ids=self.context or None, skip_special_tokens=True)
+        )
 
     def push(self, token_ids: list[int]) -> str:
         self.ids.extend(token_ids)
@@ -257,14 +291,14 @@ class StreamDecoder:
             else:
                 self.num_chars += len(delta)
                 return delta
-        full = self.tokenizer.decode(self.ids)
+        full = self.tokenizer.decode_after(self.context, self.ids)
         if full.endswith("\ufffd"):
             return ""
         return self._rest(full)
 
     def flush(self) -> str:
         """Whatever the stream still holds back (an unfinished UTF-8 sequence, decoded as is)."""
-        return self._rest(self.tokenizer.decode(self.ids))
+        return self._rest(self.tokenizer.decode_after(self.context, self.ids))
 
     def _rest(self, full: str) -> str:
         delta, self.num_chars = full[self.num_chars :], len(full)

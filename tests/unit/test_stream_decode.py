@@ -190,3 +190,74 @@ def test_a_stop_string_completed_by_the_last_allowed_token_is_a_stop(tok):
     streamed = "".join(proc.on_token("r", t, None)[0] for t in ids)
     out = proc.on_finish(FinishedRequest("r", [0], ids, "length", 0))
     assert (out.text, streamed, out.finish_reason) == ("x = 1 ", "x = 1 ", "stop")
+
+
+@pytest.fixture(scope="module")
+def spm_tok(tmp_path_factory):
+    """A SentencePiece-style tokenizer (Llama's decoder: spaces as ▁, byte fallback, the text's
+    first space stripped)."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    pieces = ["<unk>", "<s>", "</s>", "▁hello", "▁world", "!", "▁", "ab", "▁x"]
+    pieces += [f"<0x{b:02X}>" for b in "日€".encode()]
+    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    hf.add_special_tokens(["<s>", "</s>"])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("spm")
+    hf.save(str(path / "tokenizer.json"))
+    tok = Tokenizer(str(path))
+    assert not tok.byte_level
+    return tok, {p: i for i, p in enumerate(pieces)}
+
+
+def _run_after(tok, prompt: list[int], ids: list[int]) -> tuple[str, str]:
+    proc = OutputProcessor(tok)
+    proc.add("r", prompt, SamplingParams(max_tokens=len(ids)))
+    streamed = "".join(proc.on_token("r", t, None)[0] for t in ids)
+    return proc.on_finish(FinishedRequest("r", prompt, ids, "length", 0)).text, streamed
+
+
+def test_an_answer_keeps_the_space_its_first_token_has_after_the_prompt(spm_tok):
+    """decode(["▁world"]) alone is "world": after a prompt the answer is " world!", in the
+    stream and in the final text, as prompt + answer decode together."""
+    tok, ids = spm_tok
+    prompt, answer = [ids["<s>"], ids["▁hello"]], [ids["▁world"], ids["!"]]
+    text, streamed = _run_after(tok, prompt, answer)
+    whole = tok.decode(prompt + answer)
+    assert text == streamed == " world!" == whole[len(tok.decode(prompt)) :]
+    # a prompt of special tokens alone has no text: the answer starts the text, unstripped
+    # by nothing before it, as the whole decode does
+    text, streamed = _run_after(tok, [ids["<s>"]], answer)
+    assert text == streamed == tok.decode([ids["<s>"], *answer]) == "world!"
+
+
+def test_sentencepiece_answers_stream_to_their_text_after_the_prompt(spm_tok):
+    """Random prompts (at most CONTEXT_TOKENS tokens, so the context is the whole prompt) and
+    answers of words, spaces, whole multi-byte characters in byte pieces and special tokens:
+    the stream, the final text and the whole decode past the prompt agree (a prompt cut inside
+    a character decodes its answer alone)."""
+    from dsv4ray.text.tokenizer import CONTEXT_TOKENS
+
+    tok, ids = spm_tok
+    words = ["▁hello", "▁world", "!", "▁", "ab", "▁x", "<s>", "</s>"]
+    chars = [[f"<0x{b:02X}>" for b in c.encode()] for c in "日€"]
+    rng = random.Random(11)
+    for _ in range(200):
+
+        def pick(n):  # noqa: E306
+            out = []
+            for _ in range(n):
+                out += rng.choice(chars) if rng.random() < 0.2 else [rng.choice(words)]
+            return [ids[p] for p in out]
+
+        prompt, answer = pick(rng.randrange(1, 4))[:CONTEXT_TOKENS], pick(rng.randrange(1, 8))
+        text, streamed = _run_after(tok, prompt, answer)
+        head, whole = tok.decode(prompt), tok.decode(prompt + answer)
+        if head.endswith("\ufffd"):  # the prompt ends inside a character: the answer alone
+            assert text == streamed == tok.decode(answer), (prompt, answer)
+        else:
+            assert text == streamed == whole[len(head) :], (prompt, answer)
