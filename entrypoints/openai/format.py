@@ -21,6 +21,7 @@ import codecs
 import copy
 import json
 import os
+import re
 import time
 import uuid
 
@@ -56,14 +57,17 @@ def usage(outputs: list[RequestOutput], leaders: list[RequestOutput] | None = No
 
 class TokenBytes:
     """The exact bytes of a token id (a byte-level BPE token may hold part of a UTF-8
-    character, which decoding it alone would turn into U+FFFD)."""
+    character, which decoding it alone would turn into U+FFFD; a SentencePiece-style token's
+    "▁" is the space it puts in front of its word, which decoding it alone strips)."""
 
     def __init__(self, model_path: str) -> None:
         from tokenizers import Tokenizer
 
         self._tok = Tokenizer.from_file(os.path.join(model_path, "tokenizer.json"))
-        decoder = json.loads(self._tok.to_str()).get("decoder") or {}
-        self._byte_level = "ByteLevel" in json.dumps(decoder)  # DeepSeek's tokenizers are
+        kinds = _decoder_kinds(json.loads(self._tok.to_str()).get("decoder"))
+        self._byte_level = "ByteLevel" in kinds  # DeepSeek's tokenizers are
+        self._spaces = "Metaspace" in kinds or "Replace ▁" in kinds
+        self._byte_fallback = "ByteFallback" in kinds
         added = self._tok.get_added_tokens_decoder()
         self._added = set(added)
         self._special = {i for i, token in added.items() if token.special}
@@ -76,6 +80,9 @@ class TokenBytes:
         if self._byte_level and token_id not in self._added:
             if all(ch in self._byte_of for ch in piece):
                 return bytes(self._byte_of[ch] for ch in piece)
+        if self._spaces and token_id not in self._added:
+            byte = _BYTE_PIECE.fullmatch(piece) if self._byte_fallback else None
+            return bytes([int(byte[1], 16)]) if byte else piece.replace("▁", " ").encode()
         return self._tok.decode([token_id], skip_special_tokens=False).encode("utf-8")
 
     def in_text(self, token_id: int) -> bytes:
@@ -111,6 +118,21 @@ def legacy_token(raw: bytes, token_id: int) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # a byte-fallback token
+
+
+def _decoder_kinds(decoder: dict | None) -> set[str]:
+    """The steps of a tokenizer.json decoder (a Sequence's included): their types, and
+    "Replace ▁" for a step that turns "▁" into spaces."""
+    kinds: set[str] = set()
+    for step in (decoder or {}).get("decoders") or ([decoder] if decoder else []):
+        kinds |= _decoder_kinds(step) if step.get("type") == "Sequence" else {step.get("type")}
+        pattern = step.get("pattern") or {}
+        if step.get("type") == "Replace" and pattern.get("String") == "▁":
+            kinds.add("Replace ▁")
+    return kinds
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -236,7 +258,7 @@ class CompletionFormat(_Format):
         self.opened = False  # a stream's first chunk (the echo, the prompt logprobs) went out
 
     def _answer_offsets(self) -> TextOffsets:
-        """The answer's tokens' offsets: its text is decoded on its own, after the echo."""
+        """The answer's tokens' offsets: its text follows the echo."""
         return TextOffsets(self.token_bytes, len(self.echo or ""))
 
     def choice(self, output: RequestOutput) -> dict:

@@ -203,3 +203,32 @@ def test_legacy_logprobs_name_tokens_apart_and_offsets_index_the_text(fake_model
                      "token_id:100000"]  # fmt: skip
     offsets = TextOffsets(token_bytes)
     assert [offsets.next(t) for t in [0, *ids]] == [0, 0, 1, 1, 1, 1, 2]  # 0: begin-of-text
+
+
+def test_sentencepiece_tokens_keep_their_space_and_offsets_index_the_answer(tmp_path):
+    """A SentencePiece-style tokenizer (spaces as ▁, byte fallback, the text's first space
+    stripped): a token's bytes hold the space its ▁ stands for and a byte piece's byte, as
+    the answer decoded after its prompt has them, so text_offset indexes that text."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    from dsv4ray.text.tokenizer import Tokenizer
+
+    pieces = ["<unk>", "<s>", "▁hello", "▁world", "!", "▁x", "<0xE6>", "<0x97>", "<0xA5>"]
+    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
+    hf.add_special_tokens(["<s>"])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    hf.save(str(tmp_path / "tokenizer.json"))
+    token_bytes, tok = TokenBytes(str(tmp_path)), Tokenizer(str(tmp_path))
+    ids = {p: i for i, p in enumerate(pieces)}
+    assert hf.decode([ids["▁world"]]) == "world"  # decoded alone the space is gone
+    assert token_bytes(ids["▁world"]) == b" world" and token_bytes(ids["<0x97>"]) == b"\x97"
+    prompt = [ids["<s>"], ids["▁hello"]]
+    answer = [ids[p] for p in ["▁world", "<0xE6>", "<0x97>", "<0xA5>", "!", "▁x"]]
+    text = tok.decode_after(tok.answer_context(prompt), answer)
+    assert text == " world日! x" == b"".join(token_bytes(t) for t in answer).decode()
+    offsets = TextOffsets(token_bytes)
+    assert [offsets.next(t) for t in answer] == [0, 6, 6, 6, 7, 8]
