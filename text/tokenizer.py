@@ -255,7 +255,7 @@ class StreamDecoder:
     byte-fallback decoder re-decodes a whole run of byte tokens as U+FFFD when the run turns
     out invalid, which no stream can take back: there ``DecodeStream``
     may refuse a window, and the stream then decodes all ids per token from that point on
-    (callers take the final text from a whole decode).
+    (callers take the final text from ``decode_after``).
     """
 
     def __init__(self, tokenizer: Tokenizer, context: list[int] | None = None) -> None:
