@@ -655,6 +655,8 @@ def compress_entries_ref(
     d = kv.shape[1] // (2 if ratio == 4 else 1)
     nslot, ring = (2 * ratio if ratio == 4 else ratio), state_kv.shape[1]
     done = ((positions + 1) % ratio == 0).nonzero()[:, 0]
+    if done.numel() == 0:  # most decode steps complete no entry
+        return done, kv.new_empty(0, d, dtype=torch.float32)
     p = positions[done][:, None]
     j = torch.arange(nslot, device=kv.device)
     q = p - (nslot - 1) + j  # [C, nslot]
@@ -730,7 +732,8 @@ def compress_norm_rope_store_ref(
         sin,
         ratio,
     )
-    write_entries(pages, out_loc[done], entries, layout)
+    if done.numel():
+        write_entries(pages, out_loc[done], entries, layout)
     num_tokens, ring = kv.shape[0], state_kv.shape[1]
     later = torch.arange(ring, num_tokens + ring, device=kv.device)
     later_slot = torch.cat((state_slots, torch.full((ring,), -1, device=kv.device)))[later]
