@@ -23,6 +23,7 @@ stages run backups before loads before the step's compute.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from dsv4ray.cache.allocator import PageAllocator
@@ -270,20 +271,25 @@ class HiRadixIndex(RadixIndex):
             return
         loading = {h for h, _ in self.ops.loads}
         loading_snaps = {hs for hs, _, _ in self.ops.snapshot_loads}
-        for node in sorted(self._iter_nodes(), key=lambda n: n.tick):
-            if enough():
-                return
-            if (
-                node.page_id >= 0
-                and node.lock_ref == 0  # a matched path may be about to load from its copies
-                and node.host_page not in loading
-                and node.host_snapshot not in loading_snaps
-            ):
-                if pages:
-                    self._free_host(node)
-                elif node.host_snapshot >= 0:
-                    self.host_snapshots.free([node.host_snapshot])
-                    node.host_snapshot = -1
+        # the nodes with something to free, in a heap: a call that needs few ids pops few of
+        # them instead of sorting the whole tree (ties keep the tree's order, as a sort would)
+        heap = [
+            (node.tick, i, node)
+            for i, node in enumerate(self._iter_nodes())
+            if node.page_id >= 0
+            and node.lock_ref == 0  # a matched path may be about to load from its copies
+            and node.host_page not in loading
+            and node.host_snapshot not in loading_snaps
+            and (node.host_snapshot >= 0 or (pages and node.host_page >= 0))
+        ]
+        heapq.heapify(heap)
+        while heap and not enough():
+            node = heapq.heappop(heap)[2]
+            if pages:
+                self._free_host(node)
+            else:
+                self.host_snapshots.free([node.host_snapshot])
+                node.host_snapshot = -1
 
     def _host_evictable(self, node: RadixNode) -> bool:
         """A host-only leaf nobody uses (a locked node is on some request's matched path)."""
