@@ -12,6 +12,10 @@ import pytest
 def ray_session(request):
     import ray
 
+    # Ray's log monitor globs the logs folder every 0.1 s until it holds 1000 files; the suite
+    # starts hundreds of workers, each with its log files: every 0.5 s is enough for tests (its
+    # own default past that count). Heads the tests start inherit it.
+    os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
     if not ray.is_initialized():
         # logical CPUs: pipelines of 0.5-CPU stages, a Serve replica and the proxy share 2 cores
         options = dict(num_cpus=4, include_dashboard=False, logging_level="ERROR")
