@@ -180,7 +180,7 @@ class RayPipeline:
     def _share_sampled_tokens(self) -> None:
         """First and last stage on one GPU: the last writes its sampled ids straight into the
         first's table (CUDA IPC) and records an interprocess event the first one waits on, so
-        the graph needs no edge back (``submit`` orders the records before the waits)."""
+        the graph needs no edge back (a count both map orders the records before the waits)."""
         first, last = self.actors[0], self.actors[-1]
         event = self._get(last.map_tokens.remote(self._get(first.export_tokens.remote())))
         self._get(first.wait_for_tokens.remote(event))
@@ -351,20 +351,11 @@ class RayPipeline:
         graph's output for a plan is the previous lagged plan's result (NO_RESULT first)."""
         plan.lag, plan.take = self.lag, self.take
         data = encode(plan)  # a plan that does not encode is a bug here, never a dead stage
-        if plan.lookahead and self.shared_samples:
-            self._read_outputs()
         try:
             self.refs.append(self.dag.execute(data))
         except Exception as exc:  # the compiled graph reports a dead actor in many types
             raise PipelineFailure(describe(exc)) from exc
         return plan.step_id
-
-    def _read_outputs(self) -> None:
-        """Reads every submitted plan's output (results kept until collected): the last stage
-        has then recorded the sampled ids of each, and the first stage's wait for them, issued
-        by the next plan, binds to those records (worker/graphs/overlap.py)."""
-        while self.refs:
-            self.results.keep(self._read(self.refs.popleft()))
 
     def _read(self, ref) -> StageResult:
         try:

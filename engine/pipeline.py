@@ -62,11 +62,6 @@ class StepResults:
     def __init__(self) -> None:
         self.early: dict[int, StageResult] = {}
 
-    def keep(self, result: StageResult) -> None:
-        """A result read before its step's collect (none for NO_RESULT)."""
-        if result.step_id >= 0:
-            self.early[result.step_id] = result
-
     def collect(self, step_id: int, read_next) -> StageResult:
         """Step step_id's result: kept, or read_next() until it comes (read_next returns the
         next output, asking for a flush when none is pending)."""

@@ -89,6 +89,7 @@ class StageWorker:
         self.out_link: DeviceLink | None = None
         self.hands_off = False  # replayed verifications' rows go to a draft actor as they are
         self.unsettled: dict[int, object] = {}  # step id -> its handed-off verification
+        self.executions = 0  # steps run (one per graph execution on a stage actor)
 
     def gpu_uuid(self) -> str | None:
         """The physical GPU this stage runs on (stages that share one share its memory and
@@ -235,18 +236,30 @@ class StageWorker:
         device runs this step while the driver commits the previous one and schedules the next.
         A plan without a batch computes nothing and answers for itself; a flush (FLUSH_STEP)
         returns the held step."""
+        self.executions += 1
+        if self.sampled is not None:  # its lookahead ids: those of every execution before
+            self.sampled.awaited = self.executions - 1
         ticket = self.in_link.receive(inputs) if self.in_link and inputs is not None else None
         try:
             out = self._step_prepared(prepared, inputs)
         finally:  # the slot is free once this stream read it, whatever the step did
             if self.in_link is not None:
                 self.in_link.release(ticket)
+        self._post_count()
         handed = out.handoff is not None  # a verification replayed for the draft actor
         if handed:
             self._hand_off(prepared.plan, out)
         if self.out_link is not None:
             self.out_link.send(out)
         return out
+
+    def _post_count(self) -> None:
+        """The last stage, sharing its GPU with the first: this execution's sampled ids are
+        written and their event recorded (or it had none), so the first stage may issue its
+        wait for them (worker/graphs/overlap.py)."""
+        peer = self.sampler.peer_tokens if self.sampler is not None else None
+        if peer is not None and peer.posted is not None:
+            peer.posted.write(self.executions)
 
     def settle(self, drafted: StageResult) -> StageResult:
         """The last stage beside a draft actor, after the draft actor launched from this
@@ -278,6 +291,7 @@ class StageWorker:
         if not (plan.lag and self.is_last) or not (plan.batch or flush):
             return self.run(prepared, inputs, handoff=self.hands_off)
         result = self.run(prepared, inputs, defer_sampling=True)
+        self._post_count()  # launched: the first stage may run the next execution
         held, self.held = self.held, (None if flush else result)
         out = self.finish(held) if held is not None else StageResult(NO_RESULT)
         # this step's sampled ids travel on to the first stage now (``take``)

@@ -24,17 +24,11 @@ def test_results_in_order_and_early_ones_wait_for_their_collect():
 
 def test_an_abandoned_step_is_dropped_when_a_later_step_is_collected():
     results = StepResults()
-    outputs, read = _reader([7, 8, 9])
-    results.keep(read())  # read ahead (a lookahead plan's submit), then its caller was interrupted
+    outputs, read = _reader([7, 6, 8, 9])
+    assert results.collect(6, read).step_id == 6  # step 7's result, read on the way, kept
     assert list(results.early) == [7]
-    assert results.collect(8, read).step_id == 8  # step 7 is never collected
+    assert results.collect(8, read).step_id == 8  # step 7's caller was interrupted: dropped
     assert not results.early
     outputs.extend([StageResult(step_id=10), StageResult(step_id=11)])
-    assert results.collect(11, read).step_id == 11  # step 10's result, read on the way, dropped
+    assert results.collect(11, read).step_id == 11  # steps 9 and 10, read on the way, dropped
     assert not results.early and not outputs
-
-
-def test_no_result_outputs_are_never_kept():
-    results = StepResults()
-    results.keep(StageResult(step_id=NO_RESULT))
-    assert not results.early

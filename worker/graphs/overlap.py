@@ -14,11 +14,12 @@ this plan's fill reads it:
                     ``take``), or writes them into the first stage's table through CUDA IPC when
                     both share a GPU, with an interprocess event the first stage's stream waits on
                     before it fills. A wait binds to the event's latest record when it is issued,
-                    so the driver submits a plan with lookahead entries only once it read the
-                    output of every plan before it (cluster/pipeline.py): the last stage returned
-                    from those plans, so it recorded their writes. In a steady decode the outputs
-                    were read already (a plan's result comes with the next plan's launch); no
-                    graph edge goes back to the first stage.
+                    so the first stage issues it for a graph execution only once the last stage
+                    has posted every execution before it (``PostedCount``, shared host memory:
+                    the last stage counts an execution once its writes are recorded). The driver
+                    submits the next plan without reading the outputs before it, and the first
+                    stage readies that plan while the last one computes; no graph edge goes back
+                    to the first stage.
 
 A row that could not sample holds -1; the request ends at that plan's commit and its lookahead
 entry is skipped, so the id used for it (clamped to 0) only has to be a valid embedding index.
@@ -29,6 +30,11 @@ with hash-routed experts read them.
 from __future__ import annotations
 
 import logging
+import mmap
+import os
+import tempfile
+import time
+import uuid
 
 import torch
 
@@ -39,31 +45,97 @@ from dsv4ray.worker.sampling.sampler import to_device
 log = logging.getLogger("dsv4ray.worker")
 
 
+# how long a first stage waits for the last stage to post the executions before its own: past
+# the driver's step timeout (it rebuilds a pipeline whose stage died), so only a bug trips it
+POSTED_TIMEOUT_S = 600.0
+POSTED_SPIN_S = 0.002  # yields before sleeping between looks: a post is usually this close
+
+
+class PostedCount:
+    """How many graph executions the last stage has posted (its sampled ids written and the
+    interprocess event recorded, or nothing to write): an int64 in 8 bytes of host memory that
+    the first stage of the same GPU maps too. The creator removes the file's name once its peer
+    mapped it (``unlink``); the mappings stay."""
+
+    def __init__(self, path: str, create: bool) -> None:
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, 8)
+            self._map = mmap.mmap(fd, 8)
+        finally:
+            os.close(fd)
+        self.path = path
+        self._count = memoryview(self._map).cast("q")  # one aligned 8-byte store per write
+
+    @classmethod
+    def create(cls) -> PostedCount:
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        return cls(os.path.join(folder, f"dsv4ray-posted-{os.getpid()}-{uuid.uuid4().hex}"), True)
+
+    def unlink(self) -> None:
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def write(self, count: int) -> None:
+        self._count[0] = count
+
+    def read(self) -> int:
+        return self._count[0]
+
+    def wait_until(self, count: int, timeout_s: float = POSTED_TIMEOUT_S) -> None:
+        """Returns once at least `count` executions were posted; RuntimeError after timeout_s."""
+        if self._count[0] >= count:
+            return
+        start = time.monotonic()
+        while self._count[0] < count:
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise RuntimeError(
+                    f"the last stage posted {self._count[0]} graph executions in {timeout_s:.0f} "
+                    f"s; this stage waits for {count}"
+                )
+            time.sleep(0 if waited < POSTED_SPIN_S else 5e-5)
+
+
 class SampledTokens:
     """The latest sampled id of each state slot (int64 [num_slots], on the first stage; or the
-    last stage's mapping of it over CUDA IPC, with the interprocess event it records)."""
+    last stage's mapping of it over CUDA IPC, with the interprocess event it records). Shared
+    between two processes, both sides keep a PostedCount: before its stream waits for the
+    event, the first stage waits until the last has posted the ``awaited`` executions (all
+    before the one it runs, which the stage worker sets)."""
 
-    def __init__(self, ids: torch.Tensor, event=None) -> None:
-        self.ids, self.event = ids, event
+    def __init__(self, ids: torch.Tensor, event=None, posted: PostedCount | None = None) -> None:
+        self.ids, self.event, self.posted = ids, event, posted
+        self.awaited = 0
 
     @classmethod
     def allocate(cls, num_slots: int, device) -> SampledTokens:
         return cls(torch.zeros(num_slots, dtype=torch.int64, device=device))
 
-    def export(self):
-        """What another process on this GPU maps the table with (``open_peer``)."""
-        return export_tensor(self.ids)
+    def export(self) -> dict:
+        """What another process on this GPU maps the table with (``open_peer``); creates the
+        shared count."""
+        self.posted = PostedCount.create()
+        return {"ids": export_tensor(self.ids), "posted": self.posted.path}
 
     @classmethod
-    def open_peer(cls, exported) -> tuple[SampledTokens, bytes]:
-        """The first stage's table mapped here, with a new interprocess event; returns it and
-        the event's handle for the first stage (``wait_for``)."""
+    def open_peer(cls, exported: dict) -> tuple[SampledTokens, bytes]:
+        """The first stage's table and count mapped here, with a new interprocess event;
+        returns it and the event's handle for the first stage (``wait_for``)."""
         event = torch.cuda.Event(interprocess=True)
         event.record()  # an interprocess event exists on the device once recorded
-        return cls(open_tensor(exported), event), event.ipc_handle()
+        posted = PostedCount(exported["posted"], create=False)
+        return cls(open_tensor(exported["ids"]), event, posted), event.ipc_handle()
 
     def wait_for(self, event_handle: bytes) -> None:
+        """The peer mapped the table and the count: its event, and the count's file removed."""
         self.event = torch.cuda.Event.from_ipc_handle(self.ids.device, event_handle)
+        if self.posted is not None:
+            self.posted.unlink()
 
     def record(self, slots: list[int], token_ids: torch.Tensor) -> None:
         """token_ids [R] (any device; -1 where sampling failed) into their slots."""
@@ -77,8 +149,11 @@ class SampledTokens:
             self.event.record()
 
     def wait(self) -> None:
-        """Orders this stream after the last write of a writer in another process."""
+        """Orders this stream after the writes of a writer in another process for every
+        execution before this one (``awaited``)."""
         if self.event is not None:
+            if self.posted is not None:
+                self.posted.wait_until(self.awaited)
             torch.cuda.current_stream(self.ids.device).wait_event(self.event)
 
     def fill(self, plan: StepPlan, token_ids: torch.Tensor, tables) -> None:
