@@ -147,6 +147,7 @@ class StageWorker:
             )
         return self.pools.nbytes()
 
+    @torch.no_grad()  # as every step runs: a warm-up or eager bucket records no autograd graph
     def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int = 0,
                        capture: bool = True) -> None:  # fmt: skip
         """Captures the decode graphs (after allocate; a no-op unless graphs are on), or with a

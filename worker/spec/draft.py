@@ -229,6 +229,7 @@ class DraftWorker:
             self.pools.copy_rings(src, [self.pools.cached_row(slot) for _, slot in plan.snapshots])
 
     # ------------------------------------------------------------------ the passes
+    @torch.no_grad()  # as every step runs: a warm-up or eager bucket records no autograd graph
     def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
         """Graphs of decode steps' passes (after allocate; worker/spec/draft_graphs.py);
         capture=False runs the same static buckets eagerly (any device; for tests)."""
