@@ -1,9 +1,11 @@
 """Stages that share a GPU hand rows on through device links. Here the stage workers run in this
 process the way stage actors run them (``step`` per stage, the last stage one step late and
-writing its sampled ids into the first stage's table, nothing but the results between them),
-linked as RayPipeline links actors on one GPU, through a ring of two slots: greedy tokens equal the
+writing its sampled ids into the first stage's table, posting each execution in the count the
+first stage waits on before it fills, nothing but the results between them), linked as
+RayPipeline links actors on one GPU, through a ring of two slots: greedy tokens equal the
 reference at pp 2 and 3, with lookahead entries, hash-routed experts that read the filled token
-ids, eager steps and static buckets, and every step's rows go through the rings."""
+ids, eager steps and static buckets, every step's rows go through the rings, and the last stage
+posted every execution (a missed one would hold the first stage's next fill)."""
 
 from collections import deque
 
@@ -16,7 +18,8 @@ from dsv4ray.engine.sampling import SamplingParams
 from dsv4ray.entrypoints.llm import LLM
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import make_tiny
-from dsv4ray.worker.graphs.overlap import SampledTokens
+from dsv4ray.worker.graphs import overlap
+from dsv4ray.worker.graphs.overlap import PostedCount, SampledTokens
 from tests.oracle import reference_greedy
 
 
@@ -33,7 +36,11 @@ class LinkedStages:
         for sender, receiver in zip(self.workers, self.workers[1:]):
             receiver.link_peer(sender.map_link(receiver.open_link(ring_depth, rows)))
         first, last = self.workers[0], self.workers[-1]
-        last.sampler.peer_tokens = SampledTokens(first.sampled.ids)  # the table, no edge back
+        first.sampled.export()  # creates the count of posted executions
+        self.posted = PostedCount(first.sampled.posted.path, create=False)
+        first.sampled.posted.unlink()
+        # the table and the count, no edge back
+        last.sampler.peer_tokens = SampledTokens(first.sampled.ids, posted=self.posted)
 
     def __getattr__(self, name):
         return getattr(self.local, name)
@@ -70,7 +77,8 @@ def _prompts(lengths, seed):
 
 
 @pytest.mark.parametrize("pp,buckets", [(2, False), (3, True)])
-def test_linked_stages_equal_the_reference(hash_ckpt, pp, buckets):
+def test_linked_stages_equal_the_reference(hash_ckpt, pp, buckets, monkeypatch):
+    monkeypatch.setattr(overlap, "POSTED_TIMEOUT_S", 5.0)  # a missed post fails, not hangs
     path, model = hash_ckpt
     prompts, max_tokens = _prompts([3, 130, 300, 254], seed=pp), [9, 4, 7, 12]
     llm = LLM(path, kv_cache_dtype="fp32", pp_size=pp, use_ray=False, overlap_scheduling=True,
@@ -85,6 +93,8 @@ def test_linked_stages_equal_the_reference(hash_ckpt, pp, buckets):
         lookahead = llm.core.scheduler.lookahead_steps
         llm.core.check_integrity()
         replays = [w.stats()["num_graph_steps"] for w in linked.workers]
+        executions = [w.executions for w in linked.workers]
+        waited_for = linked.workers[0].sampled.awaited
     finally:
         llm.shutdown()
     assert [o.token_ids for o in outs] == [
@@ -93,3 +103,5 @@ def test_linked_stages_equal_the_reference(hash_ckpt, pp, buckets):
     assert lookahead > 0
     assert linked.tickets == linked.batches * (pp - 1)  # every step's rows went through a ring
     assert (min(replays) > 0) == buckets
+    # every stage ran every execution, the last posted each, the first waited for all before
+    assert linked.posted.read() == executions[-1] == executions[0] == waited_for + 1

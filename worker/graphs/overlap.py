@@ -86,10 +86,12 @@ class PostedCount:
     def read(self) -> int:
         return self._count[0]
 
-    def wait_until(self, count: int, timeout_s: float = POSTED_TIMEOUT_S) -> None:
-        """Returns once at least `count` executions were posted; RuntimeError after timeout_s."""
+    def wait_until(self, count: int, timeout_s: float | None = None) -> None:
+        """Returns once at least `count` executions were posted; RuntimeError after timeout_s
+        (POSTED_TIMEOUT_S when None)."""
         if self._count[0] >= count:
             return
+        timeout_s = POSTED_TIMEOUT_S if timeout_s is None else timeout_s
         start = time.monotonic()
         while self._count[0] < count:
             waited = time.monotonic() - start
@@ -151,9 +153,9 @@ class SampledTokens:
     def wait(self) -> None:
         """Orders this stream after the writes of a writer in another process for every
         execution before this one (``awaited``)."""
+        if self.posted is not None:
+            self.posted.wait_until(self.awaited)
         if self.event is not None:
-            if self.posted is not None:
-                self.posted.wait_until(self.awaited)
             torch.cuda.current_stream(self.ids.device).wait_event(self.event)
 
     def fill(self, plan: StepPlan, token_ids: torch.Tensor, tables) -> None:
