@@ -30,7 +30,7 @@ DEFAULT_CHAT_TEMPLATE = (
 )
 
 
-_BYTE_OF = {ch: b for b, ch in bytes_to_unicode().items()}  # a byte-level character's byte
+BYTE_OF_CHAR = {ch: b for b, ch in bytes_to_unicode().items()}  # a byte-level character's byte
 # prompt tokens an answer is decoded after (`Tokenizer.decode_after`): enough for a decoder's
 # word boundary, few enough that a token costs little to decode
 CONTEXT_TOKENS = 6
@@ -137,7 +137,7 @@ class Tokenizer:
         if token is None or idx in self._special_ids:
             return b""
         try:
-            return bytes([_BYTE_OF[ch] for ch in token])
+            return bytes([BYTE_OF_CHAR[ch] for ch in token])
         except KeyError:  # a character outside the byte alphabet: the token's own UTF-8
             return token.encode()
 

@@ -28,7 +28,7 @@ import uuid
 from dsv4ray.engine.outputs import RequestOutput
 from dsv4ray.entrypoints.openai.reasoning import ReasoningSplitter
 from dsv4ray.entrypoints.tool_calls import ChatTools, finish, openai_call
-from dsv4ray.text.tokenizer_files import bytes_to_unicode
+from dsv4ray.text.tokenizer import BYTE_OF_CHAR
 
 
 def sse(payload: dict | str) -> str:
@@ -71,7 +71,7 @@ class TokenBytes:
         added = self._tok.get_added_tokens_decoder()
         self._added = set(added)
         self._special = {i for i, token in added.items() if token.special}
-        self._byte_of = _byte_level_alphabet()
+        self._byte_of = BYTE_OF_CHAR
 
     def __call__(self, token_id: int) -> bytes:
         piece = self._tok.id_to_token(token_id)
@@ -133,11 +133,6 @@ def _decoder_kinds(decoder: dict | None) -> set[str]:
         if step.get("type") == "Replace" and pattern.get("String") == "▁":
             kinds.add("Replace ▁")
     return kinds
-
-
-def _byte_level_alphabet() -> dict[str, int]:
-    """GPT-2's byte-level alphabet inverted: the printable stand-in character -> its byte."""
-    return {ch: byte for byte, ch in bytes_to_unicode().items()}
 
 
 class _Format:

@@ -146,8 +146,7 @@ def test_cli_serves_on_the_running_ray_until_sigterm(ray_session, tiny_ckpt, fre
         "--max-total-tokens",
         "2048",
     ]
-    errors = tempfile.TemporaryFile("w+")  # Ray's logs: a pipe could fill and block it
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
+    proc, errors = _start(cmd, env)
     try:
         line = _startup_line(proc)  # it comes once the app answers
         assert f"model {tiny_ckpt}" in line and "pp 2" in line
@@ -158,60 +157,57 @@ def test_cli_serves_on_the_running_ray_until_sigterm(ray_session, tiny_ckpt, fre
         assert httpx.post(url, json=body, timeout=60).status_code == 401
         got = httpx.post(url, json=body, headers={"Authorization": "Bearer cli-key"}, timeout=60)
         assert got.json()["usage"]["completion_tokens"] >= 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == 0
-        errors.seek(0)
-        err = errors.read()
-        assert "stopping" in proc.stdout.read() and "Traceback" not in err, err[-2000:]
-        assert APP_NAME not in _applications()
-        assert shm.settle(0, baseline) == set()  # stage actors end after the app
+        _stops_cleanly(proc, errors, signal.SIGTERM, shm, baseline)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        errors.close()
+        _end(proc, errors)
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
-
-
-REPEATS = 1  # each start costs a pipeline build (tens of seconds on 2 cores)
 
 
 def test_sigint_stops_a_serving_pipeline_and_leaves_no_files(ray_session, tiny_ckpt, free_port):
-    """`dsv4ray serve -pp 2` started REPEATS times on the running Ray and stopped by SIGINT (the
-    handler SIGTERM has, tested above) once it serves: each time it exits 0 within 10 s, its app
-    is gone, and the node keeps no channel file of it."""
-    sig = signal.SIGINT
+    """`dsv4ray serve -pp 2` on the running Ray, stopped by SIGINT (the handler SIGTERM has,
+    tested above) once it serves: it exits 0 within 10 s, its app is gone, and the node keeps no
+    channel file of it."""
+    shm = ShmFiles()
+    baseline = shm.now()
     env = dict(os.environ, RAY_ADDRESS=ray_session.get_runtime_context().gcs_address)
+    cmd = [sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "-pp", "2",
+           "--port", str(free_port()), "--max-total-tokens", "1024"]  # fmt: skip
+    proc, errors = _start(cmd, env)
     try:
-        _stop_repeatedly(env, tiny_ckpt, free_port, sig, ShmFiles())
+        assert "listening on" in _startup_line(proc)
+        assert shm.now() - baseline  # the graph's channels exist
+        _stops_cleanly(proc, errors, signal.SIGINT, shm, baseline)
     finally:
+        _end(proc, errors)
         serve.shutdown()  # it joined this session's Ray: leave no Serve instance behind
 
 
-def _stop_repeatedly(env, tiny_ckpt, free_port, sig, shm: ShmFiles) -> None:
-    baseline = shm.now()
-    for attempt in range(REPEATS):
-        cmd = [sys.executable, "-m", "dsv4ray", "serve", tiny_ckpt, "-pp", "2",
-               "--port", str(free_port()), "--max-total-tokens", "1024"]  # fmt: skip
-        errors = tempfile.TemporaryFile("w+")  # Ray's logs: a pipe could fill and block it
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True)
-        try:
-            assert "listening on" in _startup_line(proc), attempt
-            assert shm.now() - baseline, attempt  # the graph's channels exist
-            proc.send_signal(sig)
-            start = time.monotonic()
-            code = proc.wait(timeout=10)
-            assert time.monotonic() - start < 10
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            out, _ = proc.communicate()
-            errors.seek(0)
-            err = errors.read()
-            errors.close()
-        assert code == 0 and "stopping" in out, (attempt, code, err[-2000:])
-        assert "Traceback" not in err, (attempt, err[-2000:])
-        assert APP_NAME not in _applications(), attempt
-        assert shm.settle(0, baseline) == set(), attempt  # stage actors end after the app
+def _start(cmd: list[str], env: dict):
+    """The command, its stdout piped and Ray's logs on stderr into a file (a pipe could fill and
+    block it) -> (process, that file)."""
+    errors = tempfile.TemporaryFile("w+")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=errors, text=True), errors
+
+
+def _stops_cleanly(proc, errors, sig, shm: ShmFiles, baseline: set[str]) -> None:
+    """sig ends the serving command within 10 s with exit code 0 and no traceback, its app is
+    gone and the node keeps no channel file of it (its stage actors end after the app)."""
+    proc.send_signal(sig)
+    code = proc.wait(timeout=10)
+    out = proc.stdout.read()
+    errors.seek(0)
+    err = errors.read()
+    assert code == 0 and "stopping" in out, (code, err[-2000:])
+    assert "Traceback" not in err, err[-2000:]
+    assert APP_NAME not in _applications()
+    assert shm.settle(0, baseline) == set()
+
+
+def _end(proc, errors) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.communicate()
+    errors.close()
 
 
 def test_sigterm_while_the_app_deploys_stops_the_start_cleanly(ray_session, tiny_ckpt, free_port):

@@ -54,7 +54,7 @@ POSTED_SPIN_S = 0.002  # yields before sleeping between looks: a post is usually
 class PostedCount:
     """How many graph executions the last stage has posted (its sampled ids written and the
     interprocess event recorded, or nothing to write): an int64 in 8 bytes of host memory that
-    the first stage of the same GPU maps too. The creator removes the file's name once its peer
+    the first stage of the same GPU maps too. The peer removes the file's name as soon as it
     mapped it (``unlink``); the mappings stay."""
 
     def __init__(self, path: str, create: bool) -> None:
@@ -131,13 +131,11 @@ class SampledTokens:
         event = torch.cuda.Event(interprocess=True)
         event.record()  # an interprocess event exists on the device once recorded
         posted = PostedCount(exported["posted"], create=False)
+        posted.unlink()  # both sides mapped it: no name left behind
         return cls(open_tensor(exported["ids"]), event, posted), event.ipc_handle()
 
     def wait_for(self, event_handle: bytes) -> None:
-        """The peer mapped the table and the count: its event, and the count's file removed."""
         self.event = torch.cuda.Event.from_ipc_handle(self.ids.device, event_handle)
-        if self.posted is not None:
-            self.posted.unlink()
 
     def record(self, slots: list[int], token_ids: torch.Tensor) -> None:
         """token_ids [R] (any device; -1 where sampling failed) into their slots."""
