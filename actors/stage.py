@@ -16,7 +16,7 @@ import ray
 
 from dsv4ray.actors.channel_wait import sleep_between_reads
 from dsv4ray.actors.timeline import MethodTimeline
-from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.cache.pool_sizes import PoolSizes
 from dsv4ray.engine.plan import StageResult, decode
 from dsv4ray.sources import fetch_model
 from dsv4ray.worker.pool_sizing import available_host_memory

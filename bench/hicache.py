@@ -24,7 +24,7 @@ from dsv4ray import LLM, SamplingParams
 from dsv4ray.actors.host_tier import HostTier
 from dsv4ray.bench.report import bench_parser, result, save_results
 from dsv4ray.cache.hicache import HostOps
-from dsv4ray.cache.host_pool import HostLayout
+from dsv4ray.cache.host_layout import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import StepPlan

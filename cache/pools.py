@@ -17,26 +17,13 @@ cache/hisparse.py (same page ids, host memory) and the device holds only its hot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from dsv4ray.cache.hisparse import HiSparseStore
 from dsv4ray.cache.layer_mapping import LayerInfo, build_layer_mapping, stage_layers
 from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.pool_sizes import C4_RING, C128_RING, PoolSizes
 from dsv4ray.config import ModelConfig
-
-C4_RING, C128_RING = 8, 128
-
-
-@dataclass(frozen=True)
-class PoolSizes:
-    num_pages: int
-    num_window_pages: int
-    num_state_slots: int
-    num_cached_state_slots: int
-    ring_scale: int = 1  # 2 with speculative decoding (drafts write ahead of the commit point)
-    hisparse_hot_rows: int = 0  # per request per C4 layer; 0: HiSparse off
 
 
 class StagePools:

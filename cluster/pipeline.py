@@ -34,7 +34,7 @@ from dsv4ray.actors.draft import DraftActor
 from dsv4ray.actors.host_tier import host_tier_for_node
 from dsv4ray.actors.processes import end_processes
 from dsv4ray.actors.stage import StageActor
-from dsv4ray.cache.host_pool import HostLayout
+from dsv4ray.cache.host_layout import HostLayout
 from dsv4ray.cache.layer_mapping import split_layers
 from dsv4ray.cluster.bind_preload import stage_runtime_envs
 from dsv4ray.cluster.placement import ensure_ray, stage_bundle, wait_for_placement

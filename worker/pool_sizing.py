@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from dsv4ray.cache.configurator import (
     bytes_per_full_token,
     pipeline_capacity,
     share_devices,
     size_stage,
 )
+from dsv4ray.cache.formats import KINDS
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
 from dsv4ray.cache.layer_mapping import split_layers
-from dsv4ray.cache.layout import KINDS, layout_for
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.page_layout import layout_for
+from dsv4ray.cache.pool_sizes import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig
 
@@ -82,34 +81,10 @@ def pool_sizes(cap, ring_scale: int = 1) -> PoolSizes:
 def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | None:
     """(largest batch, longest context) of the CUDA graphs every stage of a CUDA engine (and its
     draft worker) captures once its pools are allocated; None on CPU or with cuda_graphs off."""
-    if not ec.cuda_graphs or torch.device(ec.device).type != "cuda":
+    if not ec.cuda_graphs or str(ec.device).split(":")[0] != "cuda":
         return None
     max_len = ec.max_model_len or cfg.max_position_embeddings
     return ec.max_running_requests, min(max_len, cap.num_full_tokens)
-
-
-def host_pool_bytes(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
-                    kv_cache_dtype: str) -> int:  # fmt: skip
-    """Bytes of the CPU pools of layers [start, end), priced without HiSparse: its host history
-    holds as many C4 pages as the pools would (and a store allocates that history even for meta
-    shapes)."""
-    flat = dataclasses.replace(sizes, hisparse_hot_rows=0)
-    return StagePools(cfg, start, end, flat, kv_cache_dtype, torch.device("meta")).nbytes()
-
-
-def check_host_memory(cfg: ModelConfig, start: int, end: int, sizes: PoolSizes,
-                      kv_cache_dtype: str) -> None:  # fmt: skip
-    """A ValueError naming the options when the CPU pools of layers [start, end) need more than
-    the memory this machine has available (pools are zero-filled: past it the allocation fails
-    or the OOM killer ends the process)."""
-    need, have = host_pool_bytes(cfg, start, end, sizes, kv_cache_dtype), available_host_memory()
-    if have is not None and need > have:
-        raise ValueError(
-            f"stage [{start}, {end}): its KV pools need {need / 2**30:.1f} GiB, more than the "
-            f"{have / 2**30:.1f} GiB of memory this machine has available ({sizes.num_pages} "
-            f"pages, {sizes.num_state_slots - 1} running requests): lower max_total_tokens or "
-            "max_running_requests"
-        )
 
 
 def check_shared_host_memory(stages: list[dict], sizes: PoolSizes) -> None:

@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from dsv4ray.cache.host_pool import HostLayout
+from dsv4ray.cache.host_layout import HostLayout
 from dsv4ray.cache.pools import PoolSizes, StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
@@ -24,6 +24,7 @@ from dsv4ray.kernels.jit_cache import compiled_variants
 from dsv4ray.model.loader import load_stage
 from dsv4ray.worker import ops
 from dsv4ray.worker.batch import BatchMeta, HostStage, build_batch
+from dsv4ray.worker.cpu_pools import check_host_memory, host_pool_bytes
 from dsv4ray.worker.graphs.device_link import DeviceLink
 from dsv4ray.worker.graphs.overlap import SampledTokens, fill_tokens, record_samples, take_samples
 from dsv4ray.worker.graphs.stage_graphs import Staged, StageGraphs
@@ -31,7 +32,6 @@ from dsv4ray.worker.host.hisparse_io import scratch_step
 from dsv4ray.worker.host.host_io import HostIO, LayerEvents
 from dsv4ray.worker.paged import paged_block
 from dsv4ray.worker.pd.kv_export import KVPort, run_handoffs
-from dsv4ray.worker.pool_sizing import check_host_memory, host_pool_bytes
 from dsv4ray.worker.req_table import ReqTable
 from dsv4ray.worker.rope_tables import RopeTables
 from dsv4ray.worker.spec.draft_fill import DraftFill, fill_held_drafts

@@ -7,7 +7,7 @@ import ray
 import torch
 
 from dsv4ray import LLM, SamplingParams
-from dsv4ray.cache.host_pool import HostLayout
+from dsv4ray.cache.host_layout import HostLayout
 from dsv4ray.model import load_reference
 from dsv4ray.model.tiny import PRESETS, make_tiny
 from tests.oracle import reference_greedy

@@ -59,6 +59,16 @@ def test_models_and_health(client, base_url):
     assert httpx.get(f"{base_url}/health").status_code == 200  # probes need no key
 
 
+def test_the_engine_replica_loads_neither_torch_nor_triton(client):
+    # it drives stage actors: the network, the pools and the kernels live in their processes
+    client.completions.create(model=MODEL, prompt=[5, 6, 7], max_tokens=2)  # a served request
+    pid = serve.get_app_handle(APP_NAME).info.remote().result(timeout_s=60)["engine_pid"]
+    with open(f"/proc/{pid}/maps") as f:
+        libraries = {line.split()[-1] for line in f if line.rstrip().endswith(".so")}
+    loaded = sorted(lib for lib in libraries if "/torch/" in lib or "/triton/" in lib)
+    assert loaded == [], loaded
+
+
 def test_greedy_completions_equal_llm_generate(client, local_llm, tiny_ckpt):
     text_prompt, id_prompt = "The quick brown fox", [0, 17, 99, 250, 3, 42]
     expected = local_llm.generate(

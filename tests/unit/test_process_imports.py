@@ -1,7 +1,8 @@
 """What each kind of process loads: a Serve replica (the HTTP ingress included) imports
 ``entrypoints.serve`` and must not pay for torch or Triton (seconds of CPU and ~250 MB per
 replica); a driver of Ray stage actors builds no kernels, so it imports neither Triton nor the
-network. Each check runs in a fresh interpreter, since this one already holds both."""
+network, nor torch (the pools it sizes are counted in pure Python; the stage actors allocate
+them). Each check runs in a fresh interpreter, since this one already holds both."""
 
 import subprocess
 import sys
@@ -12,7 +13,10 @@ CASES = {
     "dsv4ray.entrypoints.serve": ("torch", "triton"),
     "dsv4ray.entrypoints.job": ("torch", "triton"),
     "dsv4ray.model.checkpoint_check": ("torch", "triton"),
-    "dsv4ray.cluster.pipeline": ("triton", "dsv4ray.model.stage", "dsv4ray.kernels"),
+    "dsv4ray.cluster.pipeline": ("torch", "triton", "dsv4ray.model.stage", "dsv4ray.kernels"),
+    "dsv4ray.cluster.pd": ("torch", "triton"),
+    "dsv4ray.entrypoints.engines": ("torch", "triton"),
+    "dsv4ray.entrypoints.job_replica": ("torch", "triton"),
 }
 
 

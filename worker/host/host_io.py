@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4ray.cache.host_pool import HostBuffers, HostLayout
+from dsv4ray.cache.host_layout import HostLayout
+from dsv4ray.cache.host_pool import HostBuffers
 from dsv4ray.cache.layer_mapping import stage_layers
 from dsv4ray.cache.pools import StagePools
 from dsv4ray.engine.plan import StepPlan
