@@ -49,11 +49,11 @@ class DSV4Reference(StageModel):
         mtp = self.draft_block.new_state(batch) if self.draft_block is not None else None
         return RefState(layers, 0, mtp)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.step(input_ids, self.new_state(input_ids.shape[0]))
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self, input_ids: torch.Tensor, state: RefState, return_hidden: bool = False):
         """Appends input_ids [B, t] to every row; returns logits [B, t, V] (fp32).
 
@@ -68,7 +68,7 @@ class DSV4Reference(StageModel):
         logits = self.logits(x)
         return (logits, x, last_topk) if return_hidden else logits
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
         """The greedy continuation of one prompt on the incremental path (the engine's oracle)."""
         state = self.new_state(1)

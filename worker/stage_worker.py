@@ -147,7 +147,7 @@ class StageWorker:
             )
         return self.pools.nbytes()
 
-    @torch.no_grad()  # as every step runs: a warm-up or eager bucket records no autograd graph
+    @torch.inference_mode()  # as every step runs: warm-up and eager buckets record no autograd
     def capture_graphs(self, max_batch: int, max_len: int, draft_steps: int = 0,
                        capture: bool = True) -> None:  # fmt: skip
         """Captures the decode graphs (after allocate; a no-op unless graphs are on), or with a
@@ -211,6 +211,7 @@ class StageWorker:
         """One step as a pipeline's transport runs it: ``prepare`` then ``step_prepared``."""
         return self.step_prepared(self.prepare(plan, drafts), inputs)
 
+    @torch.inference_mode()  # it writes into buffers that capture_graphs made
     def prepare(self, plan: StepPlan, drafts: dict[str, list[int]] | None = None) -> Prepared:
         """The part of a step that needs no rows from the stage before: its host-tier copies
         and bookkeeping applied, a replayed step's metadata uploaded into its bucket (stream-
@@ -304,7 +305,7 @@ class StageWorker:
         -> StageResult."""
         return self.run(self.prepare(plan), inputs, *args, **options)
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd at all: each op costs less host time than no_grad's
     def run(
         self,
         prepared: Prepared,

@@ -121,6 +121,7 @@ class DraftWorker:
         """``prepare`` then ``execute_prepared`` (the draft worker of this process)."""
         return self.execute_prepared(self.prepare(plan), inputs, draft_fill)
 
+    @torch.inference_mode()  # it writes into buffers that capture_graphs made
     def prepare(self, plan: StepPlan, values: dict[str, list[int]] | None = None) -> PreparedDraft:
         """The part of a step that needs nothing from the last stage: its bookkeeping and, in an
         actor of its own, the held proposals written into the plan's pending drafts (values:
@@ -141,7 +142,7 @@ class DraftWorker:
                 prepared.error = exc
         return prepared
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def execute_prepared(self, prepared: PreparedDraft, inputs: StageResult,
                          draft_fill: DraftFill | None = None) -> StageResult:  # fmt: skip
         """The last stage's result without its tensors, with proposals in ``spec.proposals``
@@ -229,7 +230,7 @@ class DraftWorker:
             self.pools.copy_rings(src, [self.pools.cached_row(slot) for _, slot in plan.snapshots])
 
     # ------------------------------------------------------------------ the passes
-    @torch.no_grad()  # as every step runs: a warm-up or eager bucket records no autograd graph
+    @torch.inference_mode()  # as every step runs: warm-up and eager buckets record no autograd
     def capture_graphs(self, max_batch: int, max_len: int, capture: bool = True) -> None:
         """Graphs of decode steps' passes (after allocate; worker/spec/draft_graphs.py);
         capture=False runs the same static buckets eagerly (any device; for tests)."""
