@@ -16,6 +16,10 @@ def ray_session(request):
     # starts hundreds of workers, each with its log files: every 0.5 s is enough for tests (its
     # own default past that count). Heads the tests start inherit it.
     os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+    # Each node's dashboard agent reads every worker's process stats (psutil) every 5 s for
+    # Ray's node metrics, which no test reads: once a minute. The dsv4ray series the tests
+    # scrape are pushed by the workers themselves, on their own interval.
+    os.environ.setdefault("REPORTER_UPDATE_INTERVAL_MS", "60000")
     if not ray.is_initialized():
         # logical CPUs: pipelines of 0.5-CPU stages, a Serve replica and the proxy share 2 cores
         options = dict(num_cpus=4, include_dashboard=False, logging_level="ERROR")
