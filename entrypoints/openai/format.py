@@ -89,21 +89,37 @@ class TokenBytes:
         """The bytes a token adds to a decoded text (special tokens are skipped there)."""
         return b"" if token_id in self._special else self(token_id)
 
+    def opening(self, token_id: int) -> bytes:
+        """The bytes a token adds as the first text of a decoded text: a SentencePiece-style
+        decoder strips the space its "▁" stands for there (as it does decoding it alone)."""
+        raw = self.in_text(token_id)
+        if self._spaces and raw.startswith(b" "):
+            if not self._tok.decode([token_id], skip_special_tokens=False).startswith(" "):
+                return raw[1:]
+        return raw
+
 
 class TextOffsets:
     """Where each token of a sequence starts in its decoded text (``text_offset``): special
     tokens add nothing, and the tokens of a character split across them all start where it
     does."""
 
-    def __init__(self, token_bytes: TokenBytes, start: int = 0) -> None:
-        """start: the characters of the text before these tokens (an echoed prompt)."""
+    def __init__(self, token_bytes: TokenBytes, start: int = 0, opens_text: bool = False) -> None:
+        """start: the characters of the text before these tokens (an echoed prompt).
+        opens_text: these tokens were decoded as a text of their own (no earlier text, e.g. a
+        prompt of special tokens only), so the first of them that adds text adds its
+        ``opening`` bytes."""
         self.token_bytes = token_bytes
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         self.chars = start
+        self.opens_text = opens_text
 
     def next(self, token_id: int) -> int:
         offset = self.chars
-        self.chars += len(self.decoder.decode(self.token_bytes.in_text(token_id)))
+        raw = self.token_bytes.in_text(token_id)
+        if self.opens_text and raw:
+            raw, self.opens_text = self.token_bytes.opening(token_id), False
+        self.chars += len(self.decoder.decode(raw))
         return offset
 
 
@@ -240,6 +256,7 @@ class CompletionFormat(_Format):
         self.echo: str | None = None
         self.prompt_ids: list[int] = []
         self.echo_offsets: list[int] = []  # where each prompt token starts in the echo
+        self.answer_opens_text = False  # the answer was decoded after no text of its prompt
         self.reset()
 
     def set_echo(self, text: str, prompt_ids: list[int], offsets: list[int]) -> None:
@@ -254,7 +271,7 @@ class CompletionFormat(_Format):
 
     def _answer_offsets(self) -> TextOffsets:
         """The answer's tokens' offsets: its text follows the echo."""
-        return TextOffsets(self.token_bytes, len(self.echo or ""))
+        return TextOffsets(self.token_bytes, len(self.echo or ""), self.answer_opens_text)
 
     def choice(self, output: RequestOutput) -> dict:
         extras = self._choice_extras(output, None)

@@ -261,8 +261,11 @@ class OpenAIServer:
                 max_tokens, req.engine_logprobs, req.engine_prompt_logprobs
             )
             fmt = first.sibling(len(runs))
+            tokenizer = self.engine.tokenizer  # answers are decoded after the prompt's text
+            fmt.answer_opens_text = not tokenizer.decode(tokenizer.answer_context(prompt_ids))
             if req.echo:
                 fmt.set_echo(*self._echo(prompt, prompt_ids))
+            fmt.reset()
             runs += self._runs(fmt, prompt_ids, params, req)
         return await self._generate("/v1/completions", runs, req, request)
 
@@ -275,7 +278,7 @@ class OpenAIServer:
             if starts is not None:
                 return prompt, prompt_ids, starts
         text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt_ids)
-        at = TextOffsets(self.token_bytes)  # each token's bytes in the decoded text
+        at = TextOffsets(self.token_bytes, opens_text=True)  # each token's bytes in the text
         return text, prompt_ids, [at.next(token_id) for token_id in prompt_ids]
 
     async def chat(self, request: Request) -> Response:

@@ -36,6 +36,26 @@ def write_checkpoint_files(out_dir: str) -> str:
     return out_dir
 
 
+SENTENCEPIECE_PIECES = ["<unk>", "<s>", "▁hello", "▁world", "!", "▁x", "<0xE6>", "<0x97>", "<0xA5>"]
+
+
+def write_sentencepiece_tokenizer(out_dir: str) -> dict[str, int]:
+    """A SentencePiece-style tokenizer.json (Llama's decoder: spaces as ▁, byte fallback, the
+    text's first space stripped) over SENTENCEPIECE_PIECES, <s> special -> piece ids."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models
+
+    ids = {p: i for i, p in enumerate(SENTENCEPIECE_PIECES)}
+    hf = HFTokenizer(models.WordLevel(ids, unk_token="<unk>"))
+    hf.add_special_tokens(["<s>"])
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    hf.save(os.path.join(out_dir, "tokenizer.json"))
+    return ids
+
+
 class FakeEngine:
     def __init__(self, model_dir: str, max_model_len: int = 256) -> None:
         self.config = EngineConfig.build(model_dir, use_ray=False)
@@ -76,7 +96,7 @@ class FakeEngine:
 
     async def _updates(self, ids: list[int], params: SamplingParams, request_id: str):
         reply = self.reply[: params.max_tokens]
-        decoder = StreamDecoder(self.tokenizer)
+        decoder = StreamDecoder(self.tokenizer, self.tokenizer.answer_context(ids))  # as the engine
         for i, token in enumerate(reply):
             if i == self.abort_after:
                 yield RequestUpdate(request_id, output=self._output(ids, reply[:i], params, True))
@@ -104,7 +124,7 @@ class FakeEngine:
             request_id="",
             prompt_token_ids=ids,
             token_ids=list(generated),
-            text=self.tokenizer.decode(generated),
+            text=self.tokenizer.decode_after(self.tokenizer.answer_context(ids), generated),
             logprobs=logprobs,
             finish_reason=finish,
             metrics=RequestMetrics(len(ids), self.num_cached_tokens),

@@ -11,6 +11,7 @@ from starlette.testclient import TestClient
 from dsv4ray.entrypoints.openai.format import TextOffsets, TokenBytes, legacy_token
 from dsv4ray.entrypoints.openai.metrics import ServeMetrics
 from dsv4ray.entrypoints.openai.server import OpenAIServer, ServerOptions
+from tests.unit.openai_fake import FakeEngine, write_checkpoint_files, write_sentencepiece_tokenizer
 
 MODEL = "tiny-test"
 
@@ -209,22 +210,11 @@ def test_sentencepiece_tokens_keep_their_space_and_offsets_index_the_answer(tmp_
     """A SentencePiece-style tokenizer (spaces as ▁, byte fallback, the text's first space
     stripped): a token's bytes hold the space its ▁ stands for and a byte piece's byte, as
     the answer decoded after its prompt has them, so text_offset indexes that text."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models
-
     from dsv4ray.text.tokenizer import Tokenizer
 
-    pieces = ["<unk>", "<s>", "▁hello", "▁world", "!", "▁x", "<0xE6>", "<0x97>", "<0xA5>"]
-    hf = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(pieces)}, unk_token="<unk>"))
-    hf.add_special_tokens(["<s>"])
-    hf.decoder = decoders.Sequence(
-        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-         decoders.Strip(" ", 1, 0)]
-    )  # fmt: skip
-    hf.save(str(tmp_path / "tokenizer.json"))
+    ids = write_sentencepiece_tokenizer(str(tmp_path))
     token_bytes, tok = TokenBytes(str(tmp_path)), Tokenizer(str(tmp_path))
-    ids = {p: i for i, p in enumerate(pieces)}
-    assert hf.decode([ids["▁world"]]) == "world"  # decoded alone the space is gone
+    assert tok.decode([ids["▁world"]]) == "world"  # decoded alone the space is gone
     assert token_bytes(ids["▁world"]) == b" world" and token_bytes(ids["<0x97>"]) == b"\x97"
     prompt = [ids["<s>"], ids["▁hello"]]
     answer = [ids[p] for p in ["▁world", "<0xE6>", "<0x97>", "<0xA5>", "!", "▁x"]]
@@ -232,3 +222,42 @@ def test_sentencepiece_tokens_keep_their_space_and_offsets_index_the_answer(tmp_
     assert text == " world日! x" == b"".join(token_bytes(t) for t in answer).decode()
     offsets = TextOffsets(token_bytes)
     assert [offsets.next(t) for t in answer] == [0, 6, 6, 6, 7, 8]
+    # after a prompt of special tokens only the answer opens the text, which drops its space
+    context = tok.answer_context([ids["<s>"]])
+    text = tok.decode_after(context, answer)
+    assert text == "world日! x" and tok.decode(context) == ""
+    offsets = TextOffsets(token_bytes, opens_text=True)
+    starts = [offsets.next(t) for t in [ids["<s>"], *answer]]
+    assert starts == [0, 0, 5, 5, 5, 6, 7]
+    assert [text[i] for i in starts[1:]] == ["w", "日", "日", "日", "!", " "]
+    # token ids echoed: decoded alone, the prompt's text drops its first space too
+    echo = [ids["▁hello"], ids["▁world"], ids["!"]]
+    offsets = TextOffsets(token_bytes, opens_text=True)
+    assert tok.decode(echo) == "hello world!"
+    assert [offsets.next(t) for t in echo] == [0, 5, 11]
+
+
+@pytest.mark.parametrize("echo", [False, True])
+def test_sentencepiece_text_offsets_index_the_served_text(tmp_path, echo):
+    """Over HTTP, with the SentencePiece-style tokenizer: each text_offset is where its token's
+    text starts in the choice's text, after a prompt with text and after one of special tokens
+    only (the answer then opens the text and its first space is dropped)."""
+    ids = write_sentencepiece_tokenizer(write_checkpoint_files(str(tmp_path)))
+    engine = FakeEngine(str(tmp_path))
+    answer = [ids[p] for p in ["▁world", "<0xE6>", "<0x97>", "<0xA5>", "!", "▁x"]]
+    engine.reply = answer
+    server = OpenAIServer(engine, ServerOptions("sp"), ServeMetrics("sp"))
+    client = TestClient(server.app, base_url="http://127.0.0.1:8000")
+    for prompt, want in (
+        ([ids["<s>"], ids["▁hello"]], " world日! x"),
+        ([ids["<s>"]], "world日! x"),
+    ):
+        body = {"model": "sp", "prompt": prompt, "max_tokens": len(answer), "logprobs": 0,
+                "echo": echo}  # fmt: skip
+        choice = client.post("/v1/completions", json=body).json()["choices"][0]
+        text, offsets = choice["text"], choice["logprobs"]["text_offset"]
+        echoed = engine.tokenizer.decode(prompt) if echo else ""
+        assert text == echoed + want
+        starts = offsets[len(prompt) :] if echo else offsets
+        pieces = ["w" if want[0] == "w" else " ", "日", "日", "日", "!", " "]
+        assert [text[i] for i in starts] == pieces, (prompt, offsets)
