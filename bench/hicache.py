@@ -25,7 +25,8 @@ from dsv4ray.actors.host_tier import HostTier
 from dsv4ray.bench.report import bench_parser, result, save_results
 from dsv4ray.cache.hicache import HostOps
 from dsv4ray.cache.host_layout import HostLayout
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import StepPlan
 from dsv4ray.worker.host.host_io import HostIO

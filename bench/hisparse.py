@@ -29,8 +29,9 @@ import torch
 from dsv4ray import LLM, SamplingParams
 from dsv4ray.bench.report import bench_parser, random_prompts, result, save_results
 from dsv4ray.cache.configurator import size_stage
+from dsv4ray.cache.formats import KINDS
 from dsv4ray.cache.hisparse_sizing import resolve_hot_rows
-from dsv4ray.cache.layout import KINDS, layout_for
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.config import ModelConfig
 from dsv4ray.worker.stage_spec import StageSpec
 from dsv4ray.worker.stage_worker import StageWorker

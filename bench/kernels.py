@@ -32,7 +32,8 @@ from dsv4ray.bench.report import (  # noqa: E402
     write_benchmarks_md,
     write_results,
 )
-from dsv4ray.cache.layout import layout_for, read_entries, write_entries  # noqa: E402
+from dsv4ray.cache.layout import read_entries, write_entries  # noqa: E402
+from dsv4ray.cache.page_layout import layout_for  # noqa: E402
 from dsv4ray.kernels import compress, indexer, sparse_mqa, topk, transfer  # noqa: E402
 
 MIB = 1 << 20

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.config import ModelConfig
 from dsv4ray.config_quant import FP4_GROUP
 from dsv4ray.model.release import release_format

@@ -20,8 +20,9 @@ from __future__ import annotations
 import torch
 
 from dsv4ray.cache.layer_mapping import LayerInfo
-from dsv4ray.cache.layout import layout_for
-from dsv4ray.cache.pools import C4_RING, PoolSizes, device_index
+from dsv4ray.cache.page_layout import layout_for
+from dsv4ray.cache.pool_sizes import C4_RING, PoolSizes
+from dsv4ray.cache.pools import device_index
 from dsv4ray.config import ModelConfig
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from dsv4ray.cache.formats import ENTRIES_PER_PAGE
-from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.page_layout import layout_for
 
 C4_PER_PAGE = ENTRIES_PER_PAGE["c4"]
 

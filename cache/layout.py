@@ -1,5 +1,5 @@
 """The torch quantise / dequantise that writes and reads the page bytes of cache/page_layout.py
-(the layout itself, its constants and ``layout_for`` are re-exported here).
+(the layout itself, its constants and ``layout_for`` live there).
 
 Every pool buffer is a uint8 tensor [num_pages, page_bytes], one per layer per pool kind; the
 formats, the scales and the rounding are described in cache/page_layout.py. The Triton kernels
@@ -10,7 +10,6 @@ from functools import lru_cache
 
 import torch
 
-from dsv4ray.cache.formats import DTYPES, ENTRIES_PER_PAGE, KINDS
 from dsv4ray.cache.page_layout import (
     AMAX_FLOOR,
     FP8_MAX,
@@ -18,24 +17,10 @@ from dsv4ray.cache.page_layout import (
     HADAMARD_SCALE,
     INDEXER_AMAX_FLOOR,
     INDEXER_DIM,
-    KV_DIM,
-    LAYOUT_VERSION,
     NOPE_DIM,
     NUM_GROUPS,
-    ROPE_DIM,
     PageLayout,
-    layout_for,
-    layout_signature,
 )
-
-__all__ = [
-    "AMAX_FLOOR", "DTYPES", "ENTRIES_PER_PAGE", "FP8_MAX", "GROUP_DIM", "HADAMARD_SCALE",
-    "INDEXER_AMAX_FLOOR", "INDEXER_DIM", "KINDS", "KV_DIM", "LAYOUT_VERSION", "NOPE_DIM",
-    "NUM_GROUPS", "ROPE_DIM", "PageLayout", "layout_for", "layout_signature", "hadamard_128",
-    "hadamard_rotate", "ue8m0_exponent_byte", "pow2_from_byte", "to_e4m3_bits",
-    "quantize_entries", "dequantize_entries", "entry_byte_offsets", "check_pages",
-    "page_regions", "write_entries", "read_entries",
-]  # fmt: skip
 
 
 @lru_cache(maxsize=1)

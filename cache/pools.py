@@ -21,7 +21,7 @@ import torch
 
 from dsv4ray.cache.hisparse import HiSparseStore
 from dsv4ray.cache.layer_mapping import LayerInfo, build_layer_mapping, stage_layers
-from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.cache.pool_sizes import C4_RING, C128_RING, PoolSizes
 from dsv4ray.config import ModelConfig
 

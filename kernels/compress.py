@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import PageLayout, check_pages, write_entries
+from dsv4ray.cache.layout import check_pages, write_entries
+from dsv4ray.cache.page_layout import PageLayout
 from dsv4ray.kernels.entries import layout_args, store_entry
 
 RING_MIN = {4: 8, 128: 128}

@@ -10,7 +10,7 @@ page * PAGE_BYTES + SCALE_OFF + offset * SCALE_BYTES. Offsets are int64.
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import HADAMARD_SCALE, PageLayout
+from dsv4ray.cache.page_layout import HADAMARD_SCALE, PageLayout
 from dsv4ray.kernels.bits import (
     bf16_bits_to_f32,
     f32_to_bf16_bits,

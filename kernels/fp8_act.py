@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import AMAX_FLOOR, pow2_from_byte, to_e4m3_bits, ue8m0_exponent_byte
+from dsv4ray.cache.layout import pow2_from_byte, to_e4m3_bits, ue8m0_exponent_byte
+from dsv4ray.cache.page_layout import AMAX_FLOOR
 from dsv4ray.kernels import bits
 from dsv4ray.kernels.bits import f32_to_e4m3_bits, interpreting, store_rounded
 from dsv4ray.kernels.quant_tiles import dequantize_ref, kernel_bytes, load_scale, scale_shape

@@ -16,7 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import PageLayout, check_pages, hadamard_rotate, read_entries
+from dsv4ray.cache.layout import check_pages, hadamard_rotate, read_entries
+from dsv4ray.cache.page_layout import PageLayout
 from dsv4ray.kernels.bits import num_sms, use_bf16_mma
 from dsv4ray.kernels.entries import (
     FMT_FP8,

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import PageLayout, check_pages, read_entries
+from dsv4ray.cache.layout import check_pages, read_entries
+from dsv4ray.cache.page_layout import PageLayout
 from dsv4ray.kernels.bits import interpreting, mma, mma_operand, num_sms, use_bf16_mma
 from dsv4ray.kernels.entries import kv_scale_words, layout_args, load_kv_group
 

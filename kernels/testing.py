@@ -2,7 +2,8 @@
 
 import torch
 
-from dsv4ray.cache.layout import PageLayout, entry_byte_offsets, read_entries
+from dsv4ray.cache.layout import entry_byte_offsets, read_entries
+from dsv4ray.cache.page_layout import PageLayout
 
 
 def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, atol: float, rtol: float) -> None:

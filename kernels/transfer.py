@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4ray.cache.layout import PageLayout, check_pages, entry_byte_offsets
+from dsv4ray.cache.layout import check_pages, entry_byte_offsets
+from dsv4ray.cache.page_layout import PageLayout
 from dsv4ray.kernels.bits import interpreting
 
 # ALIGNMENT: addresses loaded from a pointer table carry no alignment facts, so the kernels declare

@@ -7,7 +7,8 @@ import dataclasses
 
 import torch
 
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.worker.pool_sizing import available_host_memory
 

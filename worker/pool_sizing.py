@@ -81,7 +81,7 @@ def pool_sizes(cap, ring_scale: int = 1) -> PoolSizes:
 def graph_shapes(ec: EngineConfig, cfg: ModelConfig, cap) -> tuple[int, int] | None:
     """(largest batch, longest context) of the CUDA graphs every stage of a CUDA engine (and its
     draft worker) captures once its pools are allocated; None on CPU or with cuda_graphs off."""
-    if not ec.cuda_graphs or str(ec.device).split(":")[0] != "cuda":
+    if not ec.cuda_graphs or ec.device != "cuda":
         return None
     max_len = ec.max_model_len or cfg.max_position_embeddings
     return ec.max_running_requests, min(max_len, cap.num_full_tokens)

@@ -15,7 +15,8 @@ import logging
 import torch
 
 from dsv4ray.cache.host_layout import HostLayout
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import STATE_TRANSFERRED, to_dict
 from dsv4ray.engine.plan import FLUSH_STEP, NO_RESULT, NewRequest, StageResult, StepPlan

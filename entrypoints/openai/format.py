@@ -256,13 +256,19 @@ class CompletionFormat(_Format):
         self.echo: str | None = None
         self.prompt_ids: list[int] = []
         self.echo_offsets: list[int] = []  # where each prompt token starts in the echo
-        self.answer_opens_text = False  # the answer was decoded after no text of its prompt
+        self.answer_opens_text = False  # set_answer_opens_text
         self.reset()
 
     def set_echo(self, text: str, prompt_ids: list[int], offsets: list[int]) -> None:
         """The choice's text opens with the prompt's text, whose tokens (prompt_ids) start at
         offsets; the answer's then start after it."""
         self.echo, self.prompt_ids, self.echo_offsets = text, list(prompt_ids), list(offsets)
+        self.reset()
+
+    def set_answer_opens_text(self, opens: bool) -> None:
+        """Whether the answer was decoded after no text of its prompt (its first space, on a
+        SentencePiece-style tokenizer, is then dropped: ``TextOffsets``' opens_text)."""
+        self.answer_opens_text = opens
         self.reset()
 
     def reset(self) -> None:

@@ -262,10 +262,9 @@ class OpenAIServer:
             )
             fmt = first.sibling(len(runs))
             tokenizer = self.engine.tokenizer  # answers are decoded after the prompt's text
-            fmt.answer_opens_text = not tokenizer.decode(tokenizer.answer_context(prompt_ids))
+            fmt.set_answer_opens_text(not tokenizer.decode(tokenizer.answer_context(prompt_ids)))
             if req.echo:
                 fmt.set_echo(*self._echo(prompt, prompt_ids))
-            fmt.reset()
             runs += self._runs(fmt, prompt_ids, params, req)
         return await self._generate("/v1/completions", runs, req, request)
 

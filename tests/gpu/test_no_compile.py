@@ -38,7 +38,7 @@ def test_serving_varied_prompts_compiles_nothing_after_startup(tiny_ckpt, cuda_g
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp32"])
 def test_indexer_variants_compiled_up_front_cover_every_step_shape(kv_dtype):
-    from dsv4ray.cache.layout import PageLayout
+    from dsv4ray.cache.page_layout import PageLayout
     from dsv4ray.kernels import indexer
 
     layout = PageLayout("indexer", kv_dtype)

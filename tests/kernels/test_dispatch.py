@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from dsv4ray.cache.layout import layout_for
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.kernels import dispatch, store_kv
 
 

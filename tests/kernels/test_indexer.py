@@ -4,7 +4,8 @@ kernel against the reference, the tie rule and -1 padding."""
 import pytest
 import torch
 
-from dsv4ray.cache.layout import DTYPES, layout_for
+from dsv4ray.cache.formats import DTYPES
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.kernels.indexer import indexer_scores_ref, indexer_topk, indexer_topk_ref
 from dsv4ray.kernels.store_kv import store_kv_ref
 from dsv4ray.kernels.testing import assert_close

@@ -5,21 +5,18 @@ import math
 import pytest
 import torch
 
+from dsv4ray.cache.formats import DTYPES, KINDS
 from dsv4ray.cache.layout import (
-    DTYPES,
-    KINDS,
-    PageLayout,
     dequantize_entries,
     entry_byte_offsets,
     hadamard_128,
     hadamard_rotate,
-    layout_for,
-    layout_signature,
     quantize_entries,
     read_entries,
     ue8m0_exponent_byte,
     write_entries,
 )
+from dsv4ray.cache.page_layout import PageLayout, layout_for, layout_signature
 
 # SPEC_MODEL.md section 7: fp8 bytes per page and entries per page
 SPEC_FP8 = {"window": (74880, 128), "c4": (37440, 64), "c128": (1728, 2), "indexer": (8448, 64)}

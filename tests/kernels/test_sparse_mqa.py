@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
-from dsv4ray.cache.layout import DTYPES, layout_for, read_entries
+from dsv4ray.cache.formats import DTYPES
+from dsv4ray.cache.layout import read_entries
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.kernels.sparse_mqa import (
     num_splits_for,
     sparse_mqa,

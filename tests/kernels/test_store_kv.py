@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dsv4ray.cache.layout import DTYPES, KINDS, hadamard_rotate, layout_for, read_entries
+from dsv4ray.cache.formats import DTYPES, KINDS
+from dsv4ray.cache.layout import hadamard_rotate, read_entries
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.kernels.store_kv import store_kv, store_kv_ref
 from dsv4ray.kernels.testing import assert_bytes_equal, assert_close, format_tolerance
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dsv4ray.cache.layout import DTYPES, KINDS, entry_byte_offsets, layout_for
+from dsv4ray.cache.formats import DTYPES, KINDS
+from dsv4ray.cache.layout import entry_byte_offsets
+from dsv4ray.cache.page_layout import layout_for
 from dsv4ray.kernels.testing import assert_bytes_equal
 from dsv4ray.kernels.transfer import (
     transfer_cache_dsv4_mla,

@@ -235,7 +235,7 @@ def test_each_stage_of_an_asymmetric_model_allocates_what_its_sizing_priced(dtyp
     layers with indexers and a C128 layer, placed where stage 0's flags would drop an indexer.
     Sized for a memory budget, each stage's real pools fill it to within one page: a stage
     priced with another stage's ratios or flags over- or under-fills."""
-    from dsv4ray.cache.layout import layout_for
+    from dsv4ray.cache.page_layout import layout_for
     from dsv4ray.cache.pools import PoolSizes, StagePools
     from dsv4ray.config import ModelConfig
     from dsv4ray.model.tiny import PRESETS
@@ -266,7 +266,8 @@ def test_a_pipeline_on_one_device_splits_it_by_each_stages_own_slice(tiny_ckpt, 
     # the pipeline to 76% of the memory; by their own slices they fill it
     import json
 
-    from dsv4ray.cache.layout import KINDS, layout_for
+    from dsv4ray.cache.formats import KINDS
+    from dsv4ray.cache.page_layout import layout_for
     from dsv4ray.config import ModelConfig
     from dsv4ray.engine.config import EngineConfig
     from dsv4ray.worker.pool_sizing import size_pipeline

@@ -5,10 +5,13 @@ import pytest
 import torch
 
 from dsv4ray.cache.configurator import size_stage
+from dsv4ray.cache.formats import KINDS
 from dsv4ray.cache.hisparse import HiSparseStore
 from dsv4ray.cache.hisparse_sizing import c4_device_bytes_per_request, resolve_hot_rows
-from dsv4ray.cache.layout import KINDS, entry_byte_offsets, layout_for
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.layout import entry_byte_offsets
+from dsv4ray.cache.page_layout import layout_for
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.engine.config import EngineConfig
 from dsv4ray.engine.plan import BatchEntry, StepPlan
 from dsv4ray.entrypoints.cli import build_parser

@@ -3,7 +3,7 @@ when that is less; a cgroup without a limit ("max") does not count."""
 
 import pytest
 
-from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.cache.pool_sizes import PoolSizes
 from dsv4ray.worker import pool_sizing
 
 

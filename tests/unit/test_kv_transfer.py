@@ -7,7 +7,8 @@ import zlib
 import pytest
 import torch
 
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.handoff import DeviceIds, KVCheck, KVDestination, KVSend
 from dsv4ray.engine.pd.handoff_plan import compare_checksums, layer_rows, trailing_windows

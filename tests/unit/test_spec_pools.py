@@ -5,7 +5,8 @@ import dataclasses
 
 import pytest
 
-from dsv4ray.cache.pools import PoolSizes, StagePools
+from dsv4ray.cache.pool_sizes import PoolSizes
+from dsv4ray.cache.pools import StagePools
 from dsv4ray.cluster.pd import prefill_config
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.config import EngineConfig

@@ -39,7 +39,7 @@ import logging
 import torch
 
 from dsv4ray.cache.draft_pools import DraftPools
-from dsv4ray.cache.pools import PoolSizes
+from dsv4ray.cache.pool_sizes import PoolSizes
 from dsv4ray.config import ModelConfig
 from dsv4ray.engine.plan import BatchEntry, DraftResult, NewRequest, StageResult, StepPlan
 from dsv4ray.engine.spec import DRAFT_STAT_NAMES, SpecConfig
