@@ -1,5 +1,6 @@
 """Reading a compiled graph's channel on CPU by looking and sleeping: the sleeps grow to
-POLL_MAX_S while a step may still be running, and an idle reader looks every POLL_IDLE_S."""
+POLL_MAX_S while a step may still be running, and an idle reader looks every POLL_IDLE_S, also
+when Ray's execution loop reads in calls of 0.1 s each."""
 
 import types
 
@@ -67,3 +68,43 @@ def test_the_deadline_raises_and_other_errors_propagate(clock):
 
     with pytest.raises(ValueError, match="channel closed"):
         channel_wait.poll(broken, None)
+
+
+class Channel:
+    """A channel whose one-look read (timeout 0) finds a value from `at` on."""
+
+    def __init__(self, clock: Clock, at: float) -> None:
+        self.clock, self.at, self.looks = clock, at, 0
+
+    def spinning_read(self, timeout):
+        assert timeout == 0
+        self.looks += 1
+        return _ready_at(self.clock, self.at)()
+
+
+def _read_as_ray_does(read, channel: Channel, clock: Clock):
+    """Ray's SynchronousReader: calls of at most 0.1 s each until one returns."""
+    while True:
+        try:
+            return read(channel, 0.1)
+        except RayChannelTimeoutError:
+            continue
+
+
+def test_an_idle_reader_of_calls_of_a_tenth_of_a_second_polls_at_the_idle_rate(clock):
+    channel = Channel(clock, at=channel_wait.IDLE_AFTER_S + 10.0)
+    read = channel_wait.polling_read(Channel.spinning_read)
+    assert _read_as_ray_does(read, channel, clock) == "value"
+    # not ~50 looks in each 0.1 s call (sleeps starting again from POLL_FIRST_S): those of
+    # poll alone, and one more as each call begins
+    calls = channel.at / 0.1
+    assert channel.looks < channel_wait.IDLE_AFTER_S / channel_wait.POLL_MAX_S + 10.0 / (
+        channel_wait.POLL_IDLE_S) + calls + 10  # fmt: skip
+    assert clock.now - channel.at <= channel_wait.POLL_IDLE_S
+    # the next value's wait starts over: a step right after is seen quickly
+    channel.at, start = clock.now + 0.0101, clock.now
+    looks = channel.looks
+    assert _read_as_ray_does(read, channel, clock) == "value"
+    assert clock.now - channel.at <= channel_wait.POLL_MAX_S
+    assert clock.sleeps[-(channel.looks - looks) + 1] == channel_wait.POLL_FIRST_S
+    assert clock.now - start < 0.02
